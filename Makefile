@@ -1,0 +1,36 @@
+# Each target builds its own virtualenv from nothing; second runs reuse it.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.rayrb-installed
+# The offline scikit-learn OpenML cache, when this checkout sits beside ../shared.
+DATA_HOME ?= $(if $(wildcard ../shared/data/openml),../shared/data,)
+DATASET ?= openml:shuttle
+export RAY_AUTH_MODE ?= disabled
+export RAY_USAGE_STATS_ENABLED ?= 0
+export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER ?= 0
+
+.PHONY: install test demo bench clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# the CPU wheel on this machine's disk; a plain `torch` pulls a multi-GB CUDA build
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: install
+	$(PY) -m pytest -q tests
+
+demo: install
+	$(PY) pipelines/demo.py --dataset $(DATASET) $(if $(DATA_HOME),--data-home $(DATA_HOME),)
+
+bench: install
+	$(PY) -m pip install -q -e '.[bench]'
+	$(PY) pipelines/benchmark.py $(if $(DATA_HOME),--data-home $(DATA_HOME),)
+
+clean:
+	rm -rf $(VENV) build *.egg-info

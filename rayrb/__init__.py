@@ -1,0 +1,34 @@
+"""rayrb: offline/online replay buffers sharded over Ray actors.
+
+Names are resolved lazily, so that shard actors importing ``rayrb.shards`` do not
+pay for torch.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "ChunkDataset": "rayrb.chunks",
+    "write_dataset": "rayrb.chunks",
+    "RowSpec": "rayrb.schema",
+    "SchemaError": "rayrb.schema",
+    "load_dataset": "rayrb.datasets.registry",
+    "register_dataset": "rayrb.datasets.registry",
+    "load_openml": "rayrb.datasets.openml",
+    "OPENML_DATASETS": "rayrb.datasets.openml",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'rayrb' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

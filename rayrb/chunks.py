@@ -1,0 +1,302 @@
+"""On-disk chunk datasets: ``manifest.json`` plus one tensordict memmap directory per chunk.
+
+Layout::
+
+    root/
+      manifest.json          written last, atomically (temp file + rename)
+      chunk-00000/           TensorDict.memmap(...) of rows [0, n0)
+        meta.json
+        X.memmap
+        nested/meta.json
+        nested/key.memmap
+      chunk-00001/ ...
+
+A directory without ``manifest.json`` is not a dataset, so a crash between the
+chunks and the manifest never leaves something that looks complete. Each chunk
+is also a plain tensordict memmap: ``TensorDict.load_memmap(root / "chunk-00000")``
+works.
+
+Reading needs only numpy: chunks are mapped read-only with ``np.memmap(mode="r")``,
+so shard actors can map a dataset without importing torch, nothing is copied into
+RAM until rows are gathered, and writes raise.
+
+Examples:
+    >>> import numpy as np, tempfile, os
+    >>> root = os.path.join(tempfile.mkdtemp(), "ds")
+    >>> ds = write_dataset({"X": np.arange(10, dtype="float32").reshape(5, 2)}, root, chunk_rows=2)
+    >>> len(ds), [c.rows for c in ds.chunks]
+    (5, [2, 2, 1])
+    >>> ds.gather(np.array([4, 0]))["X"].tolist()
+    [[8.0, 9.0], [0.0, 1.0]]
+    >>> ds.verify()
+    >>> ChunkDataset.open(root).spec
+    RowSpec(X: float32[2])
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+import numpy as np
+
+from rayrb.schema import SEP, RowSpec
+
+FORMAT = "rayrb.chunks"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+DEFAULT_CHUNK_BYTES = 64 << 20
+
+
+class ChunkError(RuntimeError):
+    """A chunk dataset is missing, incomplete, truncated or altered."""
+
+
+class ReadOnlyError(PermissionError):
+    """Offline data is immutable."""
+
+
+@dataclass
+class ChunkInfo:
+    path: str
+    rows: int
+    hash: str
+    node: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def default_chunk_rows(spec: RowSpec, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
+    return max(1, chunk_bytes // max(1, spec.row_bytes))
+
+
+def hash_arrays(arrays: Mapping[str, np.ndarray], spec: RowSpec) -> str:
+    """Content hash of one chunk: keys, dtypes, shapes and bytes, in spec order."""
+    h = hashlib.sha256()
+    for k in spec:
+        a = np.ascontiguousarray(arrays[k])
+        h.update(f"{k}|{a.dtype.name}|{a.shape}|".encode())
+        h.update(memoryview(a).cast("B"))
+    return "sha256:" + h.hexdigest()
+
+
+def chunk_name(i: int) -> str:
+    return f"chunk-{i:05d}"
+
+
+def write_chunk(arrays: Mapping[str, np.ndarray], directory: str | os.PathLike, spec: RowSpec | None = None) -> ChunkInfo:
+    """Write one chunk as a tensordict memmap directory; return its info (path relative to the parent)."""
+    from rayrb.transport import from_numpy_dict  # torch only where chunks are written
+
+    spec = spec or RowSpec.from_arrays(arrays)
+    rows = spec.validate(arrays, what="chunk")
+    directory = Path(directory)
+    if directory.exists():
+        shutil.rmtree(directory)
+    arrays = {k: np.ascontiguousarray(arrays[k]) for k in spec}
+    from_numpy_dict(arrays, rows).memmap(str(directory), num_threads=0)
+    return ChunkInfo(path=directory.name, rows=rows, hash=hash_arrays(arrays, spec))
+
+
+def write_manifest(
+    root: str | os.PathLike,
+    spec: RowSpec,
+    chunks: list[ChunkInfo],
+    *,
+    source: Any = None,
+    recipe: Any = None,
+) -> Path:
+    """Write ``manifest.json`` atomically: a reader sees the old state or the whole new one."""
+    root = Path(root)
+    manifest = {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "spec": spec.to_json(),
+        "rows": int(sum(c.rows for c in chunks)),
+        "chunks": [asdict(c) for c in chunks],
+        "source": source,
+        "recipe": recipe,
+    }
+    tmp = root / f".{MANIFEST}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(manifest, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, root / MANIFEST)
+    return root / MANIFEST
+
+
+def iter_row_blocks(arrays: Mapping[str, np.ndarray], rows: int, chunk_rows: int) -> Iterator[dict[str, np.ndarray]]:
+    for start in range(0, rows, chunk_rows):
+        yield {k: v[start:start + chunk_rows] for k, v in arrays.items()}
+
+
+def write_dataset(
+    data: Any,
+    root: str | os.PathLike,
+    *,
+    chunk_rows: int | None = None,
+    source: Any = None,
+    recipe: Any = None,
+    overwrite: bool = False,
+) -> "ChunkDataset":
+    """Write rows (a TensorDict or a flat/nested dict of arrays) as a chunk dataset under ``root``.
+
+    ``root`` must be absent or empty unless ``overwrite=True``. The manifest is
+    written after every chunk, so an interrupted call leaves no dataset.
+    """
+    if isinstance(data, Mapping) and all(isinstance(v, np.ndarray) for v in data.values()):
+        arrays = dict(data)
+    else:
+        from rayrb.transport import to_numpy_dict
+
+        arrays = to_numpy_dict(data)
+    spec = RowSpec.from_arrays(arrays)
+    rows = spec.validate(arrays)
+    if rows == 0:
+        raise ValueError("expected at least one row to write a chunk dataset, got 0 rows")
+    if chunk_rows is None:
+        chunk_rows = default_chunk_rows(spec)
+    if chunk_rows <= 0:
+        raise ValueError(f"chunk_rows must be a positive integer, got {chunk_rows}")
+    root = Path(root)
+    if root.exists() and any(root.iterdir()):
+        if not overwrite:
+            raise FileExistsError(f"expected an absent or empty directory for a new chunk dataset, got non-empty {root}")
+        shutil.rmtree(root)
+    root.mkdir(parents=True, exist_ok=True)
+    chunks = [
+        write_chunk(block, root / chunk_name(i), spec)
+        for i, block in enumerate(iter_row_blocks(arrays, rows, chunk_rows))
+    ]
+    write_manifest(root, spec, chunks, source=source, recipe=recipe)
+    return ChunkDataset.open(root)
+
+
+def read_manifest(root: str | os.PathLike) -> dict[str, Any]:
+    path = Path(root) / MANIFEST
+    if not path.is_file():
+        raise ChunkError(f"expected a chunk dataset with {MANIFEST} at {Path(root)}, found none (absent or incomplete)")
+    with open(path) as f:
+        manifest = json.load(f)
+    if manifest.get("format") != FORMAT or manifest.get("version") != FORMAT_VERSION:
+        raise ChunkError(
+            f"{path}: expected format {FORMAT!r} version {FORMAT_VERSION}, "
+            f"got {manifest.get('format')!r} version {manifest.get('version')!r}"
+        )
+    return manifest
+
+
+def map_chunk(directory: str | os.PathLike, spec: RowSpec, rows: int) -> dict[str, np.memmap]:
+    """Map one chunk's files read-only; raise :class:`ChunkError` naming the chunk if one is missing or short."""
+    directory = Path(directory)
+    out = {}
+    for k, f in spec.items():
+        *parents, leaf = k.split(SEP)
+        path = directory.joinpath(*parents, f"{leaf}.memmap")
+        shape = (rows, *f.shape)
+        want = int(np.prod(shape, dtype=np.int64)) * np.dtype(f.dtype).itemsize
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            raise ChunkError(f"chunk {directory.name}: file for key {k!r} is missing ({path})") from None
+        if size != want:
+            raise ChunkError(f"chunk {directory.name}: key {k!r} expected {want} bytes in {path.name}, found {size}")
+        out[k] = np.memmap(path, dtype=f.dtype, mode="r", shape=shape) if want else np.zeros(shape, f.dtype)
+    return out
+
+
+class ChunkDataset:
+    """A read-only chunk dataset. Rows are gathered out of memory maps; nothing is loaded up front."""
+
+    def __init__(self, root: str | os.PathLike, manifest: Mapping[str, Any]):
+        self.root = Path(root)
+        self.manifest = dict(manifest)
+        self.spec = RowSpec.from_json(manifest["spec"])
+        self.chunks = [ChunkInfo(**c) for c in manifest["chunks"]]
+        self.offsets = np.cumsum([0] + [c.rows for c in self.chunks])
+        self._maps: dict[int, dict[str, np.memmap]] = {}
+
+    @classmethod
+    def open(cls, root: str | os.PathLike, *, verify: bool = False) -> "ChunkDataset":
+        ds = cls(root, read_manifest(root))
+        if verify:
+            ds.verify()
+        return ds
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    @property
+    def rows(self) -> int:
+        return len(self)
+
+    @property
+    def source(self) -> Any:
+        return self.manifest.get("source")
+
+    @property
+    def recipe(self) -> Any:
+        return self.manifest.get("recipe")
+
+    @property
+    def nbytes(self) -> int:
+        return len(self) * self.spec.row_bytes
+
+    def __repr__(self) -> str:
+        return f"ChunkDataset({str(self.root)!r}, rows={len(self)}, chunks={len(self.chunks)}, spec={self.spec!r})"
+
+    def chunk_arrays(self, i: int) -> dict[str, np.memmap]:
+        """Read-only memory maps of chunk ``i`` (writing to them raises ``ValueError``)."""
+        if i not in self._maps:
+            c = self.chunks[i]
+            self._maps[i] = map_chunk(self.root / c.path, self.spec, c.rows)
+        return self._maps[i]
+
+    def read(self, start: int = 0, stop: int | None = None) -> dict[str, np.ndarray]:
+        """Rows ``[start, stop)`` as fresh arrays."""
+        stop = len(self) if stop is None else stop
+        return self.gather(np.arange(start, stop, dtype=np.int64))
+
+    def gather(self, indices: np.ndarray) -> dict[str, np.ndarray]:
+        """Rows at global ``indices`` (any order, repeats allowed) as fresh arrays."""
+        indices = np.asarray(indices, dtype=np.int64)
+        if indices.size and (indices.min() < 0 or indices.max() >= len(self)):
+            raise IndexError(f"expected row indices in [0, {len(self)}), got range [{indices.min()}, {indices.max()}]")
+        out = {k: np.empty((indices.size, *f.shape), dtype=f.dtype) for k, f in self.spec.items()}
+        chunk_of = np.searchsorted(self.offsets, indices, side="right") - 1
+        for c in np.unique(chunk_of):
+            sel = np.nonzero(chunk_of == c)[0]
+            local = indices[sel] - self.offsets[c]
+            maps = self.chunk_arrays(int(c))
+            for k in out:
+                out[k][sel] = maps[k][local]
+        return out
+
+    def to_tensordict(self):
+        """All rows, copied into a TensorDict."""
+        from rayrb.transport import from_numpy_dict
+
+        return from_numpy_dict(self.read(), len(self))
+
+    def verify(self) -> None:
+        """Re-hash every chunk; raise :class:`ChunkError` naming the first one that differs."""
+        for i, c in enumerate(self.chunks):
+            self._maps.pop(i, None)
+            got = hash_arrays(self.chunk_arrays(i), self.spec)
+            if got != c.hash:
+                raise ChunkError(f"chunk {c.path}: content hash {got} does not match the manifest's {c.hash}")
+
+    def delete(self) -> None:
+        """Remove the dataset from disk (manifest first, so a partial delete is never a dataset)."""
+        self._maps.clear()
+        (self.root / MANIFEST).unlink(missing_ok=True)
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def _read_only(self, *args: Any, **kwargs: Any):
+        raise ReadOnlyError(f"offline dataset {self.root} is immutable: extend the online buffer instead")
+
+    __setitem__ = extend = add = set = _read_only
