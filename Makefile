@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml Makefile
 install: $(STAMP)
 
 test: install
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q
 
 demo: install
 	$(PY) pipelines/demo.py --dataset $(DATASET) $(if $(DATA_HOME),--data-home $(DATA_HOME),)

@@ -15,7 +15,7 @@ files it can read.
 
 Examples:
     >>> ds = load_openml("shuttle", data_home="../shared/data", root=tmp_root)  # doctest: +SKIP
-    >>> ds.spec
+    >>> ds.spec  # doctest: +SKIP
     RowSpec(X: float32[9], y: int64[])
 """
 from __future__ import annotations
@@ -63,19 +63,26 @@ def check_name(name: str) -> str:
     return name
 
 
-def fetch(openml_name: str, version: int, *, data_home: str | os.PathLike | None = None, n_retries: int = 3):
+def fetch(
+    openml_name: str | None,
+    version: int | None = None,
+    *,
+    data_id: int | None = None,
+    data_home: str | os.PathLike | None = None,
+    n_retries: int = 3,
+):
     """``fetch_openml(name, version=..., return_X_y=True)`` with a parser that survives pandas 3.
 
-    Returns ``(X, y)`` as a pandas DataFrame and Series.
+    Give a name and version, or a ``data_id``. Returns ``(X, y)`` as a pandas DataFrame and Series.
     """
+    by = {"data_id": data_id} if data_id is not None else {"name": openml_name, "version": version}
     from sklearn.datasets import fetch_openml
 
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # "version 1 is inactive" and the like
             return fetch_openml(
-                openml_name,
-                version=version,
+                **by,
                 return_X_y=True,
                 as_frame=True,
                 data_home=None if data_home is None else str(data_home),
@@ -85,7 +92,7 @@ def fetch(openml_name: str, version: int, *, data_home: str | os.PathLike | None
     except (URLError, OSError) as exc:
         where = data_home or os.environ.get("SCIKIT_LEARN_DATA") or "~/scikit_learn_data"
         raise DatasetUnavailableError(
-            f"could not fetch OpenML {openml_name!r} v{version}: not in the scikit-learn cache at {where} and "
+            f"could not fetch OpenML {by}: not in the scikit-learn cache at {where} and "
             f"openml.org is unreachable ({exc}). Offline, point data_home at a scikit-learn OpenML cache, e.g. "
             f"data_home='../shared/data' or SCIKIT_LEARN_DATA=../shared/data"
         ) from exc

@@ -1,0 +1,146 @@
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from tensordict import TensorDict
+
+from rayrb import chunks
+from rayrb.chunks import ChunkDataset, ChunkError, ReadOnlyError, write_dataset
+
+
+def nested_td(rows=10):
+    g = torch.Generator().manual_seed(0)
+    return TensorDict(
+        {
+            "obs": torch.randn(rows, 3, generator=g),
+            "action": torch.randint(0, 5, (rows,), generator=g),
+            "next": {"done": torch.rand(rows, 1, generator=g) > 0.5, "reward": torch.randn(rows, 1, generator=g).double()},
+            "img": torch.randint(0, 255, (rows, 2, 2), generator=g, dtype=torch.uint8),
+        },
+        [rows],
+    )
+
+
+def test_round_trip_nested_keys_and_dtypes(tmp_path):
+    td = nested_td(10)
+    ds = write_dataset(td, tmp_path / "ds", chunk_rows=3, source={"test": 1}, recipe={"r": 2})
+    assert len(ds) == 10 and [c.rows for c in ds.chunks] == [3, 3, 3, 1]
+    again = ChunkDataset.open(tmp_path / "ds")
+    back = again.to_tensordict()
+    assert set(back.keys(True, True)) == set(td.keys(True, True))
+    for k in td.keys(True, True):
+        assert back[k].dtype == td[k].dtype
+        assert torch.equal(back[k], td[k])
+    assert again.source == {"test": 1} and again.recipe == {"r": 2}
+    manifest = json.loads((tmp_path / "ds" / "manifest.json").read_text())
+    assert manifest["rows"] == 10 and manifest["version"] == chunks.FORMAT_VERSION
+    assert manifest["spec"]["next/done"] == {"shape": [1], "dtype": "bool"}
+    assert all(c["hash"].startswith("sha256:") for c in manifest["chunks"])
+    # each chunk is a plain tensordict memmap
+    first = TensorDict.load_memmap(tmp_path / "ds" / "chunk-00000")
+    assert torch.equal(first["next", "reward"], td["next", "reward"][:3])
+
+
+def test_gather_across_chunks_in_any_order(tmp_path):
+    x = np.arange(20, dtype=np.int64).reshape(10, 2)
+    ds = write_dataset({"x": x}, tmp_path / "ds", chunk_rows=4)
+    idx = np.array([9, 0, 4, 4, 3, 7])
+    np.testing.assert_array_equal(ds.gather(idx)["x"], x[idx])
+    with pytest.raises(IndexError, match=r"expected row indices in \[0, 10\)"):
+        ds.gather(np.array([10]))
+
+
+def test_open_is_read_only(tmp_path):
+    ds = write_dataset({"x": np.arange(6.0)}, tmp_path / "ds", chunk_rows=4)
+    ds = ChunkDataset.open(tmp_path / "ds")
+    with pytest.raises(ReadOnlyError, match="immutable"):
+        ds[0] = 1
+    with pytest.raises(ReadOnlyError):
+        ds.extend({"x": np.zeros(2)})
+    mapped = ds.chunk_arrays(0)["x"]
+    with pytest.raises(ValueError, match="read-only"):
+        mapped[0] = 42.0
+    assert ds.read()["x"][0] == 0.0
+    # gathered rows are copies: changing them leaves the dataset alone
+    rows = ds.gather(np.array([0]))
+    rows["x"][0] = 7
+    assert ds.gather(np.array([0]))["x"][0] == 0.0
+
+
+def test_altered_chunk_is_detected_by_name(tmp_path):
+    write_dataset({"x": np.arange(8.0)}, tmp_path / "ds", chunk_rows=4)
+    path = tmp_path / "ds" / "chunk-00001" / "x.memmap"
+    data = bytearray(path.read_bytes())
+    data[0] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(ChunkError, match="chunk-00001: content hash"):
+        ChunkDataset.open(tmp_path / "ds", verify=True)
+
+
+def test_truncated_chunk_is_detected_by_name(tmp_path):
+    write_dataset({"x": np.arange(8.0)}, tmp_path / "ds", chunk_rows=4)
+    path = tmp_path / "ds" / "chunk-00000" / "x.memmap"
+    path.write_bytes(path.read_bytes()[:-8])
+    ds = ChunkDataset.open(tmp_path / "ds")
+    with pytest.raises(ChunkError, match="chunk-00000: key 'x' expected 32 bytes"):
+        ds.gather(np.array([0]))
+    with pytest.raises(ChunkError, match="chunk-00000"):
+        ds.verify()
+
+
+def test_crash_between_chunks_and_manifest_leaves_no_dataset(tmp_path, monkeypatch):
+    def crash(*args, **kwargs):
+        raise KeyboardInterrupt("killed before the manifest")
+
+    monkeypatch.setattr(chunks, "write_manifest", crash)
+    with pytest.raises(KeyboardInterrupt):
+        write_dataset({"x": np.arange(8.0)}, tmp_path / "ds", chunk_rows=4)
+    assert (tmp_path / "ds" / "chunk-00001").is_dir()  # the chunks were written...
+    with pytest.raises(ChunkError, match="found none"):  # ...but there is no dataset
+        ChunkDataset.open(tmp_path / "ds")
+
+
+def test_manifest_write_is_atomic(tmp_path, monkeypatch):
+    ds = write_dataset({"x": np.arange(4.0)}, tmp_path / "ds")
+    before = (tmp_path / "ds" / "manifest.json").read_text()
+
+    def fail_replace(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", fail_replace)
+    with pytest.raises(OSError):
+        chunks.write_manifest(tmp_path / "ds", ds.spec, [], source="other")
+    assert (tmp_path / "ds" / "manifest.json").read_text() == before
+
+
+def test_bad_inputs(tmp_path):
+    with pytest.raises(ValueError, match="at least one row"):
+        write_dataset({"x": np.zeros((0, 2))}, tmp_path / "empty")
+    write_dataset({"x": np.zeros(3)}, tmp_path / "ds")
+    with pytest.raises(FileExistsError, match="non-empty"):
+        write_dataset({"x": np.zeros(3)}, tmp_path / "ds")
+    with pytest.raises(ValueError, match="chunk_rows must be a positive integer, got 0"):
+        write_dataset({"x": np.zeros(3)}, tmp_path / "other", chunk_rows=0)
+
+
+def test_delete_removes_dataset(tmp_path):
+    ds = write_dataset({"x": np.zeros(3)}, tmp_path / "ds")
+    ds.delete()
+    assert not (tmp_path / "ds").exists()
+
+
+def test_ray_worker_maps_dataset_read_only(tmp_path, ray_session):
+    ray = ray_session
+    ds = write_dataset({"x": np.arange(10.0)}, tmp_path / "ds", chunk_rows=4)
+
+    @ray.remote(num_cpus=0)
+    def read(root):
+        from rayrb.chunks import ChunkDataset
+
+        d = ChunkDataset.open(root, verify=True)
+        arr = d.chunk_arrays(1)["x"]
+        return d.gather(np.array([9, 5]))["x"].tolist(), arr.flags.writeable
+
+    assert ray.get(read.remote(str(ds.root))) == ([9.0, 5.0], False)
