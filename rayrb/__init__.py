@@ -11,6 +11,10 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
+    "OfflineToOnlineReplayBuffer": "rayrb.buffer",
+    "BufferUnavailableError": "rayrb.buffer",
+    "prefill_replay_buffer": "rayrb.buffer",
+    "schedules": "rayrb.schedules",
     "ChunkDataset": "rayrb.chunks",
     "write_dataset": "rayrb.chunks",
     "RowSpec": "rayrb.schema",
@@ -26,7 +30,8 @@ __all__ = sorted(_EXPORTS)
 
 def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
+        module = importlib.import_module(_EXPORTS[name])
+        return module if module.__name__.endswith("." + name) else getattr(module, name)
     raise AttributeError(f"module 'rayrb' has no attribute {name!r}")
 
 

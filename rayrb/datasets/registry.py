@@ -65,3 +65,56 @@ def _openml(name: str, **kwargs: Any) -> ChunkDataset:
 
 
 register_dataset("openml", _openml)
+
+
+def _torchrl_rows(obj: Any):
+    """Rows held by a TorchRL replay buffer or storage, as a TensorDict (duck-typed: torchrl is optional)."""
+    import torch
+
+    storage = obj.storage if hasattr(obj, "storage") and hasattr(obj, "sample") else obj
+    n = len(storage)
+    if n == 0:
+        raise ValueError(f"expected a non-empty offline dataset, got an empty {type(obj).__name__}")
+    return storage.get(torch.arange(n))
+
+
+def as_chunk_dataset(source: Any, *, root: str | os.PathLike | None = None, **kwargs: Any) -> tuple[ChunkDataset, bool]:
+    """Resolve any offline source to a chunk dataset; return it and whether it was written here.
+
+    ``source`` may be a dataset id or chunk-dataset path (see :func:`load_dataset`), a
+    :class:`ChunkDataset`, a TensorDict or dict of arrays, or a TorchRL replay buffer or
+    storage. In-memory rows are written once to ``root`` (a fresh temporary directory
+    by default) and mapped from there.
+    """
+    import tempfile
+
+    from tensordict import TensorDictBase
+
+    from rayrb.chunks import write_dataset
+
+    if isinstance(source, (str, os.PathLike)):
+        return load_dataset(source, **kwargs), False
+    if kwargs:
+        raise TypeError(f"dataset options {sorted(kwargs)} apply only to dataset ids, got a {type(source).__name__}")
+    if isinstance(source, ChunkDataset):
+        return source, False
+    if isinstance(source, (TensorDictBase, dict)):
+        rows = source
+    elif hasattr(source, "storage") or (hasattr(source, "get") and hasattr(source, "__len__")):
+        rows = _torchrl_rows(source)
+    else:
+        raise TypeError(
+            "expected an offline dataset as a dataset id, a chunk-dataset path, a ChunkDataset, a TensorDict, "
+            f"a dict of arrays or a TorchRL replay buffer/storage, got {type(source).__name__}"
+        )
+    if isinstance(rows, TensorDictBase):
+        rows = rows.exclude("index") if "index" in rows.keys() else rows  # TorchRL bookkeeping
+        if rows.batch_dims != 1:
+            rows = rows.reshape(-1)
+    if root is None:
+        from rayrb.datasets.openml import default_root
+
+        base = Path(default_root()) / "tmp"
+        base.mkdir(parents=True, exist_ok=True)
+        root = Path(tempfile.mkdtemp(prefix="offline-", dir=base)) / "ds"
+    return write_dataset(rows, root, source={"kind": type(source).__name__}), True

@@ -1,0 +1,378 @@
+"""The client handle: :class:`OfflineToOnlineReplayBuffer`, TorchRL's class distributed over Ray.
+
+The handle is small and picklable: pass it to collector and learner actors.
+It holds the coordinator's actor handle and the row spec; rows never pass
+through it on their way between processes except to the caller that asked.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from rayrb.allocation import check_batch_size, check_fraction, row_ranges, split_evenly, write_pieces
+from rayrb.chunks import ChunkDataset
+from rayrb.samplers import SAMPLERS
+from rayrb.schedules import Schedule, make_schedule
+from rayrb.schema import RowSpec, strip_bookkeeping
+from rayrb.transport import concat, from_numpy_dict, to_numpy_dict
+
+
+class BufferUnavailableError(RuntimeError):
+    """The buffer was shut down, or its coordinator actor died."""
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+class OfflineToOnlineReplayBuffer:
+    """An immutable offline dataset plus a growing online buffer, sharded over Ray actors.
+
+    Every :meth:`sample` holds exactly ``n_off = floor(f * B + 1/2)`` offline rows and
+    ``B - n_off`` online rows (all offline while the online side is empty), with
+    per-shard counts drawn so that the batch has the distribution of sampling the
+    union of shards.
+
+    Args:
+        offline_dataset: a dataset id (``"openml:adult_num"``), a chunk-dataset
+            directory, a :class:`~rayrb.ChunkDataset`, a TensorDict, or a TorchRL
+            replay buffer or storage.
+
+    Keyword Args:
+        online_capacity (int): rows the online buffer holds, split evenly over
+            ``num_online_shards`` circular buffers. Exclusive with ``online_storage``.
+        online_storage: a TorchRL storage; its ``max_size`` is the capacity and any rows
+            it holds are copied in. Exclusive with ``online_capacity``.
+        offline_fraction: a number in ``[0, 1]`` (TorchRL allows only ``(0, 1)``), or a
+            schedule (:mod:`rayrb.schedules`, a kind name or a config dict). Default 0.5.
+        batch_size (int): default for :meth:`sample`.
+        transform (callable): applied to each sampled TensorDict in the caller.
+        num_offline_shards (int), num_online_shards (int): actors per side. Default 1.
+        sampler (str): ``"uniform"`` (with replacement) or ``"without_replacement"``
+            (epochs that visit each row once).
+        drop_last (bool): without replacement, when a side has fewer rows left in its
+            epoch than a batch needs, drop them and start the next epoch; when False
+            (TorchRL's default) such a call raises.
+        seed (int): with a fixed shard layout, the same seed gives the same batches.
+        name (str): the coordinator's actor name (default: a unique one).
+        dataset_root: where in-memory offline data is written as a chunk dataset.
+        actor_options (dict): extra ``.options(...)`` for the actors (default ``num_cpus=0``).
+        timeout (float): seconds to wait on any call before raising ``TimeoutError``.
+        **dataset_kwargs: forwarded to :func:`~rayrb.load_dataset` for dataset ids.
+
+    Sampled batches are rebuilt from numpy arrays without copying where possible:
+    treat them as read-only and ``.clone()`` before in-place changes.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from rayrb import OfflineToOnlineReplayBuffer
+        >>> offline = TensorDict({"observation": torch.randn(1000, 4)}, [1000])
+        >>> rb = OfflineToOnlineReplayBuffer(offline, online_capacity=500, offline_fraction=0.5,
+        ...                                  batch_size=32, seed=0)  # doctest: +SKIP
+        >>> _ = rb.extend(TensorDict({"observation": torch.randn(10, 4)}, [10]))  # doctest: +SKIP
+        >>> batch, info = rb.sample(return_info=True)  # doctest: +SKIP
+        >>> batch.batch_size, int(info["offline"].sum())  # doctest: +SKIP
+        (torch.Size([32]), 16)
+        >>> rb.shutdown()  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        offline_dataset: Any,
+        *,
+        online_capacity: int | None = None,
+        online_storage: Any = None,
+        offline_fraction: float | Schedule | str | dict = 0.5,
+        batch_size: int | None = None,
+        transform: Callable | None = None,
+        num_offline_shards: int = 1,
+        num_online_shards: int = 1,
+        sampler: str = "uniform",
+        drop_last: bool = False,
+        seed: int | None = None,
+        name: str | None = None,
+        dataset_root: str | os.PathLike | None = None,
+        actor_options: dict | None = None,
+        timeout: float | None = None,
+        **dataset_kwargs: Any,
+    ):
+        # Validate everything before any actor exists.
+        if (online_capacity is None) == (online_storage is None):
+            raise ValueError("provide exactly one of online_capacity or online_storage, got "
+                             f"online_capacity={online_capacity!r}, online_storage={type(online_storage).__name__}")
+        if online_storage is not None:
+            online_capacity = getattr(online_storage, "max_size", None)
+        online_capacity = _positive_int("online_capacity", online_capacity)
+        num_offline_shards = _positive_int("num_offline_shards", num_offline_shards)
+        num_online_shards = _positive_int("num_online_shards", num_online_shards)
+        if online_capacity < num_online_shards:
+            raise ValueError(f"online_capacity must be at least num_online_shards ({num_online_shards}), "
+                             f"got {online_capacity}")
+        schedule = make_schedule(offline_fraction)
+        if isinstance(offline_fraction, (int, float)):
+            check_fraction(offline_fraction)
+        if batch_size is not None:
+            batch_size = check_batch_size(batch_size)
+        if sampler not in SAMPLERS:
+            raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
+        if transform is not None and not callable(transform):
+            raise TypeError(f"transform must be callable, got {type(transform).__name__}")
+        if timeout is not None and timeout <= 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+
+        from rayrb.datasets.registry import as_chunk_dataset
+
+        dataset, owned = as_chunk_dataset(offline_dataset, root=dataset_root, **dataset_kwargs)
+        if len(dataset) == 0:
+            raise ValueError("expected an offline dataset with at least one row, got 0 rows")
+        if num_offline_shards > len(dataset):
+            raise ValueError(f"num_offline_shards ({num_offline_shards}) exceeds the dataset's {len(dataset)} rows")
+
+        self._spec = dataset.spec
+        self._batch_size = batch_size
+        self._transform = transform
+        self._timeout = timeout
+        self._name = name or f"rayrb-{uuid.uuid4().hex[:12]}"
+        self._num_online = num_online_shards
+        self._offline_rows = len(dataset)
+        self._owned_dirs = [dataset.root.parent] if owned and dataset_root is None else []
+        self._owner = True
+        self._closed = False
+        self._start_actors(dataset, online_capacity, num_offline_shards, num_online_shards, schedule,
+                           sampler, drop_last, seed, actor_options or {})
+        if online_storage is not None and len(online_storage) > 0:
+            from rayrb.datasets.registry import _torchrl_rows
+
+            self.extend(_torchrl_rows(online_storage))
+
+    def _start_actors(self, dataset: ChunkDataset, capacity: int, m: int, k: int, schedule: Schedule,
+                      sampler: str, drop_last: bool, seed: int | None, actor_options: dict) -> None:
+        import ray
+
+        from rayrb.coordinator import Coordinator
+        from rayrb.shards import OfflineShard, OnlineShard
+
+        opts = {"num_cpus": 0, **actor_options}
+        ranges = row_ranges(len(dataset), m)
+        capacities = split_evenly(capacity, k).tolist()
+        offline = [ray.remote(OfflineShard).options(**opts).remote(str(dataset.root), a, b, f"{self._name}/off-{i}",
+                                                                    sampler)
+                   for i, (a, b) in enumerate(ranges)]
+        online = [ray.remote(OnlineShard).options(**opts).remote(self._spec.to_json(), c, f"{self._name}/on-{i}",
+                                                                  sampler)
+                  for i, c in enumerate(capacities)]
+        self._coord = ray.remote(Coordinator).options(name=self._name, **opts).remote(
+            offline, [b - a for a, b in ranges], online, capacities, offline_fraction=schedule,
+            sampler=sampler, drop_last=drop_last, seed=seed, name=self._name)
+        self._shards = offline + online
+        # Surface construction errors (a missing chunk, a bad spec) here, not at the first sample.
+        self._get([s.ping.remote() for s in self._shards] + [self._coord.ping.remote()])
+
+    # plumbing ---------------------------------------------------------------
+    def _get(self, refs: Any) -> Any:
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+        if self._closed:
+            raise BufferUnavailableError(f"buffer {self._name!r} was shut down")
+        try:
+            return ray.get(refs, timeout=self._timeout)
+        except GetTimeoutError as e:
+            raise TimeoutError(f"buffer {self._name!r}: no answer within timeout={self._timeout}s") from e
+        except RayActorError as e:
+            raise BufferUnavailableError(
+                f"buffer {self._name!r}: an actor of this buffer is dead (killed, shut down, or its node failed)"
+            ) from e
+        except RayTaskError as e:
+            if isinstance(e.cause, (ValueError, TypeError, IndexError, PermissionError)):
+                raise e.cause from None
+            raise
+
+    def _rows(self, data: Any, what: str) -> dict[str, np.ndarray]:
+        arrays = strip_bookkeeping(to_numpy_dict(data), keep=self._spec.keys)
+        self._spec.validate(arrays, what=what)
+        return arrays
+
+    # TorchRL's interface -----------------------------------------------------
+    def extend(self, data: Any) -> torch.Tensor:
+        """Copy rows into the online buffer; return their online indices.
+
+        ``data`` (a TensorDict or dict of arrays) is checked against the offline row
+        spec before anything ships; a mismatch raises :class:`~rayrb.SchemaError`
+        naming the key, and nothing is written.
+        """
+        import ray
+
+        arrays = self._rows(data, "online data")
+        n = next(iter(arrays.values())).shape[0]
+        if n == 0:
+            return torch.empty(0, dtype=torch.int64)
+        sizes = write_pieces(n, self._num_online)
+        stops = np.cumsum(sizes)
+        refs = [ray.put({k: v[s - c:s] for k, v in arrays.items()}) for s, c in zip(stops, sizes)]
+        acks = self._get(self._coord.extend.remote(refs, sizes.tolist()))
+        try:
+            results = self._get([a[2] for a in acks])
+        except Exception:
+            self._get(self._coord.resync.remote())
+            raise
+        return torch.from_numpy(np.concatenate([off + pos for (_, off, _), (pos, _) in zip(acks, results)]))
+
+    def add(self, data: Any) -> int:
+        """Add one row (no batch dimension)."""
+        arrays = {k: np.asarray(v)[None] for k, v in to_numpy_dict(data).items()}
+        return int(self.extend(arrays)[0])
+
+    def sample(self, batch_size: int | None = None, return_info: bool = False):
+        """A ``[batch_size]`` TensorDict: offline rows first, then online rows.
+
+        With ``return_info=True`` returns ``(batch, info)``; ``info`` has per row
+        ``offline`` (bool), ``shard``, ``index`` (within the shard) and
+        ``generation`` (times that slot was written).
+        """
+        import ray
+
+        batch_size = self._resolve_batch_size(batch_size)
+        plan = self._get(self._coord.sample.remote(batch_size))
+        results = self._get([p[3] for p in plan["parts"]])
+        return self._assemble(plan, results, batch_size, return_info)
+
+    def _resolve_batch_size(self, batch_size: int | None) -> int:
+        if batch_size is None:
+            batch_size = self._batch_size
+        if batch_size is None:
+            raise ValueError("batch_size must be provided either in __init__ or sample(), got None in both")
+        return check_batch_size(batch_size)
+
+    def _assemble(self, plan: dict, results: list, batch_size: int, return_info: bool):
+        td = from_numpy_dict(concat([r[0] for r in results]), batch_size)
+        if self._transform is not None:
+            td = self._transform(td)
+        if not return_info:
+            return td
+        parts = plan["parts"]
+        counts = [p[2] for p in parts]
+        info = {
+            "offline": torch.from_numpy(np.repeat([p[0] == "offline" for p in parts], counts).astype(bool)),
+            "shard": torch.from_numpy(np.repeat([p[1] for p in parts], counts).astype(np.int64)),
+            "index": torch.from_numpy(np.concatenate([r[1]["index"] for r in results]).astype(np.int64)),
+            "generation": torch.from_numpy(np.concatenate([r[1]["generation"] for r in results]).astype(np.int64)),
+        }
+        return td, info
+
+    @property
+    def offline_fraction(self) -> float:
+        """The fraction the next batch will use (after any schedule or annealing)."""
+        return float(self._get(self._coord.offline_fraction.remote()))
+
+    @offline_fraction.setter
+    def offline_fraction(self, value: float | Schedule | str | dict) -> None:
+        if isinstance(value, (int, float)):
+            check_fraction(value)
+        self._get(self._coord.set_offline_fraction.remote(make_schedule(value)))
+
+    def anneal(self, step: int, total_steps: int) -> None:
+        """Linearly decay ``offline_fraction`` from its base value to 0 over ``total_steps`` (TorchRL's)."""
+        _positive_int("total_steps", total_steps)
+        self._get(self._coord.anneal.remote(step, total_steps))
+
+    def set_step(self, step: int) -> None:
+        """Set the step that schedules read (by default, the number of sample calls so far)."""
+        self._get(self._coord.set_step.remote(step))
+
+    def __len__(self) -> int:
+        sizes = self._get(self._coord.sizes.remote())
+        return int(sum(sizes["offline"]) + sum(sizes["online"]))
+
+    @property
+    def write_count(self) -> int:
+        """Rows ever written to the online side (overwritten ones included)."""
+        return int(sum(self._get(self._coord.sizes.remote())["online_written"]))
+
+    def sizes(self) -> dict[str, list[int]]:
+        """Per-shard sizes as the coordinator allocates with them."""
+        return self._get(self._coord.sizes.remote())
+
+    @property
+    def spec(self) -> RowSpec:
+        return self._spec
+
+    @property
+    def batch_size(self) -> int | None:
+        return self._batch_size
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    def state_dict(self) -> dict[str, Any]:
+        """Sampling state (step, schedule, RNG) to resume the same batch stream."""
+        return self._get(self._coord.state_dict.remote())
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._get(self._coord.load_state_dict.remote(state))
+
+    def stats(self) -> dict[str, Any]:
+        """Sizes, rates and latencies of the coordinator and every shard."""
+        return self._get(self._coord.stats.remote())
+
+    def shutdown(self) -> None:
+        """Kill the buffer's actors and remove offline data it wrote itself. Idempotent."""
+        import ray
+
+        if self._closed:
+            return
+        self._closed = True
+        for actor in [*getattr(self, "_shards", []), getattr(self, "_coord", None)]:
+            if actor is not None:
+                try:
+                    ray.kill(actor)
+                except Exception:
+                    pass
+        for d in self._owned_dirs:
+            shutil.rmtree(d, ignore_errors=True)
+
+    def __repr__(self) -> str:
+        state = "shut down" if self._closed else f"offline_rows={self._offline_rows}"
+        return f"{type(self).__name__}(name={self._name!r}, {state}, spec={self._spec!r}, batch_size={self._batch_size})"
+
+    # pickling: a handle for collectors and learners ----------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_owned_dirs"] = []  # only the creator cleans up
+        state["_owner"] = False
+        return state
+
+
+def prefill_replay_buffer(rb: Any, dataset: Any, n_samples: int | None = None, chunk_size: int = 1000,
+                          seed: int | None = None) -> Any:
+    """Copy up to ``n_samples`` distinct rows of an offline dataset into a mutable buffer (TorchRL's helper).
+
+    ``rb`` is anything with ``extend`` (a rayrb buffer's online side, a TorchRL
+    replay buffer); ``dataset`` is any offline source
+    :class:`OfflineToOnlineReplayBuffer` accepts. Rows are taken in a random order
+    (``seed``), without repeats.
+    """
+    from rayrb.datasets.registry import as_chunk_dataset
+
+    chunk_size = _positive_int("chunk_size", chunk_size)
+    ds, owned = as_chunk_dataset(dataset)
+    try:
+        total = len(ds) if n_samples is None else min(_positive_int("n_samples", n_samples), len(ds))
+        order = np.random.default_rng(seed).permutation(len(ds))[:total]
+        for start in range(0, total, chunk_size):
+            rows = ds.gather(order[start:start + chunk_size])
+            rb.extend(from_numpy_dict(rows) if not isinstance(rb, OfflineToOnlineReplayBuffer) else rows)
+    finally:
+        if owned:
+            shutil.rmtree(Path(ds.root).parent, ignore_errors=True)
+    return rb

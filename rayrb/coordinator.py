@@ -1,0 +1,205 @@
+"""The Coordinator actor: splits each batch, allocates it over shards, sequences writes.
+
+It holds shard handles and shard sizes, never rows. For a sample it draws the
+offline/online split and the per-shard counts, submits one ``sample`` task per
+shard and returns the resulting ObjectRefs: the rows go from the shards to the
+caller once, without passing through the coordinator.
+
+Writes are sequenced here too: the writer ``ray.put``s its rows and hands the
+refs over; the coordinator picks the shards and submits ``extend`` tasks. Since
+a sync actor runs one caller's tasks in submission order, a shard has applied
+every write the coordinator sent before any later sample reaches it, so the
+sizes used for allocation are exact, not merely recent.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+import numpy as np
+
+from rayrb.allocation import (
+    assign_pieces,
+    check_batch_size,
+    hypergeometric_counts,
+    multinomial_counts,
+    split_batch,
+)
+from rayrb.metrics import ActorMetrics
+from rayrb.schedules import Constant, Linear, make_schedule
+
+OFFLINE, ONLINE = "offline", "online"
+
+
+class Coordinator:
+    def __init__(
+        self,
+        offline_shards: Sequence[Any],
+        offline_sizes: Sequence[int],
+        online_shards: Sequence[Any],
+        online_capacities: Sequence[int],
+        *,
+        offline_fraction: Any = 0.5,
+        sampler: str = "uniform",
+        drop_last: bool = False,
+        seed: int | None = None,
+        name: str = "rayrb",
+        export_metrics: bool = True,
+    ):
+        self._shards = {OFFLINE: list(offline_shards), ONLINE: list(online_shards)}
+        self._sizes = {OFFLINE: np.asarray(offline_sizes, np.int64), ONLINE: np.zeros(len(online_shards), np.int64)}
+        self._capacity = np.asarray(online_capacities, np.int64)
+        self._written = np.zeros(len(online_shards), np.int64)
+        self._schedule = make_schedule(offline_fraction)
+        self._base_fraction = self._schedule(0, 0, 0) if isinstance(self._schedule, Constant) else None
+        self._sampler, self._drop_last = sampler, bool(drop_last)
+        self._seed = seed
+        self._rng = np.random.default_rng(seed)
+        self._step = 0
+        self._left = {OFFLINE: None, ONLINE: None}  # rows left per shard in the epoch (without replacement)
+        self._epochs = {OFFLINE: 0, ONLINE: 0}
+        self._name = name
+        self._metrics = ActorMetrics("coordinator", {"buffer": name}, export=export_metrics)
+
+    # fraction ---------------------------------------------------------------
+    def offline_fraction(self) -> float:
+        return float(self._schedule(self._step, int(self._sizes[OFFLINE].sum()), int(self._sizes[ONLINE].sum())))
+
+    def set_offline_fraction(self, value: Any) -> float:
+        self._schedule = make_schedule(value)
+        if isinstance(self._schedule, Constant):
+            self._base_fraction = self._schedule.value
+        return self.offline_fraction()
+
+    def anneal(self, step: int, total_steps: int) -> float:
+        """TorchRL's ``anneal``: linear from the base fraction to 0 over ``total_steps``."""
+        base = self._base_fraction if self._base_fraction is not None else self.offline_fraction()
+        value = Linear(base, 0.0, total_steps)(step, 0, 0)
+        self._schedule = Constant(value)
+        self._base_fraction = base
+        return value
+
+    def set_step(self, step: int) -> None:
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        self._step = int(step)
+
+    # sampling ---------------------------------------------------------------
+    def _epoch_plan(self, side: str, n: int) -> bool:
+        """Whether ``side`` needs a new epoch before drawing ``n`` rows; raise if it cannot serve them."""
+        sizes = self._sizes[side]
+        if n > sizes.sum():
+            raise ValueError(
+                f"cannot draw {n} {side} rows without replacement: the {side} side holds {int(sizes.sum())} rows"
+            )
+        left = self._left[side]
+        if left is None or left.sum() == 0:
+            return True
+        if n > left.sum():
+            if not self._drop_last:
+                raise ValueError(
+                    f"cannot draw {n} {side} rows without replacement: {int(left.sum())} left in the epoch; "
+                    f"pass drop_last=True to drop them and start the next epoch"
+                )
+            return True
+        return False
+
+    def _begin_epoch(self, side: str) -> None:
+        seeds = self._rng.integers(0, 2**63 - 1, len(self._shards[side]))
+        for shard, s, size in zip(self._shards[side], seeds, self._sizes[side]):
+            shard.begin_epoch.remote(int(s))
+        self._left[side] = self._sizes[side].copy()
+        self._epochs[side] += 1
+
+    def _counts(self, side: str, n: int) -> np.ndarray:
+        if self._sampler == "without_replacement":
+            counts = hypergeometric_counts(n, self._left[side], self._rng)
+            self._left[side] = self._left[side] - counts
+            return counts
+        return multinomial_counts(n, self._sizes[side], self._rng)
+
+    def sample(self, batch_size: int) -> dict[str, Any]:
+        """Plan one batch and submit its shard reads; return the refs and the plan."""
+        t0 = time.perf_counter()
+        batch_size = check_batch_size(batch_size)
+        fraction = self.offline_fraction()
+        n = dict(zip((OFFLINE, ONLINE), split_batch(batch_size, fraction, int(self._sizes[ONLINE].sum()))))
+        # Validate both sides before touching any state, so a refused call changes nothing.
+        new_epoch = {s: self._sampler == "without_replacement" and n[s] > 0 and self._epoch_plan(s, n[s])
+                     for s in (OFFLINE, ONLINE)}
+        parts = []
+        for side in (OFFLINE, ONLINE):
+            if n[side] == 0:
+                continue
+            if new_epoch[side]:
+                self._begin_epoch(side)
+            counts = self._counts(side, n[side])
+            seeds = self._rng.integers(0, 2**63 - 1, len(counts))
+            for i, (c, s) in enumerate(zip(counts, seeds)):
+                if c > 0:
+                    parts.append((side, i, int(c), self._shards[side][i].sample.remote(int(c), int(s))))
+        self._step += 1
+        self._metrics.count("batches")
+        self._metrics.count("rows_sampled", batch_size)
+        self._metrics.observe("plan_ms", (time.perf_counter() - t0) * 1e3)
+        return {"parts": parts, "n_offline": n[OFFLINE], "n_online": n[ONLINE], "fraction": fraction,
+                "step": self._step - 1}
+
+    # writing ----------------------------------------------------------------
+    def extend(self, piece_refs: Sequence[Any], piece_rows: Sequence[int]) -> list[tuple[int, int, Any]]:
+        """Send each piece (an ObjectRef to flat rows) to a shard; return ``(shard, offset, ack_ref)``."""
+        if not self._shards[ONLINE]:
+            raise RuntimeError("this buffer has no online shards")
+        if len(piece_refs) > len(self._shards[ONLINE]):
+            raise ValueError(f"expected at most {len(self._shards[ONLINE])} pieces, got {len(piece_refs)}")
+        targets = assign_pieces(piece_rows, self._written)
+        offsets = np.concatenate([[0], np.cumsum(self._capacity)[:-1]])
+        out = []
+        for ref, rows, shard in zip(piece_refs, piece_rows, targets):
+            # The ref is nested in a list, so it arrives unresolved: the shard fetches the rows itself.
+            out.append((shard, int(offsets[shard]), self._shards[ONLINE][shard].extend.remote(ref)))
+            self._written[shard] += rows
+        self._sizes[ONLINE] = np.minimum(self._written, self._capacity)
+        self._metrics.count("rows_written", int(sum(piece_rows)))
+        return out
+
+    def resync(self) -> dict[str, list[int]]:
+        """Re-read sizes from the shards (after a failed write)."""
+        import ray
+
+        sizes = ray.get([s.size.remote() for s in self._shards[OFFLINE]])
+        self._sizes[OFFLINE] = np.asarray(sizes, np.int64)
+        if self._shards[ONLINE]:
+            self._written = np.asarray(ray.get([s.written.remote() for s in self._shards[ONLINE]]), np.int64)
+            self._sizes[ONLINE] = np.minimum(self._written, self._capacity)
+        return self.sizes()
+
+    # introspection ----------------------------------------------------------
+    def sizes(self) -> dict[str, list[int]]:
+        return {OFFLINE: self._sizes[OFFLINE].tolist(), ONLINE: self._sizes[ONLINE].tolist(),
+                "online_written": self._written.tolist(), "online_capacity": self._capacity.tolist()}
+
+    def stats(self, include_shards: bool = True) -> dict[str, Any]:
+        import ray
+
+        out = {"coordinator": {**self._metrics.snapshot(), "step": self._step, "offline_fraction": self.offline_fraction(),
+                               "epochs": dict(self._epochs), **self.sizes()}}
+        if include_shards:
+            out["shards"] = ray.get([s.stats.remote() for side in (OFFLINE, ONLINE) for s in self._shards[side]])
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self._step, "schedule": self._schedule.config(), "base_fraction": self._base_fraction,
+                "rng": self._rng.bit_generator.state, "sampler": self._sampler}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._step = int(state["step"])
+        self._schedule = make_schedule(state["schedule"])
+        self._base_fraction = state.get("base_fraction")
+        self._rng.bit_generator.state = state["rng"]
+
+    def shards(self) -> dict[str, list[Any]]:
+        return {side: list(v) for side, v in self._shards.items()}
+
+    def ping(self) -> str:
+        return self._name

@@ -1,0 +1,83 @@
+"""Actor metrics: exported through ``ray.util.metrics`` and kept locally for ``stats()``.
+
+Examples:
+    >>> m = ActorMetrics("shard", {"shard": "off-0"}, export=False)
+    >>> m.count("rows_sampled", 32); m.observe("sample_ms", 1.5)
+    >>> s = m.snapshot(); s["rows_sampled"], s["sample_ms_p50"]
+    (32, 1.5)
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+_BOUNDARIES_MS = [0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 1000]
+
+
+class ActorMetrics:
+    """Counters, gauges and latency windows for one actor, tagged with its identity."""
+
+    def __init__(self, component: str, tags: dict[str, str], *, export: bool = True, window: int = 2048):
+        self.component, self.tags = component, dict(tags)
+        self._counters: dict[str, float] = {}
+        self._gauges: dict[str, float] = {}
+        self._windows: dict[str, deque] = {}
+        self._window = window
+        self._export = export
+        self._ray: dict[str, Any] = {}
+        self._started = time.time()
+
+    def _metric(self, kind: str, name: str):
+        if not self._export:
+            return None
+        key = f"{kind}:{name}"
+        if key not in self._ray:
+            try:
+                from ray.util import metrics
+
+                full = f"rayrb_{self.component}_{name}"
+                tag_keys = tuple(self.tags)
+                if kind == "counter":
+                    m = metrics.Counter(full, description=f"rayrb {self.component} {name}", tag_keys=tag_keys)
+                elif kind == "gauge":
+                    m = metrics.Gauge(full, description=f"rayrb {self.component} {name}", tag_keys=tag_keys)
+                else:
+                    m = metrics.Histogram(full, description=f"rayrb {self.component} {name}",
+                                          boundaries=_BOUNDARIES_MS, tag_keys=tag_keys)
+                m.set_default_tags(self.tags)
+            except Exception:  # metrics are best-effort: never fail a data path over them
+                m = None
+            self._ray[key] = m
+        return self._ray[key]
+
+    def count(self, name: str, value: float = 1) -> None:
+        self._counters[name] = self._counters.get(name, 0) + value
+        m = self._metric("counter", name)
+        if m is not None and value > 0:
+            m.inc(value)
+
+    def gauge(self, name: str, value: float) -> None:
+        self._gauges[name] = value
+        m = self._metric("gauge", name)
+        if m is not None:
+            m.set(value)
+
+    def observe(self, name: str, value_ms: float) -> None:
+        self._windows.setdefault(name, deque(maxlen=self._window)).append(value_ms)
+        m = self._metric("histogram", name)
+        if m is not None:
+            m.observe(value_ms)
+
+    def snapshot(self) -> dict[str, Any]:
+        out: dict[str, Any] = {**self.tags, **self._counters, **self._gauges}
+        elapsed = max(time.time() - self._started, 1e-9)
+        for name, value in self._counters.items():
+            out[f"{name}_per_s"] = value / elapsed
+        for name, window in self._windows.items():
+            w = np.asarray(window)
+            out[f"{name}_p50"] = float(np.percentile(w, 50))
+            out[f"{name}_p99"] = float(np.percentile(w, 99))
+        return out

@@ -1,0 +1,163 @@
+"""Shard actors: thin shells around storage and a sampler.
+
+* :class:`OfflineShard` maps a contiguous row range of a chunk dataset read-only
+  (memory maps; nothing copied into the heap or through the object store).
+* :class:`OnlineShard` is a circular buffer that copies rows on insert, so it never
+  keeps a view into an object-store buffer (pinned plasma memory, ray#8234).
+
+Both return rows as flat dicts of numpy arrays plus provenance (local index and
+the slot's generation: how many times it has been written). They import numpy
+only, not torch, so each costs little memory and starts fast.
+
+The coordinator is their only caller for data paths; Ray runs a caller's tasks on
+a sync actor in submission order, which is what keeps the coordinator's view of
+shard sizes exact.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Mapping
+
+import numpy as np
+
+from rayrb.chunks import ChunkDataset, ReadOnlyError
+from rayrb.metrics import ActorMetrics
+from rayrb.samplers import make_sampler
+from rayrb.schema import RowSpec
+
+Rows = dict[str, np.ndarray]
+Info = dict[str, np.ndarray]
+
+
+def _rss_bytes() -> int:
+    try:
+        with open(f"/proc/{os.getpid()}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
+class _Shard:
+    kind = "shard"
+
+    def __init__(self, shard_id: str, sampler: str, export_metrics: bool = True):
+        self.shard_id = shard_id
+        self._sampler = make_sampler(sampler)
+        self._metrics = ActorMetrics("shard", {"shard": shard_id, "kind": self.kind}, export=export_metrics)
+
+    # storage hooks ------------------------------------------------------------
+    def size(self) -> int:
+        raise NotImplementedError
+
+    def _gather(self, idx: np.ndarray) -> Rows:
+        raise NotImplementedError
+
+    def _generation(self, idx: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    # sampling -----------------------------------------------------------------
+    def begin_epoch(self, seed: int) -> int:
+        self._sampler.begin_epoch(self.size(), np.random.default_rng(seed))
+        return self._sampler.remaining()
+
+    def sample(self, count: int, seed: int) -> tuple[Rows, Info]:
+        t0 = time.perf_counter()
+        idx = self._sampler.sample(int(count), self.size(), np.random.default_rng(seed))
+        rows = self._gather(idx)
+        info = {"index": idx, "generation": self._generation(idx)}
+        self._metrics.count("rows_sampled", len(idx))
+        self._metrics.observe("sample_ms", (time.perf_counter() - t0) * 1e3)
+        return rows, info
+
+    def gather(self, idx: np.ndarray) -> tuple[Rows, Info]:
+        idx = np.asarray(idx, dtype=np.int64)
+        if idx.size and (idx.min() < 0 or idx.max() >= self.size()):
+            raise IndexError(f"shard {self.shard_id}: expected indices in [0, {self.size()}), got {idx.min()}..{idx.max()}")
+        return self._gather(idx), {"index": idx, "generation": self._generation(idx)}
+
+    def stats(self) -> dict[str, Any]:
+        self._metrics.gauge("size", self.size())
+        self._metrics.gauge("rss_bytes", _rss_bytes())
+        return self._metrics.snapshot()
+
+    def ping(self) -> str:
+        return self.shard_id
+
+
+class OfflineShard(_Shard):
+    """Rows ``[start, stop)`` of a chunk dataset, mapped read-only."""
+
+    kind = "offline"
+
+    def __init__(self, root: str, start: int, stop: int, shard_id: str, sampler: str = "uniform",
+                 export_metrics: bool = True):
+        super().__init__(shard_id, sampler, export_metrics)
+        self._ds = ChunkDataset.open(root)
+        if not 0 <= start < stop <= len(self._ds):
+            raise ValueError(f"shard {shard_id}: expected 0 <= start < stop <= {len(self._ds)}, got [{start}, {stop})")
+        self._start, self._stop = int(start), int(stop)
+        self._metrics.gauge("dataset_bytes", (stop - start) * self._ds.spec.row_bytes)
+
+    def size(self) -> int:
+        return self._stop - self._start
+
+    def _gather(self, idx: np.ndarray) -> Rows:
+        return self._ds.gather(idx + self._start)
+
+    def _generation(self, idx: np.ndarray) -> np.ndarray:
+        return np.ones(idx.shape, dtype=np.int64)  # written once, never again
+
+    def extend(self, *args: Any, **kwargs: Any):
+        raise ReadOnlyError(f"offline shard {self.shard_id} is immutable: write to the online buffer instead")
+
+
+class OnlineShard(_Shard):
+    """A circular buffer of ``capacity`` rows; the oldest rows are overwritten first."""
+
+    kind = "online"
+
+    def __init__(self, spec_json: Mapping[str, Any], capacity: int, shard_id: str, sampler: str = "uniform",
+                 export_metrics: bool = True):
+        super().__init__(shard_id, sampler, export_metrics)
+        if capacity <= 0:
+            raise ValueError(f"shard {shard_id}: capacity must be a positive integer, got {capacity}")
+        self._spec = RowSpec.from_json(spec_json)
+        self._capacity = int(capacity)
+        self._data = self._spec.empty(self._capacity)
+        self._gen = np.zeros(self._capacity, dtype=np.int64)
+        self._cursor = 0
+        self._written = 0
+
+    def size(self) -> int:
+        return min(self._written, self._capacity)
+
+    def written(self) -> int:
+        """Rows ever written (the write count); ``size()`` is this capped at the capacity."""
+        return self._written
+
+    def extend(self, rows: Mapping[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """Copy ``rows`` in; return their slots and generations."""
+        t0 = time.perf_counter()
+        n = self._spec.validate(rows, what=f"rows for shard {self.shard_id}")
+        pos = (self._cursor + np.arange(n, dtype=np.int64)) % self._capacity
+        keep = slice(max(0, n - self._capacity), n)  # a write larger than the shard keeps its tail
+        for k, dst in self._data.items():
+            dst[pos[keep]] = rows[k][keep]  # copies out of the object store
+        np.add.at(self._gen, pos, 1)
+        self._cursor = int((self._cursor + n) % self._capacity)
+        self._written += n
+        self._metrics.count("rows_written", n)
+        self._metrics.observe("extend_ms", (time.perf_counter() - t0) * 1e3)
+        return pos, self._gen[pos]
+
+    def _gather(self, idx: np.ndarray) -> Rows:
+        return {k: v[idx] for k, v in self._data.items()}
+
+    def _generation(self, idx: np.ndarray) -> np.ndarray:
+        return self._gen[idx]
+
+    def stats(self) -> dict[str, Any]:
+        self._metrics.gauge("write_count", self._written)
+        self._metrics.gauge("capacity", self._capacity)
+        return super().stats()

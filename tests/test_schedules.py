@@ -1,0 +1,43 @@
+import math
+
+import pytest
+
+from rayrb.schedules import Constant, Cosine, Linear, SizeProportional, Step, make_schedule
+
+
+def test_linear_matches_torchrl_anneal():
+    base, total = 0.8, 100
+    s = Linear(base, 0.0, total)
+    for step in (0, 1, 50, 99, 100, 150):
+        assert s(step, 0, 0) == pytest.approx(base * max(0.0, 1.0 - step / total))
+
+
+def test_cosine_endpoints_and_midpoint():
+    s = Cosine(0.9, 0.1, 10)
+    assert s(0, 0, 0) == pytest.approx(0.9)
+    assert s(5, 0, 0) == pytest.approx(0.5)
+    assert s(10, 0, 0) == pytest.approx(0.1) and s(20, 0, 0) == pytest.approx(0.1)
+
+
+def test_step_and_size_proportional():
+    s = Step([10, 20], [1.0, 0.5, 0.0])
+    assert [s(t, 0, 0) for t in (0, 9, 10, 19, 20)] == [1.0, 1.0, 0.5, 0.5, 0.0]
+    assert SizeProportional()(0, 300, 100) == 0.75
+    assert SizeProportional()(0, 0, 0) == 1.0
+
+
+@pytest.mark.parametrize("s", [Constant(0.3), Linear(1, 0, 5), Cosine(0.5, 0.2, 7), Step([3], [1, 0]), SizeProportional()])
+def test_config_round_trips(s):
+    again = make_schedule(s.config())
+    assert again == s
+    assert all(again(t, 10, 5) == s(t, 10, 5) for t in range(10))
+
+
+@pytest.mark.parametrize(
+    "bad, err",
+    [(1.5, ValueError), ({"kind": "exp"}, ValueError), ({"kind": "linear", "start": 1, "total_steps": 0}, ValueError),
+     ({"kind": "step", "boundaries": [1], "values": [1]}, ValueError), (object(), TypeError)],
+)
+def test_bad_schedules(bad, err):
+    with pytest.raises(err):
+        make_schedule(bad)
