@@ -28,6 +28,9 @@ def ray_session():
     """The session's single local Ray instance (multi-node tests start their own in a subprocess)."""
     import ray
 
+    # Workers unpickle test-defined actors by module name: let them import from tests/.
+    tests_dir = str(Path(__file__).resolve().parent)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH")) if p)
     if not ray.is_initialized():
         ray.init(
             num_cpus=2,
