@@ -15,6 +15,8 @@ _EXPORTS = {
     "BufferUnavailableError": "rayrb.buffer",
     "prefill_replay_buffer": "rayrb.buffer",
     "schedules": "rayrb.schedules",
+    "export_parquet": "rayrb.preprocess",
+    "PreprocessError": "rayrb.preprocess",
     "ChunkDataset": "rayrb.chunks",
     "write_dataset": "rayrb.chunks",
     "RowSpec": "rayrb.schema",
@@ -25,13 +27,16 @@ _EXPORTS = {
     "OPENML_DATASETS": "rayrb.datasets.openml",
 }
 
-__all__ = sorted(_EXPORTS)
+# The function shadows its module's name on the package, so bind it eagerly (numpy-only import).
+from rayrb.preprocess import preprocess  # noqa: E402
+
+__all__ = sorted([*_EXPORTS, "preprocess"])
 
 
 def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
         module = importlib.import_module(_EXPORTS[name])
-        return module if module.__name__.endswith("." + name) else getattr(module, name)
+        return getattr(module, name, module)  # "schedules" is a module; the rest are attributes
     raise AttributeError(f"module 'rayrb' has no attribute {name!r}")
 
 

@@ -138,6 +138,7 @@ class OfflineToOnlineReplayBuffer:
             raise ValueError(f"num_offline_shards ({num_offline_shards}) exceeds the dataset's {len(dataset)} rows")
 
         self._spec = dataset.spec
+        self._dataset_root = str(dataset.root)
         self._batch_size = batch_size
         self._transform = transform
         self._timeout = timeout
@@ -154,6 +155,15 @@ class OfflineToOnlineReplayBuffer:
 
             self.extend(_torchrl_rows(online_storage))
 
+    def preprocess(self, fn: Callable, dest: str | os.PathLike, **kwargs: Any) -> ChunkDataset:
+        """Map the offline dataset through ``fn`` with Ray tasks (see :func:`rayrb.preprocess`).
+
+        Returns the new dataset; pass it as ``offline_dataset`` to a new buffer.
+        """
+        from rayrb.preprocess import preprocess
+
+        return preprocess(self._dataset_root, fn, dest, **kwargs)
+
     def _start_actors(self, dataset: ChunkDataset, capacity: int, m: int, k: int, schedule: Schedule,
                       sampler: str, drop_last: bool, seed: int | None, actor_options: dict) -> None:
         import ray
@@ -164,8 +174,8 @@ class OfflineToOnlineReplayBuffer:
         opts = {"num_cpus": 0, **actor_options}
         ranges = row_ranges(len(dataset), m)
         capacities = split_evenly(capacity, k).tolist()
-        offline = [ray.remote(OfflineShard).options(**opts).remote(str(dataset.root), a, b, f"{self._name}/off-{i}",
-                                                                    sampler)
+        offline = [ray.remote(OfflineShard).options(**_placement(dataset, a, b, opts)).remote(
+                       str(dataset.root), a, b, f"{self._name}/off-{i}", sampler)
                    for i, (a, b) in enumerate(ranges)]
         online = [ray.remote(OnlineShard).options(**opts).remote(self._spec.to_json(), c, f"{self._name}/on-{i}",
                                                                   sampler)
@@ -351,6 +361,27 @@ class OfflineToOnlineReplayBuffer:
         state["_owned_dirs"] = []  # only the creator cleans up
         state["_owner"] = False
         return state
+
+
+def _placement(dataset: ChunkDataset, start: int, stop: int, opts: dict) -> dict:
+    """Actor options that prefer the node holding most of rows ``[start, stop)`` (a soft hint)."""
+    if "scheduling_strategy" in opts:
+        return opts
+    rows_by_node: dict[str, int] = {}
+    for c, a in zip(dataset.chunks, dataset.offsets[:-1]):
+        overlap = min(stop, a + c.rows) - max(start, a)
+        if c.node and overlap > 0:
+            rows_by_node[c.node] = rows_by_node.get(c.node, 0) + int(overlap)
+    if not rows_by_node:
+        return opts
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+    node = max(rows_by_node, key=rows_by_node.get)
+    if node not in alive:
+        return opts
+    return {**opts, "scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=True)}
 
 
 def prefill_replay_buffer(rb: Any, dataset: Any, n_samples: int | None = None, chunk_size: int = 1000,
