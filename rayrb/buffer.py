@@ -264,20 +264,70 @@ class OfflineToOnlineReplayBuffer:
         return check_batch_size(batch_size)
 
     def _assemble(self, plan: dict, results: list, batch_size: int, return_info: bool):
-        td = from_numpy_dict(concat([r[0] for r in results]), batch_size)
+        from rayrb.coordinator import assemble
+
+        out = assemble(plan, results, return_info)
+        return self._finish(out, return_info)
+
+    def _finish(self, out: Any, return_info: bool, device: Any = None):
+        """Flat numpy batch (and info) from the object store -> TensorDict (and tensors), transformed."""
+        rows, info = out if return_info else (out, None)
+        td = from_numpy_dict(rows)
+        if device is not None:
+            td = _to_device(td, device)
         if self._transform is not None:
             td = self._transform(td)
         if not return_info:
             return td
-        parts = plan["parts"]
-        counts = [p[2] for p in parts]
-        info = {
-            "offline": torch.from_numpy(np.repeat([p[0] == "offline" for p in parts], counts).astype(bool)),
-            "shard": torch.from_numpy(np.repeat([p[1] for p in parts], counts).astype(np.int64)),
-            "index": torch.from_numpy(np.concatenate([r[1]["index"] for r in results]).astype(np.int64)),
-            "generation": torch.from_numpy(np.concatenate([r[1]["generation"] for r in results]).astype(np.int64)),
-        }
-        return td, info
+        return td, {k: torch.from_numpy(v) for k, v in info.items()}
+
+    def sample_async(self, batch_size: int | None = None, return_info: bool = False):
+        """An ObjectRef to the next batch as a flat dict of numpy arrays (``(rows, info)`` with info).
+
+        Does not wait. ``rb.to_tensordict(ray.get(ref))`` rebuilds what :meth:`sample`
+        returns; the same seed gives the same batches either way. The rows are
+        concatenated by a small task on this node.
+        """
+        import ray
+
+        batch_size = self._resolve_batch_size(batch_size)
+        node = ray.get_runtime_context().get_node_id()
+        (ref,) = self._get(self._coord.sample_refs.remote(batch_size, 1, return_info, [node]))
+        return ref
+
+    def to_tensordict(self, flat: Any, return_info: bool = False, device: Any = None):
+        """Rebuild a batch from :meth:`sample_async` / :meth:`sample_slices` output (applies ``transform``)."""
+        return self._finish(flat, return_info, device)
+
+    def iter_batches(self, batch_size: int | None = None, *, prefetch: int = 2, device: Any = None,
+                     return_info: bool = False, num_batches: int | None = None) -> "BatchIterator":
+        """Batches in order, keeping exactly up to ``prefetch`` sample requests in flight.
+
+        ``device`` moves each batch there (through pinned memory when CUDA is present).
+        """
+        return BatchIterator(self, self._resolve_batch_size(batch_size), prefetch, device, return_info,
+                             num_batches)
+
+    def sample_slices(self, num_slices: int, batch_size: int | None = None, *, return_info: bool = False,
+                      learners: list | None = None) -> list:
+        """Sample one global batch and return it as ``num_slices`` ObjectRefs, one per learner.
+
+        Each ref resolves to a flat dict (``rb.to_tensordict`` rebuilds it), so a
+        learner actor receives its slice straight from the shards, not through the
+        caller: pass ``refs[j]`` to learner ``j`` (RLlib's ``batch_refs`` shape).
+        Slices are disjoint parts of the global batch, sizes differ by at most one, and
+        the exact offline count holds for the global batch and, to within one row, for
+        each slice. With ``learners`` (actor handles), each slice is assembled on its
+        learner's node.
+        """
+        num_slices = _positive_int("num_slices", num_slices)
+        batch_size = self._resolve_batch_size(batch_size)
+        nodes = None
+        if learners is not None:
+            if len(learners) != num_slices:
+                raise ValueError(f"expected {num_slices} learners, one per slice, got {len(learners)}")
+            nodes = _actor_nodes(learners)
+        return self._get(self._coord.sample_refs.remote(batch_size, num_slices, return_info, nodes))
 
     @property
     def offline_fraction(self) -> float:
@@ -361,6 +411,76 @@ class OfflineToOnlineReplayBuffer:
         state["_owned_dirs"] = []  # only the creator cleans up
         state["_owner"] = False
         return state
+
+
+def _to_device(td: Any, device: Any):
+    device = torch.device(device)
+    if device.type == "cuda":
+        return td.pin_memory().to(device, non_blocking=True)
+    return td.to(device)
+
+
+def _actor_nodes(actors: list) -> list[str | None]:
+    """The node each actor runs on (None where Ray does not say)."""
+    import ray
+    from ray.util.state import list_actors
+
+    want = {a._actor_id.hex(): i for i, a in enumerate(actors)}
+    nodes: list[str | None] = [None] * len(actors)
+    try:
+        for a in list_actors(filters=[("state", "=", "ALIVE")], limit=10_000):
+            if a.actor_id in want:
+                nodes[want[a.actor_id]] = a.node_id
+    except Exception:  # the state API needs the dashboard; placement is only a hint
+        pass
+    return nodes
+
+
+class BatchIterator:
+    """Iterates over sampled batches with a bounded number of requests in flight.
+
+    ``in_flight`` is the number of sample requests submitted and not yet consumed;
+    it never exceeds ``prefetch``.
+    """
+
+    def __init__(self, rb: "OfflineToOnlineReplayBuffer", batch_size: int, prefetch: int, device: Any,
+                 return_info: bool, num_batches: int | None):
+        from collections import deque
+
+        self._rb, self._batch_size = rb, batch_size
+        self.prefetch = _positive_int("prefetch", prefetch)
+        if num_batches is not None:
+            _positive_int("num_batches", num_batches)
+        self._device, self._return_info, self._left = device, return_info, num_batches
+        self._queue: deque = deque()
+        self.max_in_flight = 0
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._queue)
+
+    def _fill(self) -> None:
+        while len(self._queue) < self.prefetch and (self._left is None or self._left > len(self._queue)):
+            self._queue.append(self._rb._coord.sample.remote(self._batch_size))
+        self.max_in_flight = max(self.max_in_flight, len(self._queue))
+
+    def __iter__(self) -> "BatchIterator":
+        return self
+
+    def __next__(self):
+        if self._left == 0:
+            raise StopIteration
+        from rayrb.coordinator import assemble
+
+        self._fill()
+        # The head request stays counted until its rows are here: at most `prefetch` outstanding.
+        plan = self._rb._get(self._queue[0])
+        results = self._rb._get([p[3] for p in plan["parts"]])
+        self._queue.popleft()
+        if self._left is not None:
+            self._left -= 1
+        self._fill()  # refill before handing the batch over, so sampling overlaps training
+        return self._rb._finish(assemble(plan, results, self._return_info), self._return_info, self._device)
 
 
 def _placement(dataset: ChunkDataset, start: int, stop: int, opts: dict) -> dict:

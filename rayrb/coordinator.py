@@ -118,32 +118,66 @@ class Coordinator:
             return counts
         return multinomial_counts(n, self._sizes[side], self._rng)
 
-    def sample(self, batch_size: int) -> dict[str, Any]:
-        """Plan one batch and submit its shard reads; return the refs and the plan."""
-        t0 = time.perf_counter()
+    def _plan(self, batch_size: int, num_slices: int = 1) -> list[dict[str, Any]]:
+        """Split, allocate and submit the shard reads of one global batch, as ``num_slices`` slices.
+
+        Each slice is allocated on its own (its own multinomial or hypergeometric
+        draw), so every slice and their union have the distribution of sampling the
+        union of shards, and each slice's split is exact to within one row.
+        """
+        from rayrb.allocation import split_slices
+
         batch_size = check_batch_size(batch_size)
+        if num_slices <= 0 or num_slices > batch_size:
+            raise ValueError(f"num_slices must be in [1, batch_size={batch_size}], got {num_slices}")
         fraction = self.offline_fraction()
         n = dict(zip((OFFLINE, ONLINE), split_batch(batch_size, fraction, int(self._sizes[ONLINE].sum()))))
         # Validate both sides before touching any state, so a refused call changes nothing.
         new_epoch = {s: self._sampler == "without_replacement" and n[s] > 0 and self._epoch_plan(s, n[s])
                      for s in (OFFLINE, ONLINE)}
-        parts = []
         for side in (OFFLINE, ONLINE):
-            if n[side] == 0:
-                continue
             if new_epoch[side]:
                 self._begin_epoch(side)
-            counts = self._counts(side, n[side])
-            seeds = self._rng.integers(0, 2**63 - 1, len(counts))
-            for i, (c, s) in enumerate(zip(counts, seeds)):
-                if c > 0:
-                    parts.append((side, i, int(c), self._shards[side][i].sample.remote(int(c), int(s))))
+        slices = []
+        for n_off, n_on in split_slices(n[OFFLINE], n[ONLINE], num_slices):
+            parts = []
+            for side, count in ((OFFLINE, n_off), (ONLINE, n_on)):
+                if count == 0:
+                    continue
+                counts = self._counts(side, count)
+                seeds = self._rng.integers(0, 2**63 - 1, len(counts))
+                for i, (c, s) in enumerate(zip(counts, seeds)):
+                    if c > 0:
+                        parts.append((side, i, int(c), self._shards[side][i].sample.remote(int(c), int(s))))
+            slices.append({"parts": parts, "n_offline": n_off, "n_online": n_on, "fraction": fraction,
+                           "step": self._step})
         self._step += 1
         self._metrics.count("batches")
         self._metrics.count("rows_sampled", batch_size)
+        return slices
+
+    def sample(self, batch_size: int) -> dict[str, Any]:
+        """Plan one batch and submit its shard reads; return the refs and the plan."""
+        t0 = time.perf_counter()
+        (plan,) = self._plan(batch_size)
         self._metrics.observe("plan_ms", (time.perf_counter() - t0) * 1e3)
-        return {"parts": parts, "n_offline": n[OFFLINE], "n_online": n[ONLINE], "fraction": fraction,
-                "step": self._step - 1}
+        return plan
+
+    def sample_refs(self, batch_size: int, num_slices: int = 1, return_info: bool = False,
+                    node_ids: Sequence[str | None] | None = None) -> list[Any]:
+        """Like :meth:`sample`, but each slice comes back as one ObjectRef to its flat rows.
+
+        A small task concatenates each slice's shard parts (on ``node_ids[j]`` when
+        given, so the slice is assembled where it is consumed).
+        """
+        t0 = time.perf_counter()
+        slices = self._plan(batch_size, num_slices)
+        out = []
+        for j, plan in enumerate(slices):
+            node = node_ids[j] if node_ids else None
+            out.append(_assemble_task(node).remote(_plan_meta(plan), return_info, *[p[3] for p in plan["parts"]]))
+        self._metrics.observe("plan_ms", (time.perf_counter() - t0) * 1e3)
+        return out
 
     # writing ----------------------------------------------------------------
     def extend(self, piece_refs: Sequence[Any], piece_rows: Sequence[int]) -> list[tuple[int, int, Any]]:
@@ -203,3 +237,44 @@ class Coordinator:
 
     def ping(self) -> str:
         return self._name
+
+
+def _plan_meta(plan: dict[str, Any]) -> dict[str, Any]:
+    """A plan without its refs (the refs travel as task arguments, so Ray resolves them)."""
+    return {**plan, "parts": [p[:3] for p in plan["parts"]]}
+
+
+def assemble(plan: dict[str, Any], results: Sequence[tuple], return_info: bool = False):
+    """Concatenate shard parts into one flat batch (offline parts first), with provenance if asked."""
+    from rayrb.transport import concat
+
+    rows = concat([r[0] for r in results])
+    if not return_info:
+        return rows
+    parts = plan["parts"]
+    counts = [p[2] for p in parts]
+    info = {
+        "offline": np.repeat([p[0] == OFFLINE for p in parts], counts).astype(bool),
+        "shard": np.repeat([p[1] for p in parts], counts).astype(np.int64),
+        "index": np.concatenate([r[1]["index"] for r in results]).astype(np.int64),
+        "generation": np.concatenate([r[1]["generation"] for r in results]).astype(np.int64),
+    }
+    return rows, info
+
+
+def _assemble_remote(plan: dict[str, Any], return_info: bool, *results: tuple):
+    return assemble(plan, results, return_info)
+
+
+_TASKS: dict[Any, Any] = {}
+
+
+def _assemble_task(node_id: str | None):
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    if None not in _TASKS:
+        _TASKS[None] = ray.remote(num_cpus=0)(_assemble_remote)
+    if node_id is None:
+        return _TASKS[None]
+    return _TASKS[None].options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=True))
