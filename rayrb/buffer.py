@@ -103,6 +103,7 @@ class OfflineToOnlineReplayBuffer:
         dataset_root: str | os.PathLike | None = None,
         actor_options: dict | None = None,
         timeout: float | None = None,
+        transport: str = "object_store",
         **dataset_kwargs: Any,
     ):
         # Validate everything before any actor exists.
@@ -128,6 +129,9 @@ class OfflineToOnlineReplayBuffer:
             raise TypeError(f"transform must be callable, got {type(transform).__name__}")
         if timeout is not None and timeout <= 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        from rayrb.transport import check_transport
+
+        self._transport = check_transport(transport)
 
         from rayrb.datasets.registry import as_chunk_dataset
 
@@ -172,17 +176,24 @@ class OfflineToOnlineReplayBuffer:
         from rayrb.shards import OfflineShard, OnlineShard
 
         opts = {"num_cpus": 0, **actor_options}
+        device = "cpu"
+        # Shards return tensors over RDT: a class-level option, not an .options() one.
+        cls_opts = {"enable_tensor_transport": True} if self._transport != "object_store" else {"num_cpus": 0}
+        if self._transport == "nccl":
+            device = "cuda"
+            opts.setdefault("num_gpus", 1.0 / (m + k))
         ranges = row_ranges(len(dataset), m)
         capacities = split_evenly(capacity, k).tolist()
-        offline = [ray.remote(OfflineShard).options(**_placement(dataset, a, b, opts)).remote(
+        offline = [ray.remote(**cls_opts)(OfflineShard).options(**_placement(dataset, a, b, opts)).remote(
                        str(dataset.root), a, b, f"{self._name}/off-{i}", sampler)
                    for i, (a, b) in enumerate(ranges)]
-        online = [ray.remote(OnlineShard).options(**opts).remote(self._spec.to_json(), c, f"{self._name}/on-{i}",
+        online = [ray.remote(**cls_opts)(OnlineShard).options(**opts).remote(self._spec.to_json(), c, f"{self._name}/on-{i}",
                                                                   sampler)
                   for i, c in enumerate(capacities)]
         self._coord = ray.remote(Coordinator).options(name=self._name, **opts).remote(
             offline, [b - a for a, b in ranges], online, capacities, offline_fraction=schedule,
-            sampler=sampler, drop_last=drop_last, seed=seed, name=self._name)
+            sampler=sampler, drop_last=drop_last, seed=seed, name=self._name, transport=self._transport,
+            device=device)
         self._shards = offline + online
         # Surface construction errors (a missing chunk, a bad spec) here, not at the first sample.
         self._get([s.ping.remote() for s in self._shards] + [self._coord.ping.remote()])
@@ -307,6 +318,28 @@ class OfflineToOnlineReplayBuffer:
         """
         return BatchIterator(self, self._resolve_batch_size(batch_size), prefetch, device, return_info,
                              num_batches)
+
+    def connect_learners(self, learners: list) -> None:
+        """Set the learner actors that :meth:`feed` hands slices to.
+
+        With ``transport="gloo"`` or ``"nccl"`` the coordinator creates a collective
+        group over the shards and these learners; their classes must be declared
+        ``@ray.remote(enable_tensor_transport=True)`` (checked here: without it Ray
+        deadlocks for 60 s). Gloo RDT cannot share an actor with DDP or an RLlib remote
+        learner (both use torch.distributed's default group).
+        """
+        self._get(self._coord.connect_learners.remote(list(learners)))
+
+    def feed(self, method: str = "update", batch_size: int | None = None, *args: Any, wait: bool = True):
+        """Sample one global batch and call ``learner_j.method(meta, *parts, *args)`` on each connected learner.
+
+        The learner rebuilds its slice with ``rayrb.transport.receive(meta, *parts)``;
+        rows come straight from the shards (as GPU tensors with ``transport="nccl"``).
+        Slices follow :meth:`sample_slices`'s rules. Returns the learners' results
+        (``wait=True``, bounded by ``timeout``) or their refs.
+        """
+        refs = self._get(self._coord.feed.remote(method, self._resolve_batch_size(batch_size), args))
+        return self._get(refs) if wait else refs
 
     def sample_slices(self, num_slices: int, batch_size: int | None = None, *, return_info: bool = False,
                       learners: list | None = None) -> list:

@@ -45,6 +45,8 @@ class Coordinator:
         seed: int | None = None,
         name: str = "rayrb",
         export_metrics: bool = True,
+        transport: str = "object_store",
+        device: str = "cpu",
     ):
         self._shards = {OFFLINE: list(offline_shards), ONLINE: list(online_shards)}
         self._sizes = {OFFLINE: np.asarray(offline_sizes, np.int64), ONLINE: np.zeros(len(online_shards), np.int64)}
@@ -60,6 +62,9 @@ class Coordinator:
         self._epochs = {OFFLINE: 0, ONLINE: 0}
         self._name = name
         self._metrics = ActorMetrics("coordinator", {"buffer": name}, export=export_metrics)
+        self._transport, self._device = transport, device
+        self._learners: list[Any] = []
+        self._group = None
 
     # fraction ---------------------------------------------------------------
     def offline_fraction(self) -> float:
@@ -118,7 +123,12 @@ class Coordinator:
             return counts
         return multinomial_counts(n, self._sizes[side], self._rng)
 
-    def _plan(self, batch_size: int, num_slices: int = 1) -> list[dict[str, Any]]:
+    def _read(self, shard: Any, count: int, seed: int, tensors: bool) -> Any:
+        if not tensors:
+            return shard.sample.remote(count, seed)
+        return shard.sample_tensors.options(tensor_transport=self._transport).remote(count, seed, self._device)
+
+    def _plan(self, batch_size: int, num_slices: int = 1, tensors: bool = False) -> list[dict[str, Any]]:
         """Split, allocate and submit the shard reads of one global batch, as ``num_slices`` slices.
 
         Each slice is allocated on its own (its own multinomial or hypergeometric
@@ -148,7 +158,7 @@ class Coordinator:
                 seeds = self._rng.integers(0, 2**63 - 1, len(counts))
                 for i, (c, s) in enumerate(zip(counts, seeds)):
                     if c > 0:
-                        parts.append((side, i, int(c), self._shards[side][i].sample.remote(int(c), int(s))))
+                        parts.append((side, i, int(c), self._read(self._shards[side][i], int(c), int(s), tensors)))
             slices.append({"parts": parts, "n_offline": n_off, "n_online": n_on, "fraction": fraction,
                            "step": self._step})
         self._step += 1
@@ -164,18 +174,76 @@ class Coordinator:
         return plan
 
     def sample_refs(self, batch_size: int, num_slices: int = 1, return_info: bool = False,
-                    node_ids: Sequence[str | None] | None = None) -> list[Any]:
+                    node_ids: Sequence[str | None] | None = None, postprocess: Any = None,
+                    split_info: bool = False) -> list[Any]:
         """Like :meth:`sample`, but each slice comes back as one ObjectRef to its flat rows.
 
         A small task concatenates each slice's shard parts (on ``node_ids[j]`` when
-        given, so the slice is assembled where it is consumed).
+        given, so the slice is assembled where it is consumed), applying
+        ``postprocess(rows)`` if given. With ``split_info`` each slice is a pair of
+        refs ``(rows, info)``.
         """
         t0 = time.perf_counter()
         slices = self._plan(batch_size, num_slices)
         out = []
         for j, plan in enumerate(slices):
             node = node_ids[j] if node_ids else None
-            out.append(_assemble_task(node).remote(_plan_meta(plan), return_info, *[p[3] for p in plan["parts"]]))
+            task = _assemble_task(node, num_returns=2 if split_info else 1)
+            out.append(task.remote(_plan_meta(plan), return_info or split_info, postprocess, split_info,
+                                   *[p[3] for p in plan["parts"]]))
+        self._metrics.observe("plan_ms", (time.perf_counter() - t0) * 1e3)
+        return out
+
+    # feeding learners ---------------------------------------------------------
+    def connect_learners(self, learners: Sequence[Any]) -> int:
+        """Make ``learners`` the targets of :meth:`feed`; with an RDT transport, create the group.
+
+        The coordinator creates the collective group over shards and learners, since
+        only a group's creator may pass its refs on.
+        """
+        learners = list(learners)
+        if not learners:
+            raise ValueError("expected at least one learner actor handle, got none")
+        if self._transport != "object_store":
+            missing = [i for i, a in enumerate(learners) if not getattr(a, "_ray_enable_tensor_transport", False)]
+            if missing:
+                raise ValueError(
+                    f"transport={self._transport!r} needs learner classes declared with "
+                    f"@ray.remote(enable_tensor_transport=True); learners {missing} are not (without it the "
+                    "receive deadlocks until Ray's 60 s RDT timeout, ray-project/ray#66264)")
+            from ray.experimental.collective import create_collective_group, destroy_collective_group
+
+            if self._group is not None:
+                destroy_collective_group(self._group)
+                self._group = None
+            members = self._shards[OFFLINE] + self._shards[ONLINE] + learners
+            try:
+                self._group = create_collective_group(members, backend=self._transport,
+                                                      name=f"{self._name}-{self._transport}")
+            except Exception as e:
+                raise RuntimeError(
+                    f"could not create a {self._transport} collective group over the shards and learners: {e}. "
+                    "An actor can join one group per backend, and gloo RDT cannot share an actor with a "
+                    "torch.distributed default group (DDP, RLlib remote learners): use transport='object_store' "
+                    "or 'nccl' for those learners") from e
+        self._learners = learners
+        return len(learners)
+
+    def feed(self, method: str, batch_size: int, args: Sequence[Any] = ()) -> list[Any]:
+        """Sample one global batch, slice it over the connected learners, call ``method`` on each.
+
+        Learner ``j`` gets ``method(meta_j, *parts_j, *args)``: its shard parts arrive as
+        resolved arguments (numpy rows, or tensors over RDT) straight from the shards.
+        ``rayrb.transport.receive(meta, *parts)`` turns them into a TensorDict. Returns
+        the learners' result refs.
+        """
+        if not self._learners:
+            raise RuntimeError("no learners connected: call connect_learners(learners) first")
+        t0 = time.perf_counter()
+        slices = self._plan(batch_size, len(self._learners), tensors=self._transport != "object_store")
+        out = []
+        for learner, plan in zip(self._learners, slices):
+            out.append(getattr(learner, method).remote(_plan_meta(plan), *[p[3] for p in plan["parts"]], *args))
         self._metrics.observe("plan_ms", (time.perf_counter() - t0) * 1e3)
         return out
 
@@ -262,19 +330,23 @@ def assemble(plan: dict[str, Any], results: Sequence[tuple], return_info: bool =
     return rows, info
 
 
-def _assemble_remote(plan: dict[str, Any], return_info: bool, *results: tuple):
-    return assemble(plan, results, return_info)
+def _assemble_remote(plan: dict[str, Any], return_info: bool, postprocess: Any, split_info: bool, *results: tuple):
+    out = assemble(plan, results, return_info)
+    if postprocess is not None:
+        out = (postprocess(out[0]), out[1]) if return_info else postprocess(out)
+    return out
 
 
 _TASKS: dict[Any, Any] = {}
 
 
-def _assemble_task(node_id: str | None):
+def _assemble_task(node_id: str | None, num_returns: int = 1):
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     if None not in _TASKS:
         _TASKS[None] = ray.remote(num_cpus=0)(_assemble_remote)
-    if node_id is None:
-        return _TASKS[None]
-    return _TASKS[None].options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=True))
+    opts: dict[str, Any] = {"num_returns": num_returns}
+    if node_id is not None:
+        opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=True)
+    return _TASKS[None].options(**opts)

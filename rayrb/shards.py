@@ -70,6 +70,20 @@ class _Shard:
         self._metrics.observe("sample_ms", (time.perf_counter() - t0) * 1e3)
         return rows, info
 
+    def sample_tensors(self, count: int, seed: int, device: str = "cpu") -> dict[str, Any]:
+        """:meth:`sample` as one flat dict of torch tensors (``rows/..``, ``info/..``), for Ray Direct Transport.
+
+        Called with ``.options(tensor_transport="gloo" | "nccl")``; torch is imported only here.
+        """
+        import torch
+
+        rows, info = self.sample(count, seed)
+        out = {f"rows/{k}": torch.from_numpy(v) for k, v in rows.items()}
+        out.update({f"info/{k}": torch.from_numpy(v) for k, v in info.items()})
+        if device != "cpu":
+            out = {k: v.to(device, non_blocking=True) for k, v in out.items()}
+        return out
+
     def gather(self, idx: np.ndarray) -> tuple[Rows, Info]:
         idx = np.asarray(idx, dtype=np.int64)
         if idx.size and (idx.min() < 0 or idx.max() >= self.size()):

@@ -90,3 +90,62 @@ def concat(parts: list[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
     if len(parts) == 1:
         return dict(parts[0])
     return {k: np.concatenate([p[k] for p in parts], axis=0) for k in parts[0]}
+
+
+TRANSPORTS = ("object_store", "gloo", "nccl")
+
+
+def check_transport(transport: str) -> str:
+    """Validate ``transport=``; ``nccl`` needs GPUs in the cluster and cupy (Ray's NCCL RDT uses it)."""
+    import importlib.util
+
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+    if transport == "nccl":
+        import ray
+
+        gpus = ray.cluster_resources().get("GPU", 0) if ray.is_initialized() else 0
+        if gpus < 1 or importlib.util.find_spec("cupy") is None:
+            raise ValueError(
+                f"transport='nccl' needs GPUs in the Ray cluster and cupy installed; found {gpus:g} GPUs and "
+                f"cupy {'present' if importlib.util.find_spec('cupy') else 'missing'}. "
+                "Use transport='gloo' (CPU) or 'object_store'")
+    return transport
+
+
+def receive(meta: Mapping[str, Any], *parts: Any):
+    """A learner's slice from :meth:`OfflineToOnlineReplayBuffer.feed`: ``(TensorDict, info)``.
+
+    ``parts`` are the shard parts as Ray resolved them: ``(rows, info)`` numpy pairs
+    (object store) or flat tensor dicts (Ray Direct Transport; tensors stay on the
+    device they arrived on).
+    """
+    rows: list[dict[str, torch.Tensor]] = []
+    infos: list[dict[str, torch.Tensor]] = []
+    for part in parts:
+        if isinstance(part, tuple):
+            r, i = part
+            rows.append({k: _tensor(v) for k, v in r.items()})
+            infos.append({k: _tensor(v) for k, v in i.items()})
+        else:
+            rows.append({k[len("rows/"):]: v for k, v in part.items() if k.startswith("rows/")})
+            infos.append({k[len("info/"):]: v for k, v in part.items() if k.startswith("info/")})
+    counts = [p[2] for p in meta["parts"]]
+    if len(counts) != len(parts):
+        raise ValueError(f"expected {len(counts)} shard parts for this slice, got {len(parts)}")
+    flat = {k: torch.cat([r[k] for r in rows]) if len(rows) > 1 else rows[0][k] for k in rows[0]}
+    device = next(iter(flat.values())).device
+    info = {
+        "offline": torch.tensor(np.repeat([p[0] == "offline" for p in meta["parts"]], counts), device=device),
+        "shard": torch.tensor(np.repeat([p[1] for p in meta["parts"]], counts), dtype=torch.int64, device=device),
+        "index": torch.cat([i["index"] for i in infos]),
+        "generation": torch.cat([i["generation"] for i in infos]),
+    }
+    nested: dict[str, Any] = {}
+    for k, t in flat.items():
+        *path, leaf = k.split(SEP)
+        d = nested
+        for p in path:
+            d = d.setdefault(p, {})
+        d[leaf] = t
+    return TensorDict(nested, batch_size=[sum(counts)], device=device if device.type != "cpu" else None), info

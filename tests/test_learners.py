@@ -113,3 +113,87 @@ def test_slice_arguments_are_checked(buffers):
         rb.sample_slices(5, 4)
     with pytest.raises(ValueError, match="expected 2 learners"):
         rb.sample_slices(2, 10, learners=[object()])
+
+
+def make_rdt_learner(ray):
+    @ray.remote(num_cpus=0, enable_tensor_transport=True)
+    class RDTLearner:
+        def update(self, meta, *parts):
+            from rayrb.transport import receive
+
+            td, info = receive(meta, *parts)
+            return td["id"].tolist(), info["offline"].tolist(), [type(p).__name__ for p in parts]
+
+    return RDTLearner
+
+
+def test_feed_over_object_store_and_gloo_rdt_give_the_same_rows(tmp_path, ray_session):
+    ray = ray_session
+    Learner = make_rdt_learner(ray)
+    results = {}
+    for transport in ("object_store", "gloo"):
+        rb = OfflineToOnlineReplayBuffer(rows(300), online_capacity=100, num_offline_shards=2, seed=11,
+                                         offline_fraction=0.6, transport=transport, batch_size=50,
+                                         dataset_root=tmp_path / transport)
+        learners = [Learner.remote() for _ in range(2)]
+        try:
+            rb.extend(rows(40, online=True))
+            rb.connect_learners(learners)
+            results[transport] = [rb.feed("update") for _ in range(3)]
+        finally:
+            rb.shutdown()
+            for l in learners:
+                ray.kill(l)
+    for a, b in zip(results["object_store"], results["gloo"]):
+        assert [x[:2] for x in a] == [x[:2] for x in b]  # same rows, same provenance
+        assert sum(sum(x[1]) for x in a) == offline_count(50, 0.6)
+        assert all(t == "tuple" for x in a for t in x[2])  # numpy (rows, info) pairs
+        assert all(t == "dict" for x in b for t in x[2])  # tensors through the gloo group
+
+
+def test_rdt_learner_without_tensor_transport_is_refused_not_hung(tmp_path, ray_session):
+    ray = ray_session
+
+    @ray.remote(num_cpus=0)
+    class Plain:
+        def update(self, meta, *parts):
+            return 0
+
+    rb = OfflineToOnlineReplayBuffer(rows(50), online_capacity=10, transport="gloo", seed=0,
+                                     dataset_root=tmp_path / "ds")
+    learner = Plain.remote()
+    try:
+        with pytest.raises(ValueError, match="enable_tensor_transport=True"):
+            rb.connect_learners([learner])
+    finally:
+        rb.shutdown()
+        ray.kill(learner)
+
+
+def test_unknown_transport_and_nccl_without_gpu(tmp_path):
+    with pytest.raises(ValueError, match="transport must be one of"):
+        OfflineToOnlineReplayBuffer(rows(10), online_capacity=4, transport="tcp", dataset_root=tmp_path / "a")
+    with pytest.raises(ValueError, match="transport='nccl' needs GPUs"):
+        OfflineToOnlineReplayBuffer(rows(10), online_capacity=4, transport="nccl", dataset_root=tmp_path / "b")
+
+
+def test_dead_learner_gives_an_error_within_the_timeout(tmp_path, ray_session):
+    import time
+
+    from rayrb import BufferUnavailableError
+
+    ray = ray_session
+    Learner = make_rdt_learner(ray)
+    rb = OfflineToOnlineReplayBuffer(rows(50), online_capacity=10, seed=0, timeout=20, batch_size=8,
+                                     dataset_root=tmp_path / "ds")
+    learner = Learner.remote()
+    try:
+        rb.connect_learners([learner])
+        assert len(rb.feed("update")[0][0]) == 8
+        ray.kill(learner)
+        t0 = time.monotonic()
+        with pytest.raises(BufferUnavailableError, match="dead"):
+            rb.feed("update")
+        assert time.monotonic() - t0 < 20
+    finally:
+        rb.shutdown()

@@ -1,0 +1,1 @@
+"""Adapters to training frameworks (optional extras)."""
