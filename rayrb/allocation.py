@@ -100,11 +100,12 @@ def row_ranges(total: int, parts: int) -> list[tuple[int, int]]:
     return [(int(s - n), int(s)) for s, n in zip(stops, sizes)]
 
 
-def write_pieces(n: int, num_shards: int, min_piece: int = 64) -> np.ndarray:
+def write_pieces(n: int, num_shards: int, min_piece: int = 1024) -> np.ndarray:
     """Sizes of the contiguous pieces one ``extend`` of ``n`` rows is cut into.
 
-    Small writes stay whole (one shard fetches them); large ones are cut in up to
-    ``num_shards`` pieces so that no shard takes a whole large batch.
+    Small writes stay whole (one shard task, which is most of a write's cost);
+    large ones are cut in up to ``num_shards`` pieces so that no shard takes a whole
+    large batch. Fill levels stay balanced either way (see :func:`assign_pieces`).
     """
     pieces = int(min(num_shards, max(1, n // min_piece)))
     return split_evenly(n, pieces)

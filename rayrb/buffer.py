@@ -224,12 +224,16 @@ class OfflineToOnlineReplayBuffer:
         return arrays
 
     # TorchRL's interface -----------------------------------------------------
-    def extend(self, data: Any) -> torch.Tensor:
+    def extend(self, data: Any, *, wait: bool = False) -> torch.Tensor:
         """Copy rows into the online buffer; return their online indices.
 
         ``data`` (a TensorDict or dict of arrays) is checked against the offline row
         spec before anything ships; a mismatch raises :class:`~rayrb.SchemaError`
         naming the key, and nothing is written.
+
+        Returns once the coordinator has queued the write: every later sample sees
+        the rows (the coordinator orders writes before later reads on each shard). With
+        ``wait=True`` it also waits for the shards' copies.
         """
         import ray
 
@@ -237,16 +241,17 @@ class OfflineToOnlineReplayBuffer:
         n = next(iter(arrays.values())).shape[0]
         if n == 0:
             return torch.empty(0, dtype=torch.int64)
-        sizes = write_pieces(n, self._num_online)
-        stops = np.cumsum(sizes)
-        refs = [ray.put({k: v[s - c:s] for k, v in arrays.items()}) for s, c in zip(stops, sizes)]
-        acks = self._get(self._coord.extend.remote(refs, sizes.tolist()))
+        sizes = write_pieces(n, self._num_online).tolist()
+        ref = ray.put(arrays)  # one object; each shard copies its own contiguous piece out of it
+        if not wait:
+            return torch.from_numpy(np.array(self._get(self._coord.extend.remote([ref], sizes))))
+        indices, acks = self._get(self._coord.extend.remote([ref], sizes, True))
         try:
-            results = self._get([a[2] for a in acks])
+            self._get(acks)
         except Exception:
             self._get(self._coord.resync.remote())
             raise
-        return torch.from_numpy(np.concatenate([off + pos for (_, off, _), (pos, _) in zip(acks, results)]))
+        return torch.from_numpy(np.array(indices))  # a writable copy of the (read-only) reply
 
     def add(self, data: Any) -> int:
         """Add one row (no batch dimension)."""
@@ -472,8 +477,10 @@ def _actor_nodes(actors: list) -> list[str | None]:
 class BatchIterator:
     """Iterates over sampled batches with a bounded number of requests in flight.
 
-    ``in_flight`` is the number of sample requests submitted and not yet consumed;
-    it never exceeds ``prefetch``.
+    Batches are requested in groups of ``ceil(prefetch / 2)`` (one read task per
+    shard per group), and a new group goes out as soon as it fits, so
+    ``in_flight`` (batches requested and not yet handed over) never exceeds
+    ``prefetch``. The stream is the one consecutive :meth:`sample` calls give.
     """
 
     def __init__(self, rb: "OfflineToOnlineReplayBuffer", batch_size: int, prefetch: int, device: Any,
@@ -485,35 +492,50 @@ class BatchIterator:
         if num_batches is not None:
             _positive_int("num_batches", num_batches)
         self._device, self._return_info, self._left = device, return_info, num_batches
-        self._queue: deque = deque()
+        self._group = max(1, -(-self.prefetch // 2))
+        self._pending: deque = deque()  # (group ref, batches in it)
+        self._ready: deque = deque()  # (plan, parts) fetched, not handed over
+        self._requested = 0
         self.max_in_flight = 0
 
     @property
     def in_flight(self) -> int:
-        return len(self._queue)
+        return sum(k for _, k in self._pending) + len(self._ready)
 
     def _fill(self) -> None:
-        while len(self._queue) < self.prefetch and (self._left is None or self._left > len(self._queue)):
-            self._queue.append(self._rb._coord.sample.remote(self._batch_size))
-        self.max_in_flight = max(self.max_in_flight, len(self._queue))
+        while True:
+            k = min(self._group, self.prefetch - self.in_flight)
+            if self._left is not None:
+                k = min(k, self._left - self._requested)
+            if k <= 0 or (k < self._group and self._pending):
+                break
+            self._pending.append((self._rb._coord.sample_group.remote(self._batch_size, k), k))
+            self._requested += k
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
 
     def __iter__(self) -> "BatchIterator":
         return self
 
     def __next__(self):
-        if self._left == 0:
-            raise StopIteration
-        from rayrb.coordinator import assemble
+        from rayrb.coordinator import assemble, split_group
 
+        if self._left is not None and self._left <= 0:
+            raise StopIteration
         self._fill()
-        # The head request stays counted until its rows are here: at most `prefetch` outstanding.
-        plan = self._rb._get(self._queue[0])
-        results = self._rb._get([p[3] for p in plan["parts"]])
-        self._queue.popleft()
+        if not self._ready:
+            ref, k = self._pending[0]
+            group = self._rb._get(ref)
+            results = self._rb._get([r[2] for r in group["reads"]])
+            self._pending.popleft()
+            self._ready.extend(split_group(group, results))
+            if len(group["plans"]) < k:  # a without-replacement group holds one batch
+                self._requested -= k - len(group["plans"])
+        plan, parts = self._ready.popleft()
         if self._left is not None:
             self._left -= 1
-        self._fill()  # refill before handing the batch over, so sampling overlaps training
-        return self._rb._finish(assemble(plan, results, self._return_info), self._return_info, self._device)
+            self._requested -= 1
+        self._fill()  # request more before handing the batch over, so sampling overlaps training
+        return self._rb._finish(assemble(plan, parts, self._return_info), self._return_info, self._device)
 
 
 def _placement(dataset: ChunkDataset, start: int, stop: int, opts: dict) -> dict:

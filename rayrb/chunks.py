@@ -190,8 +190,13 @@ def read_manifest(root: str | os.PathLike) -> dict[str, Any]:
     return manifest
 
 
-def map_chunk(directory: str | os.PathLike, spec: RowSpec, rows: int) -> dict[str, np.memmap]:
-    """Map one chunk's files read-only; raise :class:`ChunkError` naming the chunk if one is missing or short."""
+def map_chunk(directory: str | os.PathLike, spec: RowSpec, rows: int, mode: str = "r") -> dict[str, np.memmap]:
+    """Map one chunk's files read-only (``mode="c"``: copy-on-write, private writes never reach the file).
+
+    Raises :class:`ChunkError` naming the chunk if a file is missing or short.
+    """
+    if mode not in ("r", "c"):
+        raise ValueError(f"mode must be 'r' (read-only) or 'c' (copy-on-write), got {mode!r}")
     directory = Path(directory)
     out = {}
     for k, f in spec.items():
@@ -205,7 +210,7 @@ def map_chunk(directory: str | os.PathLike, spec: RowSpec, rows: int) -> dict[st
             raise ChunkError(f"chunk {directory.name}: file for key {k!r} is missing ({path})") from None
         if size != want:
             raise ChunkError(f"chunk {directory.name}: key {k!r} expected {want} bytes in {path.name}, found {size}")
-        out[k] = np.memmap(path, dtype=f.dtype, mode="r", shape=shape) if want else np.zeros(shape, f.dtype)
+        out[k] = np.memmap(path, dtype=f.dtype, mode=mode, shape=shape) if want else np.zeros(shape, f.dtype)
     return out
 
 
@@ -218,7 +223,7 @@ class ChunkDataset:
         self.spec = RowSpec.from_json(manifest["spec"])
         self.chunks = [ChunkInfo(**c) for c in manifest["chunks"]]
         self.offsets = np.cumsum([0] + [c.rows for c in self.chunks])
-        self._maps: dict[int, dict[str, np.memmap]] = {}
+        self._maps: dict[tuple[int, str], dict[str, np.memmap]] = {}
 
     @classmethod
     def open(cls, root: str | os.PathLike, *, verify: bool = False) -> "ChunkDataset":
@@ -249,17 +254,34 @@ class ChunkDataset:
     def __repr__(self) -> str:
         return f"ChunkDataset({str(self.root)!r}, rows={len(self)}, chunks={len(self.chunks)}, spec={self.spec!r})"
 
-    def chunk_arrays(self, i: int) -> dict[str, np.memmap]:
-        """Read-only memory maps of chunk ``i`` (writing to them raises ``ValueError``)."""
-        if i not in self._maps:
+    def chunk_arrays(self, i: int, mode: str = "r") -> dict[str, np.memmap]:
+        """Memory maps of chunk ``i``: read-only (writing raises ``ValueError``) or copy-on-write (``"c"``)."""
+        if (i, mode) not in self._maps:
             c = self.chunks[i]
-            self._maps[i] = map_chunk(self.root / c.path, self.spec, c.rows)
-        return self._maps[i]
+            self._maps[(i, mode)] = map_chunk(self.root / c.path, self.spec, c.rows, mode)
+        return self._maps[(i, mode)]
 
     def read(self, start: int = 0, stop: int | None = None) -> dict[str, np.ndarray]:
         """Rows ``[start, stop)`` as fresh arrays."""
         stop = len(self) if stop is None else stop
         return self.gather(np.arange(start, stop, dtype=np.int64))
+
+    def view(self, start: int, stop: int) -> dict[str, np.ndarray]:
+        """Rows ``[start, stop)`` without a copy where they lie in one chunk: copy-on-write views.
+
+        Writes to the result stay private to this process; the files never change.
+        """
+        if not 0 <= start <= stop <= len(self):
+            raise IndexError(f"expected 0 <= start <= stop <= {len(self)}, got [{start}, {stop})")
+        first = int(np.searchsorted(self.offsets, start, side="right") - 1)
+        last = int(np.searchsorted(self.offsets, max(start, stop - 1), side="right") - 1)
+        pieces = []
+        for c in range(first, last + 1):
+            a, b = max(start, self.offsets[c]) - self.offsets[c], min(stop, self.offsets[c + 1]) - self.offsets[c]
+            pieces.append({k: v[a:b] for k, v in self.chunk_arrays(c, "c").items()})
+        if len(pieces) == 1:
+            return pieces[0]
+        return {k: np.concatenate([p[k] for p in pieces]) for k in self.spec}
 
     def gather(self, indices: np.ndarray) -> dict[str, np.ndarray]:
         """Rows at global ``indices`` (any order, repeats allowed) as fresh arrays."""
@@ -268,7 +290,14 @@ class ChunkDataset:
             raise IndexError(f"expected row indices in [0, {len(self)}), got range [{indices.min()}, {indices.max()}]")
         out = {k: np.empty((indices.size, *f.shape), dtype=f.dtype) for k, f in self.spec.items()}
         chunk_of = np.searchsorted(self.offsets, indices, side="right") - 1
-        for c in np.unique(chunk_of):
+        chunks = np.unique(chunk_of)
+        if chunks.size == 1:  # the common case: no selection masks needed
+            local = indices - self.offsets[chunks[0]]
+            maps = self.chunk_arrays(int(chunks[0]))
+            for k in out:
+                np.take(maps[k], local, axis=0, out=out[k])
+            return out
+        for c in chunks:
             sel = np.nonzero(chunk_of == c)[0]
             local = indices[sel] - self.offsets[c]
             maps = self.chunk_arrays(int(c))
@@ -285,7 +314,7 @@ class ChunkDataset:
     def verify(self) -> None:
         """Re-hash every chunk; raise :class:`ChunkError` naming the first one that differs."""
         for i, c in enumerate(self.chunks):
-            self._maps.pop(i, None)
+            self._maps.pop((i, "r"), None)
             got = hash_arrays(self.chunk_arrays(i), self.spec)
             if got != c.hash:
                 raise ChunkError(f"chunk {c.path}: content hash {got} does not match the manifest's {c.hash}")

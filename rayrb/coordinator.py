@@ -64,6 +64,7 @@ class Coordinator:
         self._metrics = ActorMetrics("coordinator", {"buffer": name}, export=export_metrics)
         self._transport, self._device = transport, device
         self._learners: list[Any] = []
+        self._acks: list[tuple[int, Any]] = []  # writes not yet confirmed by their shard
         self._group = None
 
     # fraction ---------------------------------------------------------------
@@ -129,7 +130,15 @@ class Coordinator:
         return shard.sample_tensors.options(tensor_transport=self._transport).remote(count, seed, self._device)
 
     def _plan(self, batch_size: int, num_slices: int = 1, tensors: bool = False) -> list[dict[str, Any]]:
-        """Split, allocate and submit the shard reads of one global batch, as ``num_slices`` slices.
+        """:meth:`_draw`, then submit each part's shard read; parts carry refs instead of seeds."""
+        slices = self._draw(batch_size, num_slices)
+        for plan in slices:
+            plan["parts"] = [(side, i, c, self._read(self._shards[side][i], c, seed, tensors))
+                             for side, i, c, seed in plan["parts"]]
+        return slices
+
+    def _draw(self, batch_size: int, num_slices: int = 1) -> list[dict[str, Any]]:
+        """Split and allocate one global batch, as ``num_slices`` slices of ``(side, shard, count, seed)`` parts.
 
         Each slice is allocated on its own (its own multinomial or hypergeometric
         draw), so every slice and their union have the distribution of sampling the
@@ -158,7 +167,7 @@ class Coordinator:
                 seeds = self._rng.integers(0, 2**63 - 1, len(counts))
                 for i, (c, s) in enumerate(zip(counts, seeds)):
                     if c > 0:
-                        parts.append((side, i, int(c), self._read(self._shards[side][i], int(c), int(s), tensors)))
+                        parts.append((side, i, int(c), int(s)))
             slices.append({"parts": parts, "n_offline": n_off, "n_online": n_on, "fraction": fraction,
                            "step": self._step})
         self._step += 1
@@ -172,6 +181,28 @@ class Coordinator:
         (plan,) = self._plan(batch_size)
         self._metrics.observe("plan_ms", (time.perf_counter() - t0) * 1e3)
         return plan
+
+    def sample_group(self, batch_size: int, num_batches: int) -> dict[str, Any]:
+        """Plan ``num_batches`` consecutive batches with one read task per shard.
+
+        The batches are exactly those of as many :meth:`sample` calls (same draws, same
+        seeds); each shard returns the rows of all of them in one object, which cuts
+        the per-object and per-call costs by ``num_batches``. Without replacement a
+        group is one batch, since an epoch may begin between two batches.
+        """
+        t0 = time.perf_counter()
+        if self._sampler == "without_replacement":
+            num_batches = 1
+        plans = [self._draw(batch_size)[0] for _ in range(int(num_batches))]
+        by_shard: dict[tuple[str, int], list[tuple[int, int]]] = {}
+        for plan in plans:
+            for side, i, c, seed in plan["parts"]:
+                by_shard.setdefault((side, i), []).append((c, seed))
+            plan["parts"] = [p[:3] for p in plan["parts"]]
+        reads = [(side, i, self._shards[side][i].sample_many.remote([c for c, _ in items], [s for _, s in items]))
+                 for (side, i), items in by_shard.items()]
+        self._metrics.observe("plan_ms", (time.perf_counter() - t0) * 1e3)
+        return {"plans": plans, "reads": reads}
 
     def sample_refs(self, batch_size: int, num_slices: int = 1, return_info: bool = False,
                     node_ids: Sequence[str | None] | None = None, postprocess: Any = None,
@@ -248,22 +279,58 @@ class Coordinator:
         return out
 
     # writing ----------------------------------------------------------------
-    def extend(self, piece_refs: Sequence[Any], piece_rows: Sequence[int]) -> list[tuple[int, int, Any]]:
-        """Send each piece (an ObjectRef to flat rows) to a shard; return ``(shard, offset, ack_ref)``."""
+    def extend(self, rows_ref: Sequence[Any], piece_rows: Sequence[int], return_acks: bool = False):
+        """Send contiguous pieces of one batch (``rows_ref[0]``, an ObjectRef) to shards.
+
+        Returns the rows' global online indices (and the shards' ack refs if asked).
+        Slots are known here (a shard's cursor is its write count modulo its capacity),
+        so a writer need not wait for the copies. Acks of earlier writes are checked
+        first: a failed one resyncs sizes from the shards and raises.
+        """
         if not self._shards[ONLINE]:
             raise RuntimeError("this buffer has no online shards")
-        if len(piece_refs) > len(self._shards[ONLINE]):
-            raise ValueError(f"expected at most {len(self._shards[ONLINE])} pieces, got {len(piece_refs)}")
+        if len(piece_rows) > len(self._shards[ONLINE]):
+            raise ValueError(f"expected at most {len(self._shards[ONLINE])} pieces, got {len(piece_rows)}")
+        if len(self._acks) >= 32:  # checking costs a ray.wait; amortize it
+            self._check_acks()
         targets = assign_pieces(piece_rows, self._written)
         offsets = np.concatenate([[0], np.cumsum(self._capacity)[:-1]])
-        out = []
-        for ref, rows, shard in zip(piece_refs, piece_rows, targets):
-            # The ref is nested in a list, so it arrives unresolved: the shard fetches the rows itself.
-            out.append((shard, int(offsets[shard]), self._shards[ONLINE][shard].extend.remote(ref)))
+        indices, acks, start = [], [], 0
+        for rows, shard in zip(piece_rows, targets):
+            slots = (int(self._written[shard]) + np.arange(rows, dtype=np.int64)) % int(self._capacity[shard])
+            # The ref came nested in a list, so it is still unresolved: the shard fetches the rows itself.
+            ack = self._shards[ONLINE][shard].extend.remote(rows_ref[0], start, start + rows)
+            self._acks.append((shard, ack))
+            acks.append(ack)
+            indices.append(int(offsets[shard]) + slots)
             self._written[shard] += rows
+            start += rows
         self._sizes[ONLINE] = np.minimum(self._written, self._capacity)
         self._metrics.count("rows_written", int(sum(piece_rows)))
-        return out
+        out = np.concatenate(indices)
+        return (out, acks) if return_acks else out
+
+    def _check_acks(self) -> None:
+        import ray
+
+        if not self._acks:
+            return
+        refs = [a for _, a in self._acks]
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        done = set(done)
+        failed = []
+        for shard, ack in self._acks:
+            if ack in done:
+                try:
+                    ray.get(ack)
+                except Exception as e:
+                    failed.append((shard, e))
+        self._acks = [(s, a) for s, a in self._acks if a not in done]
+        if failed:
+            self.resync()
+            shard, e = failed[0]
+            raise RuntimeError(f"an earlier write to online shard {shard} failed ({type(e).__name__}: {e}); "
+                               f"sizes were re-read from the shards: {self.sizes()}")
 
     def resync(self) -> dict[str, list[int]]:
         """Re-read sizes from the shards (after a failed write)."""
@@ -278,6 +345,7 @@ class Coordinator:
 
     # introspection ----------------------------------------------------------
     def sizes(self) -> dict[str, list[int]]:
+        self._check_acks()
         return {OFFLINE: self._sizes[OFFLINE].tolist(), ONLINE: self._sizes[ONLINE].tolist(),
                 "online_written": self._written.tolist(), "online_capacity": self._capacity.tolist()}
 
@@ -305,6 +373,22 @@ class Coordinator:
 
     def ping(self) -> str:
         return self._name
+
+
+def split_group(group: dict[str, Any], results: Sequence[tuple]) -> list[tuple[dict[str, Any], list[tuple]]]:
+    """Cut :meth:`Coordinator.sample_group`'s per-shard results back into per-batch ``(plan, parts)``."""
+    data = {(side, i): r for (side, i, _), r in zip(group["reads"], results)}
+    cursor = {k: 0 for k in data}
+    out = []
+    for plan in group["plans"]:
+        parts = []
+        for side, i, c in plan["parts"]:
+            rows, info = data[(side, i)]
+            a = cursor[(side, i)]
+            parts.append(({k: v[a:a + c] for k, v in rows.items()}, {k: v[a:a + c] for k, v in info.items()}))
+            cursor[(side, i)] = a + c
+        out.append((plan, parts))
+    return out
 
 
 def _plan_meta(plan: dict[str, Any]) -> dict[str, Any]:

@@ -169,7 +169,7 @@ def _read_unit(kind: str, where: str, start: int, stop: int) -> dict[str, np.nda
         import pyarrow.parquet as pq
 
         return {k: v[start:stop] for k, v in arrow_to_arrays(pq.read_table(where)).items()}
-    return ChunkDataset.open(where).read(start, stop)
+    return ChunkDataset.open(where).view(start, stop)  # copy-on-write: fn may write in place
 
 
 # ---------------------------------------------------------------------------- the task
@@ -178,7 +178,7 @@ def _apply(fn: Callable, arrays: dict[str, np.ndarray], batched: bool, name: str
 
     from rayrb.transport import from_numpy_dict, to_numpy_dict
 
-    td = from_numpy_dict({k: np.array(v) for k, v in arrays.items()})  # writable copy for fn
+    td = from_numpy_dict({k: v if v.flags.writeable else np.array(v) for k, v in arrays.items()})
     if batched:
         try:
             out = fn(td)
@@ -216,7 +216,10 @@ def _process(unit: tuple, index: int, fn: Callable, batched: bool, dest: str) ->
     spec = RowSpec.from_arrays(out)
     info = write_chunk(out, Path(dest) / name, spec)
     info.node = ray.get_runtime_context().get_node_id()
-    info.extra = {"input": [start, stop], "spec": spec.to_json()}
+    from rayrb.shards import _memory
+
+    # peak RSS of the worker process so far (bounded by the chunk size, not the dataset size)
+    info.extra = {"input": [start, stop], "spec": spec.to_json(), "worker_rss_bytes": _memory()["rss_peak_bytes"]}
     marker = Path(dest) / f"{name}.done.json"
     tmp = marker.with_suffix(".tmp")
     tmp.write_text(json.dumps(asdict(info)))

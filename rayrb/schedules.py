@@ -57,30 +57,33 @@ class Constant(Schedule):
         return self.value
 
 
-class Linear(Schedule):
-    """From ``start`` to ``end`` over ``total_steps``, then held at ``end`` (TorchRL's ``anneal`` with end=0)."""
+class _Ramp(Schedule):
+    """From ``start`` to ``end`` over ``total_steps``, then held at ``end``; subclasses give the curve."""
+
+    def __init__(self, start: float, end: float = 0.0, total_steps: int = 1):
+        self.start, self.end = check_fraction(start), check_fraction(end)
+        self.total_steps = _check_steps(total_steps)
+
+    def _progress(self, step: int) -> float:
+        return min(max(step, 0) / self.total_steps, 1.0)
+
+
+class Linear(_Ramp):
+    """Linear ramp (TorchRL's ``anneal`` is ``Linear(base, 0, total_steps)``)."""
 
     kind = "linear"
 
-    def __init__(self, start: float, end: float = 0.0, total_steps: int = 1):
-        self.start, self.end = check_fraction(start), check_fraction(end)
-        self.total_steps = _check_steps(total_steps)
-
     def __call__(self, step: int, n_offline: int, n_online: int) -> float:
-        t = min(max(step, 0) / self.total_steps, 1.0)
-        return self.start + (self.end - self.start) * t
+        return self.start + (self.end - self.start) * self._progress(step)
 
 
-class Cosine(Schedule):
+class Cosine(_Ramp):
+    """Half-cosine ramp: flat at both ends."""
+
     kind = "cosine"
 
-    def __init__(self, start: float, end: float = 0.0, total_steps: int = 1):
-        self.start, self.end = check_fraction(start), check_fraction(end)
-        self.total_steps = _check_steps(total_steps)
-
     def __call__(self, step: int, n_offline: int, n_online: int) -> float:
-        t = min(max(step, 0) / self.total_steps, 1.0)
-        return self.end + (self.start - self.end) * 0.5 * (1.0 + math.cos(math.pi * t))
+        return self.end + (self.start - self.end) * 0.5 * (1.0 + math.cos(math.pi * self._progress(step)))
 
 
 class Step(Schedule):

@@ -30,12 +30,20 @@ Rows = dict[str, np.ndarray]
 Info = dict[str, np.ndarray]
 
 
-def _rss_bytes() -> int:
+def _memory() -> dict[str, int]:
+    """Resident memory split into private (``rss_anon``: copies) and file-backed (``rss_file``: mapped chunks)."""
+    out = {"rss_bytes": 0, "rss_anon_bytes": 0, "rss_file_bytes": 0, "rss_peak_bytes": 0}
+    names = {"VmRSS:": "rss_bytes", "RssAnon:": "rss_anon_bytes", "RssFile:": "rss_file_bytes",
+             "VmHWM:": "rss_peak_bytes"}
     try:
-        with open(f"/proc/{os.getpid()}/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        with open(f"/proc/{os.getpid()}/status") as f:
+            for line in f:
+                parts = line.split()
+                if parts and parts[0] in names:
+                    out[names[parts[0]]] = int(parts[1]) * 1024
     except OSError:
-        return 0
+        pass
+    return out
 
 
 class _Shard:
@@ -70,6 +78,17 @@ class _Shard:
         self._metrics.observe("sample_ms", (time.perf_counter() - t0) * 1e3)
         return rows, info
 
+    def sample_many(self, counts: list[int], seeds: list[int]) -> tuple[Rows, Info]:
+        """The rows of several :meth:`sample` calls, in order, gathered in one pass into one object."""
+        t0 = time.perf_counter()
+        idx = np.concatenate([self._sampler.sample(int(c), self.size(), np.random.default_rng(s))
+                              for c, s in zip(counts, seeds)]) if counts else np.empty(0, np.int64)
+        rows = self._gather(idx)
+        info = {"index": idx, "generation": self._generation(idx)}
+        self._metrics.count("rows_sampled", len(idx))
+        self._metrics.observe("sample_ms", (time.perf_counter() - t0) * 1e3)
+        return rows, info
+
     def sample_tensors(self, count: int, seed: int, device: str = "cpu") -> dict[str, Any]:
         """:meth:`sample` as one flat dict of torch tensors (``rows/..``, ``info/..``), for Ray Direct Transport.
 
@@ -92,7 +111,8 @@ class _Shard:
 
     def stats(self) -> dict[str, Any]:
         self._metrics.gauge("size", self.size())
-        self._metrics.gauge("rss_bytes", _rss_bytes())
+        for name, value in _memory().items():
+            self._metrics.gauge(name, value)
         return self._metrics.snapshot()
 
     def ping(self) -> str:
@@ -150,9 +170,11 @@ class OnlineShard(_Shard):
         """Rows ever written (the write count); ``size()`` is this capped at the capacity."""
         return self._written
 
-    def extend(self, rows: Mapping[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-        """Copy ``rows`` in; return their slots and generations."""
+    def extend(self, rows: Mapping[str, np.ndarray], start: int = 0, stop: int | None = None
+               ) -> tuple[np.ndarray, np.ndarray]:
+        """Copy ``rows[start:stop]`` in; return their slots and generations."""
         t0 = time.perf_counter()
+        rows = {k: v[start:stop] for k, v in rows.items()}
         n = self._spec.validate(rows, what=f"rows for shard {self.shard_id}")
         pos = (self._cursor + np.arange(n, dtype=np.int64)) % self._capacity
         keep = slice(max(0, n - self._capacity), n)  # a write larger than the shard keeps its tail

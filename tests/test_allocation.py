@@ -117,7 +117,8 @@ def test_ranges_and_even_splits():
     assert split_evenly(10, 4).tolist() == [3, 3, 2, 2]
     assert row_ranges(10, 3) == [(0, 4), (4, 7), (7, 10)]
     assert write_pieces(10, 4).tolist() == [10]  # small writes stay whole
-    assert write_pieces(1000, 4).tolist() == [250, 250, 250, 250]
+    assert write_pieces(2100, 4).tolist() == [1050, 1050]
+    assert write_pieces(100_000, 4).tolist() == [25_000] * 4
 
 
 def test_pieces_go_to_the_least_written_shards():

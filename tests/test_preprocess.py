@@ -210,3 +210,17 @@ def test_two_node_cluster_records_where_chunks_were_written(tmp_path):
     assert result["values_ok"] and result["sampled"] == 16
     assert len(set(result["nodes"])) == 2, result  # both nodes wrote chunks
     assert set(result["nodes"]) <= set(result["alive"])
+
+
+def test_in_place_fn_never_touches_the_source(tmp_path):
+    src = source(tmp_path)
+    before = src.read()
+
+    def in_place(td):
+        td["X"].mul_(-1)  # writes into the mapped input: copy-on-write keeps it private
+        return td
+
+    out = preprocess(src, in_place, tmp_path / "out", batched=True, chunk_rows=64, pbar=False).read()
+    np.testing.assert_array_equal(out["X"], -before["X"])
+    src.verify()
+    np.testing.assert_array_equal(src.read()["X"], before["X"])

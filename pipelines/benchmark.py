@@ -1,0 +1,491 @@
+"""rayrb side by side with TorchRL, in one run: sampling, writing, preprocessing, memory, scaling.
+
+Peers: TorchRL's in-process ``OfflineToOnlineReplayBuffer`` (a ``ReplayBuffer`` +
+``LazyTensorStorage`` offline side), TorchRL's ``RayReplayBuffer``, and
+``torch.index_select`` gathering the same rows in one process (the machine's limit).
+rayrb figures are reported as ratios to the peers measured in the same run,
+repeated ``--repeats`` times (median and range).
+
+    python pipelines/benchmark.py                  # full run, a few minutes
+    python pipelines/benchmark.py --smoke          # tiny sizes (run by the tests)
+    ray job submit --working-dir . -- python pipelines/benchmark.py --data-home /path/to/sklearn_data
+
+The offline table is synthetic and covertype-sized (581,012 x 54 float32 + int64
+label): NOT the real covertype rows, which are not available offline.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+import numpy as np  # noqa: E402
+import ray  # noqa: E402
+import torch  # noqa: E402
+from tensordict import TensorDict  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+SIZES = {
+    "full": dict(n_off=581_012, dim=54, n_on=100_000, batch_sizes=[256, 4096, 65536], shards=[1, 2, 4],
+                 repeats=3, min_time=1.0, min_iters=5, writer_batches=50, writer_rows=1000, per_row_frames=20_000,
+                 prefetch=16, prefetch_sweep=[1, 4, 8, 16, 32]),
+    "smoke": dict(n_off=4000, dim=8, n_on=1000, batch_sizes=[64, 512], shards=[1, 2], repeats=1, min_time=0.02,
+                  min_iters=2, writer_batches=3, writer_rows=100, per_row_frames=300, prefetch=2,
+                  prefetch_sweep=[1, 2]),
+}
+
+
+# ------------------------------------------------------------------ helpers
+def timed(fn: Callable[[], Any], min_time: float, min_iters: int, warmup: int = 2) -> list[float]:
+    """Per-call latencies (s) of ``fn`` over at least ``min_time`` seconds and ``min_iters`` calls."""
+    for _ in range(warmup):
+        fn()
+    lat, start = [], time.perf_counter()
+    while len(lat) < min_iters or time.perf_counter() - start < min_time:
+        t0 = time.perf_counter()
+        fn()
+        lat.append(time.perf_counter() - t0)
+    return lat
+
+
+def summarize(lat: list[float], rows_per_call: int) -> dict[str, float]:
+    total = sum(lat)
+    return {"rows_per_s": rows_per_call * len(lat) / total, "batches_per_s": len(lat) / total,
+            "p50_ms": float(np.percentile(lat, 50) * 1e3), "p99_ms": float(np.percentile(lat, 99) * 1e3),
+            "calls": len(lat)}
+
+
+def med_range(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": values}
+
+
+def synthetic_table(n: int, dim: int, seed: int = 0) -> TensorDict:
+    """Covertype-shaped random rows. NOT real data."""
+    g = torch.Generator().manual_seed(seed)
+    return TensorDict({"X": torch.randn(n, dim, generator=g), "y": torch.randint(0, 7, (n,), generator=g)}, [n])
+
+
+def plasma_mib() -> float:
+    from ray._private.internal_api import memory_summary
+
+    for line in memory_summary(stats_only=True).splitlines():
+        if "Plasma memory usage" in line:
+            return float(line.split("Plasma memory usage")[1].split("MiB")[0])
+    return float("nan")
+
+
+# ------------------------------------------------------------------ peers
+def torchrl_o2o(offline: TensorDict, online: TensorDict):
+    from torchrl.data import LazyTensorStorage, OfflineToOnlineReplayBuffer, ReplayBuffer
+
+    off = ReplayBuffer(storage=LazyTensorStorage(len(offline)))
+    off.extend(offline)
+    rb = OfflineToOnlineReplayBuffer(offline_dataset=off, online_capacity=len(online), offline_fraction=0.5)
+    rb.extend(online)
+    return rb
+
+
+def torchrl_ray(data: TensorDict):
+    from torchrl.data import LazyTensorStorage, RayReplayBuffer
+
+    rb = RayReplayBuffer(storage=LazyTensorStorage(len(data)), batch_size=None)
+    rb.extend(data)
+    return rb
+
+
+@ray.remote(num_cpus=0)
+class Writer:
+    """Writes ``batches`` batches of ``rows`` rows, to a rayrb handle or a TorchRL buffer actor."""
+
+    def __init__(self, dim: int):
+        self.dim = dim
+
+    def write(self, target, kind: str, batches: int, rows: int) -> float:
+        g = torch.Generator().manual_seed(0)
+        data = [TensorDict({"X": torch.randn(rows, self.dim, generator=g), "y": torch.zeros(rows, dtype=torch.int64)},
+                           [rows]) for _ in range(batches)]
+        t0 = time.perf_counter()
+        for td in data:
+            if kind == "rayrb":
+                target.extend(td)
+            else:
+                ray.get(target.extend.remote(td))
+        return time.perf_counter() - t0
+
+
+# ------------------------------------------------------------------ sections
+def bench_sampling(cfg, offline, online, root, results):
+    from rayrb import OfflineToOnlineReplayBuffer
+
+    B_list, out = cfg["batch_sizes"], {}
+    X, y = offline["X"], offline["y"]
+    o2o = torchrl_o2o(offline, online)
+    rray = torchrl_ray(offline)
+    ds_root = Path(root) / "offline"
+    from rayrb import write_dataset
+
+    write_dataset(offline, ds_root)
+    buffers = {}
+    for m in cfg["shards"]:
+        rb = OfflineToOnlineReplayBuffer(str(ds_root), online_capacity=len(online), num_offline_shards=m,
+                                         num_online_shards=2, offline_fraction=0.5, seed=m)
+        rb.extend(online)
+        buffers[m] = rb
+    start_mem = {s["shard"]: s for s in buffers[cfg["shards"][-1]].stats()["shards"] if s["kind"] == "offline"}
+    for B in B_list:
+        row = {}
+        for rep in range(cfg["repeats"]):
+            def gather():
+                idx = torch.randint(0, len(X), (B,))
+                torch.index_select(X, 0, idx), torch.index_select(y, 0, idx)
+
+            entries = {"index_select": summarize(timed(gather, cfg["min_time"], cfg["min_iters"]), B),
+                       "torchrl_o2o": summarize(timed(lambda: o2o.sample(B), cfg["min_time"], cfg["min_iters"]), B),
+                       "torchrl_ray": summarize(timed(lambda: rray.sample(B), cfg["min_time"], cfg["min_iters"]), B)}
+            for m, rb in buffers.items():
+                entries[f"rayrb_{m}shard"] = summarize(timed(lambda: rb.sample(B), cfg["min_time"],
+                                                             cfg["min_iters"]), B)
+                it = rb.iter_batches(B, prefetch=cfg["prefetch"])
+                entries[f"rayrb_{m}shard_prefetch"] = summarize(timed(lambda: next(it), cfg["min_time"],
+                                                                      cfg["min_iters"]), B)
+            for k, v in entries.items():
+                row.setdefault(k, []).append(v)
+            print(f"  B={B} rep {rep}: " + ", ".join(f"{k} {v['rows_per_s']:,.0f}" for k, v in entries.items()),
+                  flush=True)
+        out[str(B)] = {k: {"rows_per_s": med_range([r["rows_per_s"] for r in v]),
+                           "batches_per_s": statistics.median([r["batches_per_s"] for r in v]),
+                           "p50_ms": statistics.median([r["p50_ms"] for r in v]),
+                           "p99_ms": statistics.median([r["p99_ms"] for r in v])} for k, v in row.items()}
+    results["sampling"] = out
+    # how throughput depends on the prefetch depth (requests are grouped: one read per shard per group)
+    sweep = {}
+    rb = buffers[cfg["shards"][0]]
+    for B in (B_list[1 if len(B_list) > 1 else 0], B_list[-1]):
+        for pf in cfg["prefetch_sweep"]:
+            it = rb.iter_batches(B, prefetch=pf)
+            sweep[f"B={B} prefetch={pf}"] = summarize(timed(lambda: next(it), cfg["min_time"], cfg["min_iters"]), B)
+            print(f"  {cfg['shards'][0]} shard B={B} prefetch={pf}: {sweep[f'B={B} prefetch={pf}']['rows_per_s']:,.0f}"
+                  " rows/s", flush=True)
+    results["prefetch_sweep"] = sweep
+    # object-store use while a prefetching iterator runs: bounded by prefetch x batch bytes
+    import threading
+
+    B = B_list[-1]
+    rb = buffers[cfg["shards"][-1]]
+    gc.collect()
+    time.sleep(1.0)  # let earlier batches' objects be freed
+    base, samples, stop = plasma_mib(), [], threading.Event()
+
+    def poll():
+        while not stop.is_set():
+            samples.append(plasma_mib())
+            time.sleep(0.02)
+
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    it = rb.iter_batches(B, prefetch=cfg["prefetch"])
+    for _ in range(3 * cfg["prefetch"]):
+        next(it)
+    stop.set()
+    poller.join()
+    del it
+    batch_mib = B * (offline["X"][0].numel() * 4 + 8) / 2**20
+    results["object_store"] = {"batch_size": B, "prefetch": cfg["prefetch"], "batch_mib": batch_mib,
+                               "baseline_plasma_mib": base, "peak_extra_plasma_mib": max(samples) - base,
+                               "polls": len(samples)}
+    # offline shard memory against the dataset's bytes
+    stats = rb.stats()["shards"]
+    off = [s for s in stats if s["kind"] == "offline"]
+    grow = {k: int(sum(s[k] - start_mem[s["shard"]][k] for s in off)) for k in ("rss_anon_bytes", "rss_file_bytes")}
+    results["memory"] = {
+        "dataset_bytes": int(len(offline) * (offline["X"][0].numel() * 4 + 8)),
+        "offline_shards": len(off),
+        "per_actor_overhead_anon_bytes": int(statistics.mean(s["rss_anon_bytes"] for s in start_mem.values())),
+        "rss_anon_bytes_total": int(sum(s["rss_anon_bytes"] for s in off)),
+        "rss_file_bytes_total": int(sum(s["rss_file_bytes"] for s in off)),
+        "anon_growth_while_sampling_bytes": grow["rss_anon_bytes"],
+        "file_growth_while_sampling_bytes": grow["rss_file_bytes"],
+    }
+    for rb in buffers.values():
+        rb.shutdown()
+    rray.close() if hasattr(rray, "close") else None
+    del o2o, rray
+    gc.collect()
+
+
+def bench_real(cfg, data_home, root, results):
+    from rayrb import OfflineToOnlineReplayBuffer, load_dataset
+
+    ds = load_dataset("openml:shuttle", data_home=data_home, root=root)
+    offline = ds.to_tensordict()
+    online = offline[: min(len(offline), cfg["n_on"])].clone()
+    o2o = torchrl_o2o(offline, online)
+    rb = OfflineToOnlineReplayBuffer(ds, online_capacity=len(online), num_offline_shards=2, seed=0)
+    rb.extend(online)
+    B = 4096 if cfg["n_off"] == SIZES["full"]["n_off"] else cfg["batch_sizes"][-1]
+    runs = {"torchrl_o2o": [], "rayrb_2shard_prefetch": []}
+    for _ in range(cfg["repeats"]):
+        runs["torchrl_o2o"].append(summarize(timed(lambda: o2o.sample(B), cfg["min_time"], cfg["min_iters"]), B))
+        it = rb.iter_batches(B, prefetch=cfg["prefetch"])
+        runs["rayrb_2shard_prefetch"].append(summarize(timed(lambda: next(it), cfg["min_time"], cfg["min_iters"]), B))
+    results["sampling_real"] = {"dataset": "openml:shuttle (real, 58,000 x 9)", "batch_size": B,
+                                **{k: {"rows_per_s": med_range([r["rows_per_s"] for r in v])} for k, v in runs.items()}}
+    rb.shutdown()
+
+
+def bench_writing(cfg, root, results):
+    from rayrb import OfflineToOnlineReplayBuffer
+
+    offline = synthetic_table(1000, cfg["dim"])
+    out = {}
+    for n_writers in (1, 4):
+        runs = {"rayrb": [], "torchrl_ray": []}
+        for _ in range(cfg["repeats"]):
+            writers = [Writer.remote(cfg["dim"]) for _ in range(n_writers)]
+            ray.get([w.__ray_ready__.remote() for w in writers])
+            capacity = n_writers * cfg["writer_batches"] * cfg["writer_rows"]
+            rb = OfflineToOnlineReplayBuffer(offline, online_capacity=capacity, num_online_shards=2, seed=0,
+                                             dataset_root=Path(tempfile.mkdtemp(dir=root)) / "ds")
+            from torchrl.data import LazyTensorStorage, RayReplayBuffer
+
+            rray = RayReplayBuffer(storage=LazyTensorStorage(capacity), batch_size=None)
+            for kind, target in (("rayrb", rb), ("torchrl_ray", rray._rb)):
+                t0 = time.perf_counter()
+                ray.get([w.write.remote(target, kind, cfg["writer_batches"], cfg["writer_rows"]) for w in writers])
+                runs[kind].append(capacity / (time.perf_counter() - t0))
+            assert rb.write_count == capacity
+            rb.shutdown()
+            for w in writers:
+                ray.kill(w)
+            ray.kill(rray._rb)
+        out[f"{n_writers}_writers"] = {k: {"rows_per_s": med_range(v)} for k, v in runs.items()}
+        print(f"  writers={n_writers}: " + ", ".join(f"{k} {statistics.median(v):,.0f} rows/s"
+                                                     for k, v in runs.items()), flush=True)
+    results["writing"] = out
+
+
+def standardize(td):
+    """The preprocessing function for both libraries: works on a row or a chunk."""
+    td["X"] = (td["X"] - 0.5) / 2.0
+    td["norm"] = td["X"].pow(2).sum(-1)
+    return td
+
+
+def bench_preprocess(cfg, offline, root, results):
+    from torchrl.data.datasets.common import BaseDatasetExperienceReplay
+    from torchrl.data.replay_buffers import TensorStorage
+
+    from rayrb import preprocess, write_dataset
+
+    src = write_dataset(offline, Path(root) / "pp_src", overwrite=True)
+    mm = offline.memmap(Path(root) / "pp_trl_src")
+    runs = {"rayrb_batched": [], "torchrl": [], "rayrb_per_row": []}
+    workers_rss = []
+    for rep in range(cfg["repeats"]):
+        d = Path(tempfile.mkdtemp(dir=root))
+        t0 = time.perf_counter()
+        out = preprocess(src, standardize, d / "batched", batched=True, num_workers=2, pbar=False)
+        runs["rayrb_batched"].append(len(out) / (time.perf_counter() - t0))
+        workers_rss.append(max(c.extra.get("worker_rss_bytes", 0) for c in out.chunks))
+        # TorchRL's preprocess runs on any TensorStorage-backed dataset object: drive it directly.
+        trl = BaseDatasetExperienceReplay.__new__(BaseDatasetExperienceReplay)
+        trl._storage = TensorStorage(mm)
+        t0 = time.perf_counter()
+        ref = trl.preprocess(standardize, num_workers=2, dest=d / "trl", mp_start_method="fork")
+        runs["torchrl"].append(len(ref) / (time.perf_counter() - t0))
+        n = cfg["per_row_frames"]
+        t0 = time.perf_counter()
+        preprocess(src, standardize, d / "rows", num_workers=2, num_frames=n, pbar=False)
+        runs["rayrb_per_row"].append(n / (time.perf_counter() - t0))
+        if rep == 0:
+            a, b = out.read(), ref._storage
+            results.setdefault("checks", {})["preprocess_equal_to_torchrl"] = bool(
+                np.allclose(a["X"], b["X"].numpy()) and np.allclose(a["norm"], b["norm"].numpy()))
+        print(f"  preprocess rep {rep}: " + ", ".join(f"{k} {v[-1]:,.0f} rows/s" for k, v in runs.items()), flush=True)
+    results["preprocess"] = {k: {"rows_per_s": med_range(v)} for k, v in runs.items()}
+    results["preprocess"]["rows"] = len(offline)
+    results["preprocess"]["peak_worker_rss_bytes"] = max(workers_rss)
+
+
+CLUSTER_SCRIPT = r"""
+import json, logging, os, sys, time
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+import ray, torch
+from ray.cluster_utils import Cluster
+from tensordict import TensorDict
+n, dim, B, nodes, min_time = (int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]),
+                              float(sys.argv[5]))
+cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+for _ in range(nodes - 1):
+    cluster.add_node(num_cpus=1)
+cluster.wait_for_nodes()
+ray.init(address=cluster.address, logging_level=logging.WARNING, log_to_driver=False)
+from rayrb import OfflineToOnlineReplayBuffer
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+data = TensorDict({"X": torch.randn(n, dim), "y": torch.zeros(n, dtype=torch.int64)}, [n])
+rb = OfflineToOnlineReplayBuffer(data, online_capacity=1000, num_offline_shards=2, seed=0,
+                                 actor_options={"scheduling_strategy": "SPREAD"})
+it = rb.iter_batches(B, prefetch=4)
+for _ in range(3):
+    next(it)
+count, t0 = 0, time.perf_counter()
+while count < 5 or time.perf_counter() - t0 < min_time:
+    next(it)
+    count += 1
+rate = count * B / (time.perf_counter() - t0)
+rb.shutdown()
+print(json.dumps({"nodes": nodes, "rows_per_s": rate}))
+ray.shutdown()
+cluster.shutdown()
+"""
+
+
+def bench_cluster(cfg, results):
+    out = {}
+    n = min(cfg["n_off"], 200_000)
+    B = 4096 if cfg["n_off"] == SIZES["full"]["n_off"] else cfg["batch_sizes"][-1]
+    env = {**os.environ}
+    env.pop("RAY_ADDRESS", None)
+    for nodes in (1, 2):
+        p = subprocess.run([sys.executable, "-c", CLUSTER_SCRIPT, str(n), str(cfg["dim"]), str(B), str(nodes),
+                            str(cfg["min_time"] * 3)], capture_output=True, text=True, env=env, timeout=600)
+        if p.returncode != 0:
+            raise RuntimeError(f"cluster benchmark with {nodes} node(s) failed:\n{p.stderr[-2000:]}")
+        out[f"{nodes}_node"] = json.loads(p.stdout.strip().splitlines()[-1])
+    out["note"] = "both 'nodes' are processes on this one 2-core machine: this checks placement, not network scaling"
+    results["cluster"] = out
+
+
+# ------------------------------------------------------------------ report
+def ratios(results):
+    r = {}
+    s = results["sampling"]
+    for B, row in s.items():
+        for k, v in row.items():
+            if k.startswith("rayrb"):
+                med = v["rows_per_s"]["median"]
+                r[f"B={B} {k} / torchrl_o2o"] = med / row["torchrl_o2o"]["rows_per_s"]["median"]
+                r[f"B={B} {k} / torchrl_ray"] = med / row["torchrl_ray"]["rows_per_s"]["median"]
+                r[f"B={B} {k} / index_select"] = med / row["index_select"]["rows_per_s"]["median"]
+    w = results.get("writing", {})
+    for n, row in w.items():
+        r[f"extend {n} rayrb / torchrl_ray"] = row["rayrb"]["rows_per_s"]["median"] / row["torchrl_ray"]["rows_per_s"]["median"]
+    p = results.get("preprocess")
+    if p:
+        r["preprocess batched rayrb / torchrl"] = p["rayrb_batched"]["rows_per_s"]["median"] / p["torchrl"]["rows_per_s"]["median"]
+    m = results.get("memory")
+    if m:
+        r["offline shards: (anon RSS - per-actor overhead) / dataset bytes"] = (
+            m["rss_anon_bytes_total"] - m["offline_shards"] * m["per_actor_overhead_anon_bytes"]) / m["dataset_bytes"]
+        r["offline shards: RSS (anon + file) growth while sampling / dataset bytes"] = (
+            m["anon_growth_while_sampling_bytes"] + m["file_growth_while_sampling_bytes"]) / m["dataset_bytes"]
+    return r
+
+
+def plots(results, out_dir: Path) -> list[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    s = results["sampling"]
+    Bs = sorted(int(b) for b in s)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for k in s[str(Bs[0])]:
+        ax.plot(Bs, [s[str(b)][k]["rows_per_s"]["median"] for b in Bs], marker="o", label=k)
+    ax.set(xscale="log", yscale="log", xlabel="batch size", ylabel="rows/s (median)", title="Sampling throughput")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out_dir / "throughput_vs_batch.png", dpi=110)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    shards = sorted({int(k.split("_")[1][:-5]) for k in s[str(Bs[0])] if k.startswith("rayrb")})
+    for b in Bs:
+        for mode in ("", "_prefetch"):
+            ax.plot(shards, [s[str(b)][f"rayrb_{m}shard{mode}"]["rows_per_s"]["median"] for m in shards],
+                    marker="o", label=f"B={b}{mode}")
+    ax.set(yscale="log", xlabel="offline shards", ylabel="rows/s (median)", title="rayrb throughput vs shards")
+    ax.set_xticks(shards)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out_dir / "throughput_vs_shards.png", dpi=110)
+    plt.close("all")
+    return ["throughput_vs_batch.png", "throughput_vs_shards.png"]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--smoke", action="store_true", help="tiny sizes, one repeat (what the tests run)")
+    p.add_argument("--data-home", default=os.environ.get("SCIKIT_LEARN_DATA"))
+    p.add_argument("--out", default=str(REPO / "benchmarks"))
+    p.add_argument("--sections", default="sampling,real,writing,preprocess,cluster")
+    p.add_argument("--batch-sizes", default=None, help="comma-separated, overrides the mode's")
+    p.add_argument("--repeats", type=int, default=None, help="overrides the mode's")
+    args = p.parse_args(argv)
+    cfg = dict(SIZES["smoke" if args.smoke else "full"])
+    if args.batch_sizes:
+        cfg["batch_sizes"] = [int(b) for b in args.batch_sizes.split(",")]
+    if args.repeats:
+        cfg["repeats"] = args.repeats
+    sections = set(args.sections.split(","))
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if not ray.is_initialized():
+        ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False,
+                 logging_level=logging.WARNING, object_store_memory=None if os.environ.get("RAY_ADDRESS") else 2 << 30)
+    results: dict[str, Any] = {
+        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "mode": "smoke" if args.smoke else "full",
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+                    "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)},
+        "versions": {m: __import__(m).__version__ for m in ("ray", "torch", "tensordict", "torchrl", "numpy")},
+        "config": cfg,
+        "data": f"synthetic covertype-sized table {cfg['n_off']} x {cfg['dim']} float32 + int64 label (NOT real "
+                f"covertype); online {cfg['n_on']} rows",
+        "not_measured": ["prioritized sampling (not built yet)"],
+    }
+    with tempfile.TemporaryDirectory(prefix="rayrb-bench-") as root:
+        offline = synthetic_table(cfg["n_off"], cfg["dim"])
+        online = synthetic_table(cfg["n_on"], cfg["dim"], seed=1)
+        t0 = time.perf_counter()
+        if "sampling" in sections:
+            print("sampling...", flush=True)
+            bench_sampling(cfg, offline, online, root, results)
+        if "real" in sections and args.data_home:
+            print("real data...", flush=True)
+            bench_real(cfg, args.data_home, root, results)
+        if "writing" in sections:
+            print("writing...", flush=True)
+            bench_writing(cfg, root, results)
+        if "preprocess" in sections:
+            print("preprocess...", flush=True)
+            bench_preprocess(cfg, offline, root, results)
+        ray.shutdown()
+        if "cluster" in sections:
+            print("cluster...", flush=True)
+            bench_cluster(cfg, results)
+        results["seconds"] = time.perf_counter() - t0
+    results["ratios"] = ratios(results) if "sampling" in results else {}
+    results["plots"] = plots(results, out_dir) if "sampling" in results and not args.smoke else []
+    (out_dir / "results.json").write_text(json.dumps(results, indent=1, default=float))
+    print(json.dumps(results["ratios"], indent=1))
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""Render benchmarks/results.json as the Markdown tables of docs/benchmarks.md.
+
+    python pipelines/report.py benchmarks/results.json > /tmp/tables.md
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def fmt(x: float) -> str:
+    return f"{x:,.0f}"
+
+
+def rng(v: dict) -> str:
+    return f"{fmt(v['median'])} ({fmt(v['min'])}–{fmt(v['max'])})"
+
+
+def render(r: dict) -> str:
+    out = [f"Command: `{r['command']}`  ", f"Mode: {r['mode']}, {r['config']['repeats']} repeats; "
+           f"data: {r['data']}  ",
+           f"Machine: {r['machine']['cpus']} CPUs, {r['machine']['mem_gib']} GiB, {r['machine']['platform']}; "
+           + ", ".join(f"{k} {v}" for k, v in r["versions"].items()), ""]
+    s = r["sampling"]
+    out += ["### Sampling (rows/s, median (min–max); p50/p99 ms per batch)", "",
+            "| B | peer | rows/s | batches/s | p50 ms | p99 ms |", "|---|---|---|---|---|---|"]
+    for B, row in s.items():
+        for k, v in row.items():
+            out.append(f"| {B} | {k} | {rng(v['rows_per_s'])} | {v['batches_per_s']:,.1f} | {v['p50_ms']:.2f} | "
+                       f"{v['p99_ms']:.2f} |")
+    if "prefetch_sweep" in r:
+        out += ["", "### Prefetch depth (1 offline shard, iter_batches)", "", "| setting | rows/s | p50 ms |",
+                "|---|---|---|"]
+        for k, v in r["prefetch_sweep"].items():
+            out.append(f"| {k} | {fmt(v['rows_per_s'])} | {v['p50_ms']:.2f} |")
+    if "sampling_real" in r:
+        sr = r["sampling_real"]
+        out += ["", f"### Real data: {sr['dataset']}, B={sr['batch_size']}", "", "| peer | rows/s |", "|---|---|"]
+        out += [f"| {k} | {rng(v['rows_per_s'])} |" for k, v in sr.items() if isinstance(v, dict)]
+    if "writing" in r:
+        out += ["", "### Writing (online `extend`, rows/s)", "", "| writers | rayrb | TorchRL RayReplayBuffer |",
+                "|---|---|---|"]
+        for n, row in r["writing"].items():
+            out.append(f"| {n} | {rng(row['rayrb']['rows_per_s'])} | {rng(row['torchrl_ray']['rows_per_s'])} |")
+    if "preprocess" in r:
+        p = r["preprocess"]
+        out += ["", f"### Preprocess ({fmt(p['rows'])} rows, 2 workers; rows/s)", "", "| method | rows/s |", "|---|---|"]
+        out += [f"| {k} | {rng(v['rows_per_s'])} |" for k, v in p.items() if isinstance(v, dict)]
+        out.append(f"\nPeak RSS of a preprocess worker: {p['peak_worker_rss_bytes'] / 2**20:,.0f} MiB. "
+                   f"Equal to TorchRL's output: {r.get('checks', {}).get('preprocess_equal_to_torchrl')}.")
+    if "memory" in r:
+        m = r["memory"]
+        out += ["", "### Memory", "",
+                f"- dataset bytes: {m['dataset_bytes'] / 2**20:,.1f} MiB over {m['offline_shards']} offline shards",
+                f"- offline shards' private (anonymous) RSS: {m['rss_anon_bytes_total'] / 2**20:,.1f} MiB in all, of "
+                f"which {m['per_actor_overhead_anon_bytes'] / 2**20:,.1f} MiB per actor before any sampling; grew by "
+                f"{m['anon_growth_while_sampling_bytes'] / 2**20:,.1f} MiB (anon) and "
+                f"{m['file_growth_while_sampling_bytes'] / 2**20:,.1f} MiB (file-backed: mapped chunk pages, "
+                f"shared with the page cache) while sampling"]
+    if "object_store" in r:
+        o = r["object_store"]
+        out.append(f"- object store during a prefetching iterator (B={o['batch_size']}, prefetch={o['prefetch']}): "
+                   f"peak {o['peak_extra_plasma_mib']:.1f} MiB above baseline ({o['polls']} polls); one batch is "
+                   f"{o['batch_mib']:.1f} MiB, so prefetch x batch = {o['prefetch'] * o['batch_mib']:.1f} MiB")
+    if "cluster" in r:
+        c = r["cluster"]
+        out += ["", "### Two-node Cluster (prefetch 4, 2 offline shards, SPREAD)", "",
+                f"- 1 node: {fmt(c['1_node']['rows_per_s'])} rows/s; 2 nodes: {fmt(c['2_node']['rows_per_s'])} rows/s "
+                f"({c['note']})"]
+    out += ["", "### Ratios (medians)", "", "| ratio | value |", "|---|---|"]
+    out += [f"| {k} | {v:.3f} |" for k, v in r["ratios"].items()]
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+    print(render(json.loads(Path(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results.json").read_text())))

@@ -1,0 +1,25 @@
+"""The benchmark harness's smoke mode runs end to end, so it cannot rot (figures are not checked: not a timed test)."""
+import json
+import os
+import subprocess
+import sys
+
+from conftest import REPO, SHARED_DATA
+
+
+def test_benchmark_smoke_writes_results(tmp_path):
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+    env.pop("RAY_ADDRESS", None)
+    cmd = [sys.executable, str(REPO / "pipelines" / "benchmark.py"), "--smoke", "--out", str(tmp_path)]
+    if (SHARED_DATA / "openml").is_dir():
+        cmd += ["--data-home", str(SHARED_DATA)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-4000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["mode"] == "smoke" and results["command"]
+    for section in ("sampling", "prefetch_sweep", "writing", "preprocess", "memory", "object_store", "cluster"):
+        assert section in results, section
+    for peer in ("index_select", "torchrl_o2o", "torchrl_ray", "rayrb_1shard", "rayrb_1shard_prefetch"):
+        assert results["sampling"]["64"][peer]["rows_per_s"]["median"] > 0
+    assert results["checks"]["preprocess_equal_to_torchrl"] is True
+    assert any(k.startswith("B=64 rayrb") for k in results["ratios"])
