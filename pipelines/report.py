@@ -47,7 +47,8 @@ def render(r: dict) -> str:
         p = r["preprocess"]
         out += ["", f"### Preprocess ({fmt(p['rows'])} rows, 2 workers; rows/s)", "", "| method | rows/s |", "|---|---|"]
         out += [f"| {k} | {rng(v['rows_per_s'])} |" for k, v in p.items() if isinstance(v, dict)]
-        out.append(f"\nPeak RSS of a preprocess worker: {p['peak_worker_rss_bytes'] / 2**20:,.0f} MiB. "
+        out.append(f"\nFirst use of the workers (imports; reported apart): {r.get('preprocess_cold_start_s', 0):.1f} s. "
+                   f"Peak RSS of a preprocess worker: {p['peak_worker_rss_bytes'] / 2**20:,.0f} MiB. "
                    f"Equal to TorchRL's output: {r.get('checks', {}).get('preprocess_equal_to_torchrl')}.")
     if "memory" in r:
         m = r["memory"]
@@ -61,7 +62,8 @@ def render(r: dict) -> str:
     if "object_store" in r:
         o = r["object_store"]
         out.append(f"- object store during a prefetching iterator (B={o['batch_size']}, prefetch={o['prefetch']}): "
-                   f"peak {o['peak_extra_plasma_mib']:.1f} MiB above baseline ({o['polls']} polls); one batch is "
+                   f"peak {o['peak_needed_mib']:.1f} MiB held by live references ({o['peak_used_mib']:.0f} MiB including "
+                   f"freed objects the store had not reclaimed yet; {o['polls']} polls); one batch is "
                    f"{o['batch_mib']:.1f} MiB, so prefetch x batch = {o['prefetch'] * o['batch_mib']:.1f} MiB")
     if "cluster" in r:
         c = r["cluster"]

@@ -474,6 +474,12 @@ def _actor_nodes(actors: list) -> list[str | None]:
     return nodes
 
 
+def _copy_batch(out: Any) -> Any:
+    if isinstance(out, tuple):
+        return tuple(_copy_batch(o) for o in out)
+    return {k: np.array(v) for k, v in out.items()}
+
+
 class BatchIterator:
     """Iterates over sampled batches with a bounded number of requests in flight.
 
@@ -494,7 +500,7 @@ class BatchIterator:
         self._device, self._return_info, self._left = device, return_info, num_batches
         self._group = max(1, -(-self.prefetch // 2))
         self._pending: deque = deque()  # (group ref, batches in it)
-        self._ready: deque = deque()  # (plan, parts) fetched, not handed over
+        self._ready: deque = deque()  # batches fetched and copied out, not handed over
         self._requested = 0
         self.max_in_flight = 0
 
@@ -527,15 +533,22 @@ class BatchIterator:
             group = self._rb._get(ref)
             results = self._rb._get([r[2] for r in group["reads"]])
             self._pending.popleft()
-            self._ready.extend(split_group(group, results))
-            if len(group["plans"]) < k:  # a without-replacement group holds one batch
-                self._requested -= k - len(group["plans"])
-        plan, parts = self._ready.popleft()
+            # Copy every batch out of the group's objects now, so the object store holds no more
+            # than the requests in flight (a view would pin a whole group).
+            for plan, parts in split_group(group, results):
+                out = assemble(plan, parts, self._return_info)
+                if len(parts) == 1:
+                    out = _copy_batch(out)
+                self._ready.append(out)
+            del group, results
+            if len(self._ready) < k:  # a without-replacement group holds one batch
+                self._requested -= k - len(self._ready)
+        out = self._ready.popleft()
         if self._left is not None:
             self._left -= 1
             self._requested -= 1
         self._fill()  # request more before handing the batch over, so sampling overlaps training
-        return self._rb._finish(assemble(plan, parts, self._return_info), self._return_info, self._device)
+        return self._rb._finish(out, self._return_info, self._device)
 
 
 def _placement(dataset: ChunkDataset, start: int, stop: int, opts: dict) -> dict:
