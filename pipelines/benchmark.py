@@ -150,6 +150,9 @@ def bench_sampling(cfg, offline, online, root, results):
                                          num_online_shards=2, offline_fraction=0.5, seed=m)
         rb.extend(online)
         buffers[m] = rb
+    prio = OfflineToOnlineReplayBuffer(str(ds_root), online_capacity=len(online), num_offline_shards=1,
+                                       num_online_shards=2, offline_fraction=0.5, seed=1, sampler="prioritized")
+    prio.extend(online)
     start_mem = {s["shard"]: s for s in buffers[cfg["shards"][-1]].stats()["shards"] if s["kind"] == "offline"}
     for B in B_list:
         row = {}
@@ -167,6 +170,9 @@ def bench_sampling(cfg, offline, online, root, results):
                 it = rb.iter_batches(B, prefetch=cfg["prefetch"])
                 entries[f"rayrb_{m}shard_prefetch"] = summarize(timed(lambda: next(it), cfg["min_time"],
                                                                       cfg["min_iters"]), B)
+            it = prio.iter_batches(B, prefetch=cfg["prefetch"])
+            entries["rayrb_1shard_prefetch_prioritized"] = summarize(timed(lambda: next(it), cfg["min_time"],
+                                                                           cfg["min_iters"]), B)
             for k, v in entries.items():
                 row.setdefault(k, []).append(v)
             print(f"  B={B} rep {rep}: " + ", ".join(f"{k} {v['rows_per_s']:,.0f}" for k, v in entries.items()),
@@ -225,7 +231,7 @@ def bench_sampling(cfg, offline, online, root, results):
         "anon_growth_while_sampling_bytes": grow["rss_anon_bytes"],
         "file_growth_while_sampling_bytes": grow["rss_file_bytes"],
     }
-    for rb in buffers.values():
+    for rb in [*buffers.values(), prio]:
         rb.shutdown()
     rray.close() if hasattr(rray, "close") else None
     del o2o, rray
@@ -385,8 +391,11 @@ def ratios(results):
     r = {}
     s = results["sampling"]
     for B, row in s.items():
+        r[f"B={B} prioritized cost / uniform (1 shard, prefetch)"] = (
+            row["rayrb_1shard_prefetch"]["rows_per_s"]["median"]
+            / row["rayrb_1shard_prefetch_prioritized"]["rows_per_s"]["median"])
         for k, v in row.items():
-            if k.startswith("rayrb"):
+            if k.startswith("rayrb") and "prioritized" not in k:
                 med = v["rows_per_s"]["median"]
                 r[f"B={B} {k} / torchrl_o2o"] = med / row["torchrl_o2o"]["rows_per_s"]["median"]
                 r[f"B={B} {k} / torchrl_ray"] = med / row["torchrl_ray"]["rows_per_s"]["median"]
@@ -424,7 +433,7 @@ def plots(results, out_dir: Path) -> list[str]:
     fig.tight_layout()
     fig.savefig(out_dir / "throughput_vs_batch.png", dpi=110)
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    shards = sorted({int(k.split("_")[1][:-5]) for k in s[str(Bs[0])] if k.startswith("rayrb")})
+    shards = sorted({int(k.split("_")[1][:-5]) for k in s[str(Bs[0])] if k.startswith("rayrb") and "prior" not in k})
     for b in Bs:
         for mode in ("", "_prefetch"):
             ax.plot(shards, [s[str(b)][f"rayrb_{m}shard{mode}"]["rows_per_s"]["median"] for m in shards],
@@ -467,7 +476,7 @@ def main(argv: list[str] | None = None) -> dict:
         "config": cfg,
         "data": f"synthetic covertype-sized table {cfg['n_off']} x {cfg['dim']} float32 + int64 label (NOT real "
                 f"covertype); online {cfg['n_on']} rows",
-        "not_measured": ["prioritized sampling (not built yet)"],
+        "not_measured": [],
     }
     with tempfile.TemporaryDirectory(prefix="rayrb-bench-") as root:
         offline = synthetic_table(cfg["n_off"], cfg["dim"])

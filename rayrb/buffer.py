@@ -56,8 +56,11 @@ class OfflineToOnlineReplayBuffer:
         batch_size (int): default for :meth:`sample`.
         transform (callable): applied to each sampled TensorDict in the caller.
         num_offline_shards (int), num_online_shards (int): actors per side. Default 1.
-        sampler (str): ``"uniform"`` (with replacement) or ``"without_replacement"``
-            (epochs that visit each row once).
+        sampler (str): ``"uniform"`` (with replacement), ``"without_replacement"``
+            (epochs that visit each row once) or ``"prioritized"`` (``p_i = (|priority| + eps)^alpha``,
+            per-shard sum trees, counts ~ Multinomial over shard masses; ``info["weight"]`` holds the
+            importance weights ``(p_i / min p)^-beta`` over each side's union of shards).
+        alpha, beta, eps (float): prioritized sampling's exponents and floor (TorchRL's names).
         drop_last (bool): without replacement, when a side has fewer rows left in its
             epoch than a batch needs, drop them and start the next epoch; when False
             (TorchRL's default) such a call raises.
@@ -104,6 +107,9 @@ class OfflineToOnlineReplayBuffer:
         actor_options: dict | None = None,
         timeout: float | None = None,
         transport: str = "object_store",
+        alpha: float = 0.6,
+        beta: float = 0.4,
+        eps: float = 1e-8,
         **dataset_kwargs: Any,
     ):
         # Validate everything before any actor exists.
@@ -125,6 +131,10 @@ class OfflineToOnlineReplayBuffer:
             batch_size = check_batch_size(batch_size)
         if sampler not in SAMPLERS:
             raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
+        if not (alpha >= 0 and beta >= 0 and eps > 0):
+            raise ValueError(f"expected alpha >= 0, beta >= 0 and eps > 0, got alpha={alpha}, beta={beta}, eps={eps}")
+        self._sampler_options = {"alpha": float(alpha), "eps": float(eps)}
+        self._beta = float(beta)
         if transform is not None and not callable(transform):
             raise TypeError(f"transform must be callable, got {type(transform).__name__}")
         if timeout is not None and timeout <= 0:
@@ -184,16 +194,17 @@ class OfflineToOnlineReplayBuffer:
             opts.setdefault("num_gpus", 1.0 / (m + k))
         ranges = row_ranges(len(dataset), m)
         capacities = split_evenly(capacity, k).tolist()
+        so = self._sampler_options
         offline = [ray.remote(**cls_opts)(OfflineShard).options(**_placement(dataset, a, b, opts)).remote(
-                       str(dataset.root), a, b, f"{self._name}/off-{i}", sampler)
+                       str(dataset.root), a, b, f"{self._name}/off-{i}", sampler, sampler_options=so)
                    for i, (a, b) in enumerate(ranges)]
-        online = [ray.remote(**cls_opts)(OnlineShard).options(**opts).remote(self._spec.to_json(), c, f"{self._name}/on-{i}",
-                                                                  sampler)
+        online = [ray.remote(**cls_opts)(OnlineShard).options(**opts).remote(
+                      self._spec.to_json(), c, f"{self._name}/on-{i}", sampler, sampler_options=so)
                   for i, c in enumerate(capacities)]
         self._coord = ray.remote(Coordinator).options(name=self._name, **opts).remote(
             offline, [b - a for a, b in ranges], online, capacities, offline_fraction=schedule,
             sampler=sampler, drop_last=drop_last, seed=seed, name=self._name, transport=self._transport,
-            device=device)
+            device=device, beta=self._beta)
         self._shards = offline + online
         # Surface construction errors (a missing chunk, a bad spec) here, not at the first sample.
         self._get([s.ping.remote() for s in self._shards] + [self._coord.ping.remote()])
@@ -366,6 +377,23 @@ class OfflineToOnlineReplayBuffer:
                 raise ValueError(f"expected {num_slices} learners, one per slice, got {len(learners)}")
             nodes = _actor_nodes(learners)
         return self._get(self._coord.sample_refs.remote(batch_size, num_slices, return_info, nodes))
+
+    def update_priority(self, info: dict, priority: Any) -> int:
+        """Set the priorities of sampled rows (``sampler="prioritized"``), e.g. from TD errors.
+
+        ``info`` is what ``sample(return_info=True)`` returned with the batch; each
+        update goes to the shard that owns its row and is dropped there if the slot was
+        overwritten since (its generation changed). Returns the number of rows sent.
+        """
+        def np_(x: Any) -> np.ndarray:
+            return x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
+
+        missing = [k for k in ("offline", "shard", "index", "generation") if k not in info]
+        if missing:
+            raise ValueError(f"info must come from sample(return_info=True); missing keys {missing}")
+        priority = np_(priority).reshape(-1)
+        return int(self._get(self._coord.update_priority.remote(
+            np_(info["offline"]), np_(info["shard"]), np_(info["index"]), np_(info["generation"]), priority)))
 
     @property
     def offline_fraction(self) -> float:

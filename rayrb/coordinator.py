@@ -47,6 +47,7 @@ class Coordinator:
         export_metrics: bool = True,
         transport: str = "object_store",
         device: str = "cpu",
+        beta: float = 0.4,
     ):
         self._shards = {OFFLINE: list(offline_shards), ONLINE: list(online_shards)}
         self._sizes = {OFFLINE: np.asarray(offline_sizes, np.int64), ONLINE: np.zeros(len(online_shards), np.int64)}
@@ -65,6 +66,12 @@ class Coordinator:
         self._transport, self._device = transport, device
         self._learners: list[Any] = []
         self._acks: list[tuple[int, Any]] = []  # writes not yet confirmed by their shard
+        self._beta = float(beta)
+        # Prioritized: each shard's (mass, min p) as of its last mutation, queried right after it (in order).
+        self._mass_refs = {side: [s.mass_stats.remote() for s in self._shards[side]] for side in (OFFLINE, ONLINE)} \
+            if sampler == "prioritized" else None
+        self._mass = {OFFLINE: np.zeros(len(offline_shards)), ONLINE: np.zeros(len(online_shards))}
+        self._min_p = {OFFLINE: 1.0, ONLINE: 1.0}
         self._group = None
 
     # fraction ---------------------------------------------------------------
@@ -117,7 +124,18 @@ class Coordinator:
         self._left[side] = self._sizes[side].copy()
         self._epochs[side] += 1
 
+    def _refresh_masses(self) -> None:
+        import ray
+
+        for side in (OFFLINE, ONLINE):
+            stats = ray.get(self._mass_refs[side])
+            self._mass[side] = np.asarray([m for m, _ in stats], dtype=np.float64)
+            mins = [p for (m, p), size in zip(stats, self._sizes[side]) if size > 0]
+            self._min_p[side] = float(min(mins)) if mins else 1.0
+
     def _counts(self, side: str, n: int) -> np.ndarray:
+        if self._sampler == "prioritized":
+            return multinomial_counts(n, self._mass[side], self._rng)
         if self._sampler == "without_replacement":
             counts = hypergeometric_counts(n, self._left[side], self._rng)
             self._left[side] = self._left[side] - counts
@@ -151,6 +169,8 @@ class Coordinator:
             raise ValueError(f"num_slices must be in [1, batch_size={batch_size}], got {num_slices}")
         fraction = self.offline_fraction()
         n = dict(zip((OFFLINE, ONLINE), split_batch(batch_size, fraction, int(self._sizes[ONLINE].sum()))))
+        if self._sampler == "prioritized":
+            self._refresh_masses()  # exact: queried after every earlier write and priority update
         # Validate both sides before touching any state, so a refused call changes nothing.
         new_epoch = {s: self._sampler == "without_replacement" and n[s] > 0 and self._epoch_plan(s, n[s])
                      for s in (OFFLINE, ONLINE)}
@@ -168,8 +188,12 @@ class Coordinator:
                 for i, (c, s) in enumerate(zip(counts, seeds)):
                     if c > 0:
                         parts.append((side, i, int(c), int(s)))
-            slices.append({"parts": parts, "n_offline": n_off, "n_online": n_on, "fraction": fraction,
-                           "step": self._step})
+            plan = {"parts": parts, "n_offline": n_off, "n_online": n_on, "fraction": fraction, "step": self._step}
+            if self._sampler == "prioritized":
+                # Importance weights use each side's global min p_i: w = (p_i / min p)^-beta, i.e. the
+                # (N P(i))^-beta of the union of shards, normalized by its largest value.
+                plan["weights"] = {"beta": self._beta, OFFLINE: self._min_p[OFFLINE], ONLINE: self._min_p[ONLINE]}
+            slices.append(plan)
         self._step += 1
         self._metrics.count("batches")
         self._metrics.count("rows_sampled", batch_size)
@@ -301,6 +325,8 @@ class Coordinator:
             # The ref came nested in a list, so it is still unresolved: the shard fetches the rows itself.
             ack = self._shards[ONLINE][shard].extend.remote(rows_ref[0], start, start + rows)
             self._acks.append((shard, ack))
+            if self._mass_refs is not None:
+                self._mass_refs[ONLINE][shard] = self._shards[ONLINE][shard].mass_stats.remote()
             acks.append(ack)
             indices.append(int(offsets[shard]) + slots)
             self._written[shard] += rows
@@ -309,6 +335,30 @@ class Coordinator:
         self._metrics.count("rows_written", int(sum(piece_rows)))
         out = np.concatenate(indices)
         return (out, acks) if return_acks else out
+
+    def update_priority(self, offline: np.ndarray, shard: np.ndarray, index: np.ndarray, generation: np.ndarray,
+                        priority: np.ndarray) -> int:
+        """Route priority updates to the shards that own the rows; return how many rows were sent.
+
+        Each shard drops updates whose generation no longer matches the slot.
+        """
+        if self._sampler != "prioritized":
+            raise ValueError(f"update_priority needs sampler='prioritized', this buffer samples {self._sampler!r}")
+        offline, shard = np.asarray(offline, bool), np.asarray(shard, np.int64)
+        arrays = [np.asarray(a) for a in (index, generation, priority)]
+        if len({len(offline), len(shard), *map(len, arrays)}) != 1:
+            raise ValueError("expected offline, shard, index, generation and priority of the same length, got "
+                             f"{[len(offline), len(shard), *map(len, arrays)]}")
+        if not np.all(np.isfinite(arrays[2].astype(np.float64))):
+            raise ValueError("priorities must be finite numbers")
+        for side, on_side in ((OFFLINE, offline), (ONLINE, ~offline)):
+            for i in np.unique(shard[on_side]):
+                if not 0 <= i < len(self._shards[side]):
+                    raise ValueError(f"no {side} shard {i}: the buffer has {len(self._shards[side])}")
+                sel = on_side & (shard == i)
+                self._shards[side][i].update_priority.remote(*(a[sel] for a in arrays))
+                self._mass_refs[side][i] = self._shards[side][i].mass_stats.remote()
+        return int(len(offline))
 
     def _check_acks(self) -> None:
         import ray
@@ -411,6 +461,10 @@ def assemble(plan: dict[str, Any], results: Sequence[tuple], return_info: bool =
         "index": np.concatenate([r[1]["index"] for r in results]).astype(np.int64),
         "generation": np.concatenate([r[1]["generation"] for r in results]).astype(np.int64),
     }
+    if "weights" in plan:
+        w = plan["weights"]
+        info["weight"] = np.concatenate([(r[1]["priority"] / w[p[0]]) ** -w["beta"]
+                                         for p, r in zip(parts, results)]).astype(np.float32)
     return rows, info
 
 

@@ -49,9 +49,12 @@ def _memory() -> dict[str, int]:
 class _Shard:
     kind = "shard"
 
-    def __init__(self, shard_id: str, sampler: str, export_metrics: bool = True):
+    def __init__(self, shard_id: str, sampler: str, export_metrics: bool = True, capacity: int = 0,
+                 sampler_options: Mapping[str, float] | None = None):
         self.shard_id = shard_id
-        self._sampler = make_sampler(sampler)
+        opts = dict(sampler_options or {})
+        self._sampler = make_sampler(sampler, capacity, opts.get("alpha", 0.6), opts.get("eps", 1e-8))
+        self._prioritized = sampler == "prioritized"
         self._metrics = ActorMetrics("shard", {"shard": shard_id, "kind": self.kind}, export=export_metrics)
 
     # storage hooks ------------------------------------------------------------
@@ -72,19 +75,45 @@ class _Shard:
     def sample(self, count: int, seed: int) -> tuple[Rows, Info]:
         t0 = time.perf_counter()
         idx = self._sampler.sample(int(count), self.size(), np.random.default_rng(seed))
-        rows = self._gather(idx)
-        info = {"index": idx, "generation": self._generation(idx)}
+        rows, info = self._gather(idx), self._info(idx)
         self._metrics.count("rows_sampled", len(idx))
         self._metrics.observe("sample_ms", (time.perf_counter() - t0) * 1e3)
         return rows, info
+
+    def _info(self, idx: np.ndarray) -> Info:
+        info = {"index": idx, "generation": self._generation(idx)}
+        if self._prioritized:
+            info["priority"] = self._sampler.tree.values(idx)  # p_i, for importance weights
+        return info
+
+    def mass_stats(self) -> tuple[float, float]:
+        """``(total mass, smallest p_i)`` under prioritized sampling; ``(size, 1)`` otherwise."""
+        if self._prioritized:
+            return self._sampler.mass(self.size())
+        return float(self.size()), 1.0
+
+    def update_priority(self, idx: np.ndarray, generation: np.ndarray, priority: np.ndarray) -> int:
+        """Set priorities of rows still holding the written generation; return how many were set.
+
+        An update for a slot overwritten since it was sampled is dropped.
+        """
+        if not self._prioritized:
+            raise ValueError(f"shard {self.shard_id}: update_priority needs sampler='prioritized'")
+        idx = np.asarray(idx, dtype=np.int64)
+        if idx.size and (idx.min() < 0 or idx.max() >= self.size()):
+            raise IndexError(f"shard {self.shard_id}: expected indices in [0, {self.size()}), got {idx.min()}..{idx.max()}")
+        keep = self._generation(idx) == np.asarray(generation, dtype=np.int64)
+        self._sampler.set_priority(idx[keep], np.asarray(priority, dtype=np.float64)[keep])
+        self._metrics.count("priority_updates", int(keep.sum()))
+        self._metrics.count("priority_updates_dropped", int((~keep).sum()))
+        return int(keep.sum())
 
     def sample_many(self, counts: list[int], seeds: list[int]) -> tuple[Rows, Info]:
         """The rows of several :meth:`sample` calls, in order, gathered in one pass into one object."""
         t0 = time.perf_counter()
         idx = np.concatenate([self._sampler.sample(int(c), self.size(), np.random.default_rng(s))
                               for c, s in zip(counts, seeds)]) if counts else np.empty(0, np.int64)
-        rows = self._gather(idx)
-        info = {"index": idx, "generation": self._generation(idx)}
+        rows, info = self._gather(idx), self._info(idx)
         self._metrics.count("rows_sampled", len(idx))
         self._metrics.observe("sample_ms", (time.perf_counter() - t0) * 1e3)
         return rows, info
@@ -107,7 +136,7 @@ class _Shard:
         idx = np.asarray(idx, dtype=np.int64)
         if idx.size and (idx.min() < 0 or idx.max() >= self.size()):
             raise IndexError(f"shard {self.shard_id}: expected indices in [0, {self.size()}), got {idx.min()}..{idx.max()}")
-        return self._gather(idx), {"index": idx, "generation": self._generation(idx)}
+        return self._gather(idx), self._info(idx)
 
     def stats(self) -> dict[str, Any]:
         self._metrics.gauge("size", self.size())
@@ -125,12 +154,15 @@ class OfflineShard(_Shard):
     kind = "offline"
 
     def __init__(self, root: str, start: int, stop: int, shard_id: str, sampler: str = "uniform",
-                 export_metrics: bool = True):
-        super().__init__(shard_id, sampler, export_metrics)
+                 export_metrics: bool = True, sampler_options: Mapping[str, float] | None = None):
+        super().__init__(shard_id, sampler, export_metrics, capacity=max(1, stop - start),
+                         sampler_options=sampler_options)
         self._ds = ChunkDataset.open(root)
         if not 0 <= start < stop <= len(self._ds):
             raise ValueError(f"shard {shard_id}: expected 0 <= start < stop <= {len(self._ds)}, got [{start}, {stop})")
         self._start, self._stop = int(start), int(stop)
+        if self._prioritized:
+            self._sampler.add(np.arange(self.size()))
         self._metrics.gauge("dataset_bytes", (stop - start) * self._ds.spec.row_bytes)
 
     def size(self) -> int:
@@ -152,10 +184,10 @@ class OnlineShard(_Shard):
     kind = "online"
 
     def __init__(self, spec_json: Mapping[str, Any], capacity: int, shard_id: str, sampler: str = "uniform",
-                 export_metrics: bool = True):
-        super().__init__(shard_id, sampler, export_metrics)
+                 export_metrics: bool = True, sampler_options: Mapping[str, float] | None = None):
         if capacity <= 0:
             raise ValueError(f"shard {shard_id}: capacity must be a positive integer, got {capacity}")
+        super().__init__(shard_id, sampler, export_metrics, capacity=capacity, sampler_options=sampler_options)
         self._spec = RowSpec.from_json(spec_json)
         self._capacity = int(capacity)
         self._data = self._spec.empty(self._capacity)
@@ -181,6 +213,8 @@ class OnlineShard(_Shard):
         for k, dst in self._data.items():
             dst[pos[keep]] = rows[k][keep]  # copies out of the object store
         np.add.at(self._gen, pos, 1)
+        if self._prioritized:
+            self._sampler.add(pos)
         self._cursor = int((self._cursor + n) % self._capacity)
         self._written += n
         self._metrics.count("rows_written", n)
