@@ -447,6 +447,38 @@ class OfflineToOnlineReplayBuffer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._get(self._coord.load_state_dict.remote(state))
 
+    def dumps(self, path: str | os.PathLike) -> None:
+        """Save the online rows, priorities and sampling state under ``path`` (TorchRL's name).
+
+        The offline dataset is not copied: the saved state records where it is.
+        ``path`` must be readable by the shard actors (shared storage on a cluster).
+        """
+        import json
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self._get([s.dump.remote(str(path / f"shard-{i}")) for i, s in enumerate(self._shards)])
+        meta = {"format": "rayrb.buffer", "version": 1, "dataset": self._dataset_root, "spec": self._spec.to_json(),
+                "sizes": self.sizes(), "coordinator": self.state_dict()}
+        (path / "buffer.json").write_text(json.dumps(meta, default=int))
+
+    def loads(self, path: str | os.PathLike) -> None:
+        """Restore what :meth:`dumps` saved into this buffer (same dataset spec and shard layout)."""
+        import json
+
+        path = Path(path)
+        meta = json.loads((path / "buffer.json").read_text())
+        mine = self.sizes()
+        if RowSpec.from_json(meta["spec"]) != self._spec or [len(meta["sizes"][k]) for k in ("offline", "online")] \
+                != [len(mine[k]) for k in ("offline", "online")] or meta["sizes"]["online_capacity"] != mine["online_capacity"]:
+            raise ValueError(f"saved buffer at {path} has spec {meta['spec']} and layout {meta['sizes']}; "
+                             f"this buffer has {self._spec.to_json()} and {mine}")
+        self._get([s.load.remote(str(path / f"shard-{i}")) for i, s in enumerate(self._shards)])
+        self._get(self._coord.resync.remote())
+        self.load_state_dict(meta["coordinator"])
+
+    dump, load = dumps, loads
+
     def stats(self) -> dict[str, Any]:
         """Sizes, rates and latencies of the coordinator and every shard."""
         return self._get(self._coord.stats.remote())

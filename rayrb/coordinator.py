@@ -413,6 +413,8 @@ class Coordinator:
                 "rng": self._rng.bit_generator.state, "sampler": self._sampler}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self._mass_refs is not None:  # priorities may have changed under us: re-query every shard
+            self._mass_refs = {side: [s.mass_stats.remote() for s in self._shards[side]] for side in (OFFLINE, ONLINE)}
         self._step = int(state["step"])
         self._schedule = make_schedule(state["schedule"])
         self._base_fraction = state.get("base_fraction")

@@ -138,6 +138,29 @@ class _Shard:
             raise IndexError(f"shard {self.shard_id}: expected indices in [0, {self.size()}), got {idx.min()}..{idx.max()}")
         return self._gather(idx), self._info(idx)
 
+    def dump(self, path: str) -> None:
+        """Write this shard's mutable state (rows for online shards, priorities) under ``path``."""
+        os.makedirs(path, exist_ok=True)
+        state = self._state()
+        if self._prioritized:
+            state["priority"] = self._sampler.tree.values(np.arange(self._sampler.tree.capacity))
+            state["max_priority"] = np.float64(self._sampler.max_priority)
+        np.savez(os.path.join(path, "state.npz"), **state)
+
+    def load(self, path: str) -> None:
+        with np.load(os.path.join(path, "state.npz")) as f:
+            state = dict(f)
+        self._set_state(state)
+        if self._prioritized:
+            self._sampler.tree.update(np.arange(self._sampler.tree.capacity), state["priority"])
+            self._sampler.max_priority = float(state["max_priority"])
+
+    def _state(self) -> dict[str, np.ndarray]:
+        return {}
+
+    def _set_state(self, state: dict[str, np.ndarray]) -> None:
+        pass
+
     def stats(self) -> dict[str, Any]:
         self._metrics.gauge("size", self.size())
         for name, value in _memory().items():
@@ -223,6 +246,21 @@ class OnlineShard(_Shard):
 
     def _gather(self, idx: np.ndarray) -> Rows:
         return {k: v[idx] for k, v in self._data.items()}
+
+    def _state(self) -> dict[str, np.ndarray]:
+        return {**{f"rows/{k}": v for k, v in self._data.items()}, "generation": self._gen,
+                "cursor": np.int64(self._cursor), "written": np.int64(self._written)}
+
+    def _set_state(self, state: dict[str, np.ndarray]) -> None:
+        rows = {k[len("rows/"):]: v for k, v in state.items() if k.startswith("rows/")}
+        if set(rows) != set(self._data) or state["generation"].shape != self._gen.shape:
+            raise ValueError(f"shard {self.shard_id}: saved state has keys {sorted(rows)} and capacity "
+                             f"{state['generation'].shape[0]}, expected {sorted(self._data)} and {self._capacity}")
+        self._spec.validate(rows, what="saved rows")
+        for k in self._data:
+            self._data[k][...] = rows[k]
+        self._gen[...] = state["generation"]
+        self._cursor, self._written = int(state["cursor"]), int(state["written"])
 
     def _generation(self, idx: np.ndarray) -> np.ndarray:
         return self._gen[idx]

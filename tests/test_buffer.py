@@ -320,3 +320,20 @@ def test_stats_report_sizes_rates_latencies(make_buffer):
     kinds = sorted(sh["kind"] for sh in s["shards"])
     assert kinds == ["offline", "offline", "online"]
     assert sum(sh["size"] for sh in s["shards"]) == 610
+
+
+def test_dumps_and_loads_restore_the_online_rows_and_the_batch_stream(make_buffer, tmp_path):
+    kw = dict(online_capacity=50, num_offline_shards=2, num_online_shards=2, seed=5)
+    a = make_buffer(offline_rows(), **kw)
+    a.extend(online_rows(0, 70))  # wraps: some slots written twice
+    a.sample(16)
+    a.dumps(tmp_path / "saved")
+    want = [a.sample(32, return_info=True) for _ in range(3)]
+    b = make_buffer(offline_rows(), **kw)
+    b.loads(tmp_path / "saved")
+    assert b.sizes() == a.sizes() | {"online_written": b.sizes()["online_written"]} and b.write_count == 70
+    for (wt, wi), (gt, gi) in ((w, b.sample(32, return_info=True)) for w in want):
+        assert torch.equal(wt["id"], gt["id"]) and torch.equal(wi["generation"], gi["generation"])
+    c = make_buffer(offline_rows(), online_capacity=60, num_offline_shards=2, num_online_shards=2, seed=5)
+    with pytest.raises(ValueError, match="layout"):
+        c.loads(tmp_path / "saved")
