@@ -162,8 +162,12 @@ class OfflineToOnlineReplayBuffer:
         self._owned_dirs = [dataset.root.parent] if owned and dataset_root is None else []
         self._owner = True
         self._closed = False
-        self._start_actors(dataset, online_capacity, num_offline_shards, num_online_shards, schedule,
-                           sampler, drop_last, seed, actor_options or {})
+        try:
+            self._start_actors(dataset, online_capacity, num_offline_shards, num_online_shards, schedule,
+                               sampler, drop_last, seed, actor_options or {})
+        except BaseException:
+            self.shutdown()  # no half-built buffer: kill what started, remove what was written
+            raise
         if online_storage is not None and len(online_storage) > 0:
             from rayrb.datasets.registry import _torchrl_rows
 

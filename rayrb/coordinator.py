@@ -472,8 +472,8 @@ def assemble(plan: dict[str, Any], results: Sequence[tuple], return_info: bool =
 
 def _assemble_remote(plan: dict[str, Any], return_info: bool, postprocess: Any, split_info: bool, *results: tuple):
     out = assemble(plan, results, return_info)
-    if postprocess is not None:
-        out = (postprocess(out[0]), out[1]) if return_info else postprocess(out)
+    if postprocess is not None:  # called with the rows, and their provenance when it was asked for
+        out = (postprocess(out[0], out[1]), out[1]) if return_info else postprocess(out)
     return out
 
 

@@ -50,3 +50,20 @@ def test_dqn_learner_group_trains_on_rayrb_batches(tmp_path):
     finally:
         rb.shutdown()
         learner_group.shutdown()
+
+
+def test_multi_agent_batch_columns_and_importance_weights():
+    from ray.rllib.core import DEFAULT_MODULE_ID
+
+    from rayrb.integrations.rllib import to_multi_agent_batch
+    from rayrb.transport import to_numpy_dict
+
+    rows = to_numpy_dict(cartpole_shaped(8, 2))
+    mab = to_multi_agent_batch(rows, {"weight": np.linspace(0.5, 1.0, 8, dtype=np.float32)})
+    sb = mab.policy_batches[DEFAULT_MODULE_ID]
+    assert sb["rewards"].shape == (8,) and sb["terminateds"].dtype == bool  # [B, 1] squeezed
+    np.testing.assert_allclose(sb["weights"], np.linspace(0.5, 1.0, 8))
+    assert sb["n_step"].tolist() == [1] * 8
+    assert np.all(to_multi_agent_batch(rows).policy_batches[DEFAULT_MODULE_ID]["weights"] == 1.0)
+    with pytest.raises(KeyError, match="do not have"):
+        to_multi_agent_batch({"observation": rows["observation"]})

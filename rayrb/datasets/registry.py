@@ -116,5 +116,12 @@ def as_chunk_dataset(source: Any, *, root: str | os.PathLike | None = None, **kw
 
         base = Path(default_root()) / "tmp"
         base.mkdir(parents=True, exist_ok=True)
-        root = Path(tempfile.mkdtemp(prefix="offline-", dir=base)) / "ds"
+        tmp = Path(tempfile.mkdtemp(prefix="offline-", dir=base))
+        try:
+            return write_dataset(rows, tmp / "ds", source={"kind": type(source).__name__}), True
+        except BaseException:
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     return write_dataset(rows, root, source={"kind": type(source).__name__}), True

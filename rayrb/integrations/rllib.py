@@ -30,13 +30,14 @@ DQN_COLUMNS: dict[str, str] = {
 }
 
 
-def to_multi_agent_batch(rows: Mapping[str, np.ndarray], columns: Mapping[str, str] = DQN_COLUMNS,
-                         module_id: str | None = None, n_step: int = 1):
+def to_multi_agent_batch(rows: Mapping[str, np.ndarray], info: Mapping[str, np.ndarray] | None = None,
+                         columns: Mapping[str, str] = DQN_COLUMNS, module_id: str | None = None, n_step: int = 1):
     """A ``MultiAgentBatch`` for one module from flat rayrb rows.
 
     Trailing singleton dimensions (TED's ``[B, 1]`` rewards and flags) are squeezed.
-    The DQN loss also needs ``n_step`` and ``weights``: they are added (1 and 1.0)
-    unless ``columns`` maps them.
+    The DQN loss also needs ``n_step`` and ``weights``: unless ``columns`` maps them,
+    ``n_step`` is 1 and ``weights`` are the importance weights of a prioritized buffer
+    (``info["weight"]``), else 1.0.
     """
     from ray.rllib.core import DEFAULT_MODULE_ID
     from ray.rllib.policy.sample_batch import MultiAgentBatch, SampleBatch
@@ -50,6 +51,8 @@ def to_multi_agent_batch(rows: Mapping[str, np.ndarray], columns: Mapping[str, s
         cols[col] = a.reshape(a.shape[0]) if a.ndim == 2 and a.shape[1] == 1 else a
     b = next(iter(cols.values())).shape[0]
     cols.setdefault("n_step", np.full(b, n_step, dtype=np.int64))
+    if info is not None and "weight" in info:
+        cols.setdefault("weights", np.asarray(info["weight"], dtype=np.float32))
     cols.setdefault("weights", np.ones(b, dtype=np.float32))
     return MultiAgentBatch({module_id or DEFAULT_MODULE_ID: SampleBatch(cols)}, env_steps=b)
 
