@@ -160,7 +160,6 @@ class OfflineToOnlineReplayBuffer:
         self._num_online = num_online_shards
         self._offline_rows = len(dataset)
         self._owned_dirs = [dataset.root.parent] if owned and dataset_root is None else []
-        self._owner = True
         self._closed = False
         try:
             self._start_actors(dataset, online_capacity, num_offline_shards, num_online_shards, schedule,
@@ -511,7 +510,6 @@ class OfflineToOnlineReplayBuffer:
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["_owned_dirs"] = []  # only the creator cleans up
-        state["_owner"] = False
         return state
 
 
@@ -565,7 +563,6 @@ class BatchIterator:
         self._group = max(1, -(-self.prefetch // 2))
         self._pending: deque = deque()  # (group ref, batches in it)
         self._ready: deque = deque()  # batches fetched and copied out, not handed over
-        self._requested = 0
         self.max_in_flight = 0
 
     @property
@@ -576,11 +573,10 @@ class BatchIterator:
         while True:
             k = min(self._group, self.prefetch - self.in_flight)
             if self._left is not None:
-                k = min(k, self._left - self._requested)
+                k = min(k, self._left - self.in_flight)
             if k <= 0 or (k < self._group and self._pending):
                 break
             self._pending.append((self._rb._coord.sample_group.remote(self._batch_size, k), k))
-            self._requested += k
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
 
     def __iter__(self) -> "BatchIterator":
@@ -593,7 +589,7 @@ class BatchIterator:
             raise StopIteration
         self._fill()
         if not self._ready:
-            ref, k = self._pending[0]
+            ref, _ = self._pending[0]
             group = self._rb._get(ref)
             results = self._rb._get([r[2] for r in group["reads"]])
             self._pending.popleft()
@@ -604,13 +600,10 @@ class BatchIterator:
                 if len(parts) == 1:
                     out = _copy_batch(out)
                 self._ready.append(out)
-            del group, results
-            if len(self._ready) < k:  # a without-replacement group holds one batch
-                self._requested -= k - len(self._ready)
+            del group, results  # a without-replacement group may hold fewer than k batches
         out = self._ready.popleft()
         if self._left is not None:
             self._left -= 1
-            self._requested -= 1
         self._fill()  # request more before handing the batch over, so sampling overlaps training
         return self._rb._finish(out, self._return_info, self._device)
 

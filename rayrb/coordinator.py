@@ -244,7 +244,7 @@ class Coordinator:
         for j, plan in enumerate(slices):
             node = node_ids[j] if node_ids else None
             task = _assemble_task(node, num_returns=2 if split_info else 1)
-            out.append(task.remote(_plan_meta(plan), return_info or split_info, postprocess, split_info,
+            out.append(task.remote(_plan_meta(plan), return_info or split_info, postprocess,
                                    *[p[3] for p in plan["parts"]]))
         self._metrics.observe("plan_ms", (time.perf_counter() - t0) * 1e3)
         return out
@@ -420,9 +420,6 @@ class Coordinator:
         self._base_fraction = state.get("base_fraction")
         self._rng.bit_generator.state = state["rng"]
 
-    def shards(self) -> dict[str, list[Any]]:
-        return {side: list(v) for side, v in self._shards.items()}
-
     def ping(self) -> str:
         return self._name
 
@@ -470,7 +467,7 @@ def assemble(plan: dict[str, Any], results: Sequence[tuple], return_info: bool =
     return rows, info
 
 
-def _assemble_remote(plan: dict[str, Any], return_info: bool, postprocess: Any, split_info: bool, *results: tuple):
+def _assemble_remote(plan: dict[str, Any], return_info: bool, postprocess: Any, *results: tuple):
     out = assemble(plan, results, return_info)
     if postprocess is not None:  # called with the rows, and their provenance when it was asked for
         out = (postprocess(out[0], out[1]), out[1]) if return_info else postprocess(out)

@@ -73,12 +73,8 @@ class _Shard:
         return self._sampler.remaining()
 
     def sample(self, count: int, seed: int) -> tuple[Rows, Info]:
-        t0 = time.perf_counter()
-        idx = self._sampler.sample(int(count), self.size(), np.random.default_rng(seed))
-        rows, info = self._gather(idx), self._info(idx)
-        self._metrics.count("rows_sampled", len(idx))
-        self._metrics.observe("sample_ms", (time.perf_counter() - t0) * 1e3)
-        return rows, info
+        """``count`` local rows drawn by this shard's sampler from ``seed``, with their provenance."""
+        return self.sample_many([count], [seed])
 
     def _info(self, idx: np.ndarray) -> Info:
         info = {"index": idx, "generation": self._generation(idx)}
@@ -131,12 +127,6 @@ class _Shard:
         if device != "cpu":
             out = {k: v.to(device, non_blocking=True) for k, v in out.items()}
         return out
-
-    def gather(self, idx: np.ndarray) -> tuple[Rows, Info]:
-        idx = np.asarray(idx, dtype=np.int64)
-        if idx.size and (idx.min() < 0 or idx.max() >= self.size()):
-            raise IndexError(f"shard {self.shard_id}: expected indices in [0, {self.size()}), got {idx.min()}..{idx.max()}")
-        return self._gather(idx), self._info(idx)
 
     def dump(self, path: str) -> None:
         """Write this shard's mutable state (rows for online shards, priorities) under ``path``."""
