@@ -198,7 +198,10 @@ class OfflineToOnlineReplayBuffer:
         ranges = row_ranges(len(dataset), m)
         capacities = split_evenly(capacity, k).tolist()
         so = self._sampler_options
-        offline = [ray.remote(**cls_opts)(OfflineShard).options(**_placement(dataset, a, b, opts)).remote(
+        # Offline shards hold no data of their own (a restart re-maps the chunks), so they may restart;
+        # online shards may not: their rows would be lost and the coordinator's sizes out of step.
+        off_opts = {"max_restarts": 3, "max_task_retries": 3, **opts}
+        offline = [ray.remote(**cls_opts)(OfflineShard).options(**_placement(dataset, a, b, off_opts)).remote(
                        str(dataset.root), a, b, f"{self._name}/off-{i}", sampler, sampler_options=so)
                    for i, (a, b) in enumerate(ranges)]
         online = [ray.remote(**cls_opts)(OnlineShard).options(**opts).remote(

@@ -142,11 +142,13 @@ def write_dataset(
     source: Any = None,
     recipe: Any = None,
     overwrite: bool = False,
+    pbar: bool = False,
 ) -> "ChunkDataset":
     """Write rows (a TensorDict or a flat/nested dict of arrays) as a chunk dataset under ``root``.
 
     ``root`` must be absent or empty unless ``overwrite=True``. The manifest is
-    written after every chunk, so an interrupted call leaves no dataset.
+    written after every chunk, so an interrupted call leaves no dataset. ``pbar``
+    shows a progress bar over chunks.
     """
     if isinstance(data, Mapping) and all(isinstance(v, np.ndarray) for v in data.values()):
         arrays = dict(data)
@@ -168,10 +170,12 @@ def write_dataset(
             raise FileExistsError(f"expected an absent or empty directory for a new chunk dataset, got non-empty {root}")
         shutil.rmtree(root)
     root.mkdir(parents=True, exist_ok=True)
-    chunks = [
-        write_chunk(block, root / chunk_name(i), spec)
-        for i, block in enumerate(iter_row_blocks(arrays, rows, chunk_rows))
-    ]
+    blocks = iter_row_blocks(arrays, rows, chunk_rows)
+    if pbar:
+        from tqdm.auto import tqdm
+
+        blocks = tqdm(blocks, total=-(-rows // chunk_rows), unit="chunk", desc=f"write {root.name}")
+    chunks = [write_chunk(block, root / chunk_name(i), spec) for i, block in enumerate(blocks)]
     write_manifest(root, spec, chunks, source=source, recipe=recipe)
     return ChunkDataset.open(root)
 

@@ -337,3 +337,19 @@ def test_dumps_and_loads_restore_the_online_rows_and_the_batch_stream(make_buffe
     c = make_buffer(offline_rows(), online_capacity=60, num_offline_shards=2, num_online_shards=2, seed=5)
     with pytest.raises(ValueError, match="layout"):
         c.loads(tmp_path / "saved")
+
+
+def test_killed_offline_shard_restarts_and_remaps_its_chunks(make_buffer, ray_session):
+    ray = ray_session
+    rb = make_buffer(offline_rows(), online_capacity=10, num_offline_shards=2, offline_fraction=1.0, seed=0)
+    before = rb.sample(64)
+    ray.kill(rb._shards[0], no_restart=False)  # the actor process dies; Ray restarts it from the same root
+    for _ in range(50):
+        try:
+            batch, info = rb.sample(64, return_info=True)
+            break
+        except Exception:
+            time.sleep(0.2)
+    assert batch.batch_size[0] == 64 and set(info["shard"].tolist()) <= {0, 1}
+    assert torch.equal(batch["obs"][:, 0], batch["id"].float() * 3)  # the rows are the dataset's rows
+    assert before.batch_size == batch.batch_size

@@ -165,6 +165,7 @@ def load_openml(
     data_home: str | os.PathLike | None = None,
     dtype: Any = "float32",
     chunk_rows: int | None = None,
+    pbar: bool = True,
 ) -> ChunkDataset:
     """Prepare (once) and open one of the seven datasets as a read-only chunk dataset.
 
@@ -177,6 +178,7 @@ def load_openml(
         data_home: scikit-learn's data home holding (or receiving) the OpenML cache.
         dtype: ``"float32"`` (default) or ``"float64"`` (bit parity with TorchRL) for ``X``.
         chunk_rows: rows per chunk (default: about 64 MiB per chunk).
+        pbar: show progress while fetching, preprocessing and writing.
     """
     check_name(name)
     dtype = _dtype_name(dtype)
@@ -188,6 +190,8 @@ def load_openml(
     except ChunkError:
         pass
     openml_name, version = OPENML_SOURCES[name]
+    if pbar:
+        print(f"rayrb: preparing openml:{name} (fetch_openml {openml_name!r} v{version}, TorchRL's recipe)", flush=True)
     X, y = fetch(openml_name, version, data_home=data_home)
     arrays = preprocess_frame(name, X, y)
     arrays["X"] = arrays["X"].astype(dtype, copy=False)
@@ -195,7 +199,8 @@ def load_openml(
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
     try:
-        write_dataset(arrays, tmp / "ds", chunk_rows=chunk_rows, source={"openml": want["openml"]}, recipe=want)
+        write_dataset(arrays, tmp / "ds", chunk_rows=chunk_rows, source={"openml": want["openml"]}, recipe=want,
+                      pbar=pbar)
         if dest.exists():
             shutil.rmtree(dest)
         os.replace(tmp / "ds", dest)
