@@ -309,6 +309,26 @@ class ChunkDataset:
                 out[k][sel] = maps[k][local]
         return out
 
+    def __getitem__(self, index: Any):
+        """Rows by integer, slice or index array, copied into a TensorDict (no batch dim for an integer)."""
+        from rayrb.transport import from_numpy_dict
+
+        if isinstance(index, slice):
+            idx = np.arange(len(self))[index]
+        else:
+            idx = np.asarray(index, dtype=np.int64)
+        scalar = idx.ndim == 0
+        idx = np.atleast_1d(idx)
+        td = from_numpy_dict(self.gather(np.where(idx < 0, idx + len(self), idx)))  # negatives count from the end
+        return td[0] if scalar else td
+
+    def sample(self, batch_size: int, seed: int | None = None):
+        """``batch_size`` rows drawn uniformly with replacement, as a TensorDict (TorchRL's ``sample``)."""
+        from rayrb.allocation import check_batch_size
+
+        idx = np.random.default_rng(seed).integers(0, len(self), check_batch_size(batch_size))
+        return self[idx]
+
     def to_tensordict(self):
         """All rows, copied into a TensorDict."""
         from rayrb.transport import from_numpy_dict

@@ -144,3 +144,17 @@ def test_ray_worker_maps_dataset_read_only(tmp_path, ray_session):
         return d.gather(np.array([9, 5]))["x"].tolist(), arr.flags.writeable
 
     assert ray.get(read.remote(str(ds.root))) == ([9.0, 5.0], False)
+
+
+def test_indexing_and_sampling_like_a_torchrl_dataset(tmp_path):
+    ds = write_dataset({"x": np.arange(10, dtype=np.int64)}, tmp_path / "ds", chunk_rows=3)
+    assert ds[4]["x"].item() == 4 and ds[4].batch_size == torch.Size([])
+    assert ds[-1]["x"].item() == 9
+    assert ds[2:5]["x"].tolist() == [2, 3, 4]
+    assert ds[np.array([9, 0])]["x"].tolist() == [9, 0]
+    with pytest.raises(IndexError, match=r"expected row indices in \[0, 10\)"):
+        ds[10]
+    a, b = ds.sample(32, seed=1), ds.sample(32, seed=1)
+    assert a.batch_size == torch.Size([32]) and torch.equal(a["x"], b["x"])
+    with pytest.raises(ValueError, match="batch_size must be a positive integer"):
+        ds.sample(0)
