@@ -141,6 +141,10 @@ def receive(meta: Mapping[str, Any], *parts: Any):
         "index": torch.cat([i["index"] for i in infos]),
         "generation": torch.cat([i["generation"] for i in infos]),
     }
+    if "weights" in meta:  # prioritized: importance weights against each side's global min p_i
+        w = meta["weights"]
+        info["weight"] = torch.cat([(torch.as_tensor(i["priority"]) / w[p[0]]) ** -w["beta"]
+                                    for p, i in zip(meta["parts"], infos)]).float()
     nested: dict[str, Any] = {}
     for k, t in flat.items():
         *path, leaf = k.split(SEP)

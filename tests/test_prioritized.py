@@ -108,3 +108,27 @@ def test_update_priority_needs_a_prioritized_buffer(ray_session, tmp_path):
             rb.update_priority(info, torch.ones(4))
     finally:
         rb.shutdown()
+
+
+def test_feed_carries_importance_weights(prioritized, ray_session):
+    ray = ray_session
+
+    @ray.remote(num_cpus=0)
+    class Learner:
+        def update(self, meta, *parts):
+            from rayrb.transport import receive
+
+            td, info = receive(meta, *parts)
+            return td["id"].tolist(), info["weight"].tolist()
+
+    rb = prioritized(batch_size=200)
+    _, info = rb.sample(300, return_info=True)
+    rb.update_priority(info, torch.full((300,), 4.0))  # sampled rows 4, the rest stay 1 (alpha = 1)
+    learner = Learner.remote()
+    try:
+        rb.connect_learners([learner])
+        ids, weights = rb.feed("update")[0]
+        assert len(ids) == 200
+        assert set(np.round(weights, 4)) <= {1.0, round(4.0 ** -0.5, 4)} and min(weights) < 1.0
+    finally:
+        ray.kill(learner)
