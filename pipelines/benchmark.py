@@ -364,10 +364,18 @@ while count < 5 or time.perf_counter() - t0 < min_time:
     count += 1
 rate = count * B / (time.perf_counter() - t0)
 rb.shutdown()
-print(json.dumps({"nodes": nodes, "rows_per_s": rate}))
+print("RAYRB_RESULT " + json.dumps({"nodes": nodes, "rows_per_s": rate}), flush=True)
 ray.shutdown()
 cluster.shutdown()
 """
+
+
+def result_line(stdout: str) -> dict:
+    """The ``RAYRB_RESULT {json}`` line of a subprocess (Ray may print more, e.g. on shutdown)."""
+    for line in reversed(stdout.splitlines()):
+        if line.startswith("RAYRB_RESULT "):
+            return json.loads(line[len("RAYRB_RESULT "):])
+    raise RuntimeError(f"no RAYRB_RESULT line in the subprocess output:\n{stdout[-2000:]}")
 
 
 def bench_cluster(cfg, results):
@@ -381,7 +389,7 @@ def bench_cluster(cfg, results):
                             str(cfg["min_time"] * 3)], capture_output=True, text=True, env=env, timeout=600)
         if p.returncode != 0:
             raise RuntimeError(f"cluster benchmark with {nodes} node(s) failed:\n{p.stderr[-2000:]}")
-        out[f"{nodes}_node"] = json.loads(p.stdout.strip().splitlines()[-1])
+        out[f"{nodes}_node"] = result_line(p.stdout)
     out["note"] = "both 'nodes' are processes on this one 2-core machine: this checks placement, not network scaling"
     results["cluster"] = out
 

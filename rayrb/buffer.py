@@ -218,7 +218,7 @@ class OfflineToOnlineReplayBuffer:
     # plumbing ---------------------------------------------------------------
     def _get(self, refs: Any) -> Any:
         import ray
-        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+        from ray.exceptions import GetTimeoutError, ObjectLostError, RayActorError, RayTaskError
 
         if self._closed:
             raise BufferUnavailableError(f"buffer {self._name!r} was shut down")
@@ -226,7 +226,7 @@ class OfflineToOnlineReplayBuffer:
             return ray.get(refs, timeout=self._timeout)
         except GetTimeoutError as e:
             raise TimeoutError(f"buffer {self._name!r}: no answer within timeout={self._timeout}s") from e
-        except RayActorError as e:
+        except (RayActorError, ObjectLostError) as e:  # ObjectLostError: the coordinator died owning the rows
             raise BufferUnavailableError(
                 f"buffer {self._name!r}: an actor of this buffer is dead (killed, shut down, or its node failed)"
             ) from e

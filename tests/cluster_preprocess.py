@@ -38,7 +38,8 @@ def main(tmp: str) -> None:
         batch = rb.sample(16)
         rb.shutdown()
         alive = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
-        print(json.dumps({"nodes": nodes, "alive": alive, "values_ok": ok, "sampled": int(batch.batch_size[0])}))
+        result = {"nodes": nodes, "alive": alive, "values_ok": ok, "sampled": int(batch.batch_size[0])}
+        print("RAYRB_RESULT " + json.dumps(result), flush=True)  # marked: Ray may print more on shutdown
     finally:
         ray.shutdown()
         cluster.shutdown()
