@@ -282,12 +282,11 @@ class OfflineToOnlineReplayBuffer:
         ``offline`` (bool), ``shard``, ``index`` (within the shard) and
         ``generation`` (times that slot was written).
         """
-        import ray
+        from rayrb.coordinator import assemble
 
-        batch_size = self._resolve_batch_size(batch_size)
-        plan = self._get(self._coord.sample.remote(batch_size))
+        plan = self._get(self._coord.sample.remote(self._resolve_batch_size(batch_size)))
         results = self._get([p[3] for p in plan["parts"]])
-        return self._assemble(plan, results, batch_size, return_info)
+        return self._finish(assemble(plan, results, return_info), return_info)
 
     def _resolve_batch_size(self, batch_size: int | None) -> int:
         if batch_size is None:
@@ -295,12 +294,6 @@ class OfflineToOnlineReplayBuffer:
         if batch_size is None:
             raise ValueError("batch_size must be provided either in __init__ or sample(), got None in both")
         return check_batch_size(batch_size)
-
-    def _assemble(self, plan: dict, results: list, batch_size: int, return_info: bool):
-        from rayrb.coordinator import assemble
-
-        out = assemble(plan, results, return_info)
-        return self._finish(out, return_info)
 
     def _finish(self, out: Any, return_info: bool, device: Any = None):
         """Flat numpy batch (and info) from the object store -> TensorDict (and tensors), transformed."""

@@ -71,6 +71,7 @@ class Coordinator:
         self._mass_refs = {side: [s.mass_stats.remote() for s in self._shards[side]] for side in (OFFLINE, ONLINE)} \
             if sampler == "prioritized" else None
         self._mass = {OFFLINE: np.zeros(len(offline_shards)), ONLINE: np.zeros(len(online_shards))}
+        self._masses_stale = True
         self._min_p = {OFFLINE: 1.0, ONLINE: 1.0}
         self._group = None
 
@@ -119,14 +120,18 @@ class Coordinator:
 
     def _begin_epoch(self, side: str) -> None:
         seeds = self._rng.integers(0, 2**63 - 1, len(self._shards[side]))
-        for shard, s, size in zip(self._shards[side], seeds, self._sizes[side]):
+        for shard, s in zip(self._shards[side], seeds):
             shard.begin_epoch.remote(int(s))
         self._left[side] = self._sizes[side].copy()
         self._epochs[side] += 1
 
     def _refresh_masses(self) -> None:
+        """Resolve the shards' latest (mass, min p); only after a write or priority update changed them."""
         import ray
 
+        if not self._masses_stale:
+            return
+        self._masses_stale = False
         for side in (OFFLINE, ONLINE):
             stats = ray.get(self._mass_refs[side])
             self._mass[side] = np.asarray([m for m, _ in stats], dtype=np.float64)
@@ -327,6 +332,7 @@ class Coordinator:
             self._acks.append((shard, ack))
             if self._mass_refs is not None:
                 self._mass_refs[ONLINE][shard] = self._shards[ONLINE][shard].mass_stats.remote()
+                self._masses_stale = True
             acks.append(ack)
             indices.append(int(offsets[shard]) + slots)
             self._written[shard] += rows
@@ -358,6 +364,7 @@ class Coordinator:
                 sel = on_side & (shard == i)
                 self._shards[side][i].update_priority.remote(*(a[sel] for a in arrays))
                 self._mass_refs[side][i] = self._shards[side][i].mass_stats.remote()
+                self._masses_stale = True
         return int(len(offline))
 
     def _check_acks(self) -> None:
@@ -386,6 +393,7 @@ class Coordinator:
         """Re-read sizes from the shards (after a failed write)."""
         import ray
 
+        self._masses_stale = True  # the min-p filter depends on sizes
         sizes = ray.get([s.size.remote() for s in self._shards[OFFLINE]])
         self._sizes[OFFLINE] = np.asarray(sizes, np.int64)
         if self._shards[ONLINE]:
@@ -415,6 +423,7 @@ class Coordinator:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self._mass_refs is not None:  # priorities may have changed under us: re-query every shard
             self._mass_refs = {side: [s.mass_stats.remote() for s in self._shards[side]] for side in (OFFLINE, ONLINE)}
+            self._masses_stale = True
         self._step = int(state["step"])
         self._schedule = make_schedule(state["schedule"])
         self._base_fraction = state.get("base_fraction")
@@ -445,6 +454,27 @@ def _plan_meta(plan: dict[str, Any]) -> dict[str, Any]:
     return {**plan, "parts": [p[:3] for p in plan["parts"]]}
 
 
+def provenance(plan: dict[str, Any], infos: Sequence[dict], cat: Any = np.concatenate,
+               as_array: Any = np.asarray) -> dict[str, Any]:
+    """Per-row provenance of a planned batch from its parts' shard infos (numpy, or torch via ``cat``/``as_array``).
+
+    ``offline`` and ``shard`` come from the plan; ``index``, ``generation`` (and the
+    prioritized ``weight = (p_i / min p)^-beta``) from the shards.
+    """
+    parts = plan["parts"]
+    counts = [p[2] for p in parts]
+    info = {
+        "offline": as_array(np.repeat([p[0] == OFFLINE for p in parts], counts).astype(bool)),
+        "shard": as_array(np.repeat([p[1] for p in parts], counts).astype(np.int64)),
+        "index": cat([i["index"] for i in infos]),
+        "generation": cat([i["generation"] for i in infos]),
+    }
+    if "weights" in plan:
+        w = plan["weights"]
+        info["weight"] = cat([(i["priority"] / w[p[0]]) ** -w["beta"] for p, i in zip(parts, infos)])
+    return info
+
+
 def assemble(plan: dict[str, Any], results: Sequence[tuple], return_info: bool = False):
     """Concatenate shard parts into one flat batch (offline parts first), with provenance if asked."""
     from rayrb.transport import concat
@@ -452,18 +482,9 @@ def assemble(plan: dict[str, Any], results: Sequence[tuple], return_info: bool =
     rows = concat([r[0] for r in results])
     if not return_info:
         return rows
-    parts = plan["parts"]
-    counts = [p[2] for p in parts]
-    info = {
-        "offline": np.repeat([p[0] == OFFLINE for p in parts], counts).astype(bool),
-        "shard": np.repeat([p[1] for p in parts], counts).astype(np.int64),
-        "index": np.concatenate([r[1]["index"] for r in results]).astype(np.int64),
-        "generation": np.concatenate([r[1]["generation"] for r in results]).astype(np.int64),
-    }
-    if "weights" in plan:
-        w = plan["weights"]
-        info["weight"] = np.concatenate([(r[1]["priority"] / w[p[0]]) ** -w["beta"]
-                                         for p, r in zip(parts, results)]).astype(np.float32)
+    info = provenance(plan, [r[1] for r in results])
+    if "weight" in info:
+        info["weight"] = info["weight"].astype(np.float32)
     return rows, info
 
 

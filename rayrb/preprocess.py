@@ -389,7 +389,7 @@ def _run(units, job, fn, dest: Path, batched, num_workers, pbar, resume, task_op
         bar.close()
         for ref in in_flight:
             ray.cancel(ref)
-    for i in sorted(infos):
+    for i in sorted(set(infos) - set(todo)):  # chunks kept from an earlier run; new ones were checked above
         _check_spec(infos, i)
     first = RowSpec.from_json(infos[0]["extra"]["spec"])
     chunks = [ChunkInfo(**infos[i]) for i in range(len(units))]

@@ -135,16 +135,11 @@ def receive(meta: Mapping[str, Any], *parts: Any):
         raise ValueError(f"expected {len(counts)} shard parts for this slice, got {len(parts)}")
     flat = {k: torch.cat([r[k] for r in rows]) if len(rows) > 1 else rows[0][k] for k in rows[0]}
     device = next(iter(flat.values())).device
-    info = {
-        "offline": torch.tensor(np.repeat([p[0] == "offline" for p in meta["parts"]], counts), device=device),
-        "shard": torch.tensor(np.repeat([p[1] for p in meta["parts"]], counts), dtype=torch.int64, device=device),
-        "index": torch.cat([i["index"] for i in infos]),
-        "generation": torch.cat([i["generation"] for i in infos]),
-    }
-    if "weights" in meta:  # prioritized: importance weights against each side's global min p_i
-        w = meta["weights"]
-        info["weight"] = torch.cat([(torch.as_tensor(i["priority"]) / w[p[0]]) ** -w["beta"]
-                                    for p, i in zip(meta["parts"], infos)]).float()
+    from rayrb.coordinator import provenance
+
+    info = provenance(meta, infos, cat=torch.cat, as_array=lambda a: torch.from_numpy(a).to(device))
+    if "weight" in info:
+        info["weight"] = info["weight"].float()
     nested: dict[str, Any] = {}
     for k, t in flat.items():
         *path, leaf = k.split(SEP)
