@@ -43,6 +43,7 @@ from rayrb.chunks import (
     ChunkInfo,
     chunk_name,
     default_chunk_rows,
+    hash_algorithm,
     hash_arrays,
     map_chunk,
     write_chunk,
@@ -244,7 +245,7 @@ def _finished(dest: Path, index: int) -> dict[str, Any] | None:
         info = json.loads(marker.read_text())
         spec = RowSpec.from_json(info["extra"]["spec"])
         arrays = map_chunk(dest / info["path"], spec, info["rows"])
-        if hash_arrays(arrays, spec) == info["hash"]:
+        if hash_arrays(arrays, spec, hash_algorithm(info["hash"])) == info["hash"]:
             return info
     except (OSError, ValueError, KeyError, ChunkError):
         pass

@@ -37,7 +37,7 @@ def test_round_trip_nested_keys_and_dtypes(tmp_path):
     manifest = json.loads((tmp_path / "ds" / "manifest.json").read_text())
     assert manifest["rows"] == 10 and manifest["version"] == chunks.FORMAT_VERSION
     assert manifest["spec"]["next/done"] == {"shape": [1], "dtype": "bool"}
-    assert all(c["hash"].startswith("sha256:") for c in manifest["chunks"])
+    assert all(c["hash"].startswith("crc32:") for c in manifest["chunks"])
     # each chunk is a plain tensordict memmap
     first = TensorDict.load_memmap(tmp_path / "ds" / "chunk-00000")
     assert torch.equal(first["next", "reward"], td["next", "reward"][:3])
@@ -158,3 +158,43 @@ def test_indexing_and_sampling_like_a_torchrl_dataset(tmp_path):
     assert a.batch_size == torch.Size([32]) and torch.equal(a["x"], b["x"])
     with pytest.raises(ValueError, match="batch_size must be a positive integer"):
         ds.sample(0)
+
+
+def test_chunk_hash_is_crc32_and_sha256_manifests_still_verify(tmp_path):
+    td = nested_td(9)
+    ds = write_dataset(td, tmp_path / "ds", chunk_rows=4)
+    assert [chunks.hash_algorithm(c.hash) for c in ds.chunks] == ["crc32"] * 3
+    # the checksum computed while writing equals one recomputed from the files
+    assert [c.hash for c in ds.chunks] == [chunks.hash_arrays(ds.chunk_arrays(i), ds.spec) for i in range(3)]
+    # a manifest from before the switch (sha256 hashes) verifies, and still catches an altered chunk
+    path = tmp_path / "ds" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    for i, c in enumerate(manifest["chunks"]):
+        c["hash"] = chunks.hash_arrays(ds.chunk_arrays(i), ds.spec, "sha256")
+    assert manifest["chunks"][0]["hash"].startswith("sha256:") and len(manifest["chunks"][0]["hash"]) == 71
+    path.write_text(json.dumps(manifest))
+    ChunkDataset.open(tmp_path / "ds", verify=True)
+    obs = tmp_path / "ds" / "chunk-00002" / "obs.memmap"
+    data = bytearray(obs.read_bytes())
+    data[-1] ^= 0x01
+    obs.write_bytes(bytes(data))
+    with pytest.raises(ChunkError, match="chunk-00002: content hash sha256:"):
+        ChunkDataset.open(tmp_path / "ds", verify=True)
+    manifest["chunks"][0]["hash"] = "md5:00"
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(ChunkError, match="algorithm in \\('crc32', 'sha256'\\), got 'md5:00'"):
+        ChunkDataset.open(tmp_path / "ds", verify=True)
+
+
+def test_strided_and_large_arrays_are_written_exactly(tmp_path, monkeypatch):
+    monkeypatch.setattr(chunks, "_BLOCK_BYTES", 64)  # many blocks per key
+    base = np.arange(2 * 50 * 6, dtype=np.float32).reshape(50, 12)
+    strided = base[:, ::2]  # not C-contiguous: copied block by block, never whole
+    flags = np.arange(50) % 3 == 0
+    info = chunks.write_chunk({"a": strided, "b": flags}, tmp_path / "c")
+    back = TensorDict.load_memmap(tmp_path / "c")
+    np.testing.assert_array_equal(back["a"].numpy(), strided)
+    np.testing.assert_array_equal(back["b"].numpy(), flags)
+    spec = chunks.RowSpec.from_arrays({"a": strided, "b": flags})
+    assert info.hash == chunks.hash_arrays({"a": np.ascontiguousarray(strided), "b": flags}, spec)
+    assert info.hash != chunks.hash_arrays({"a": np.ascontiguousarray(strided) + 1, "b": flags}, spec)
