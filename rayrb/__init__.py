@@ -12,7 +12,8 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "OfflineToOnlineReplayBuffer": "rayrb.buffer",
-    "BufferUnavailableError": "rayrb.buffer",
+    "BufferClient": "rayrb.client",
+    "BufferUnavailableError": "rayrb.client",
     "prefill_replay_buffer": "rayrb.buffer",
     "schedules": "rayrb.schedules",
     "export_parquet": "rayrb.preprocess",

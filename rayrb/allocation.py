@@ -21,24 +21,19 @@ Examples:
 from __future__ import annotations
 
 import math
-from numbers import Integral, Real
 from typing import Sequence
 
 import numpy as np
 
+from rayrb.validation import fraction, positive_int
+
 
 def check_batch_size(batch_size: object) -> int:
-    if isinstance(batch_size, bool) or not isinstance(batch_size, Integral) or batch_size <= 0:
-        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
-    return int(batch_size)
+    return positive_int("batch_size", batch_size)
 
 
 def check_fraction(offline_fraction: object) -> float:
-    if isinstance(offline_fraction, bool) or not isinstance(offline_fraction, Real) or not (
-        0.0 <= float(offline_fraction) <= 1.0
-    ):
-        raise ValueError(f"offline_fraction must be a number in [0, 1], got {offline_fraction!r}")
-    return float(offline_fraction)
+    return fraction("offline_fraction", offline_fraction)
 
 
 def offline_count(batch_size: int, offline_fraction: float) -> int:
@@ -87,8 +82,7 @@ def hypergeometric_counts(n: int, remaining: Sequence[int], rng: np.random.Gener
 
 def split_evenly(total: int, parts: int) -> np.ndarray:
     """``total`` split into ``parts`` integers that differ by at most one, larger ones first."""
-    if parts <= 0:
-        raise ValueError(f"parts must be a positive integer, got {parts}")
+    parts = positive_int("parts", parts)
     base, extra = divmod(int(total), parts)
     return np.array([base + (i < extra) for i in range(parts)], dtype=np.int64)
 

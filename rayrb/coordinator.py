@@ -1,34 +1,34 @@
-"""The Coordinator actor: splits each batch, allocates it over shards, sequences writes.
+"""The Coordinator actor: plans batches over shards and sequences writes. A thin shell over pure parts.
 
-It holds shard handles and shard sizes, never rows. For a sample it draws the
-offline/online split and the per-shard counts, submits one ``sample`` task per
-shard and returns the resulting ObjectRefs: the rows go from the shards to the
-caller once, without passing through the coordinator.
+It holds shard handles and shard sizes, never rows. For a sample it draws a
+:class:`~rayrb.plans.BatchPlan` (the exact split by :func:`~rayrb.allocation.split_batch`,
+per-shard counts by the sampler kind's :class:`~rayrb.allocators.Allocator`),
+submits one read per contributing shard and returns the refs: the rows go from
+the shards to the caller once, without passing through the coordinator.
 
-Writes are sequenced here too: the writer ``ray.put``s its rows and hands the
-refs over; the coordinator picks the shards and submits ``extend`` tasks. Since
-a sync actor runs one caller's tasks in submission order, a shard has applied
-every write the coordinator sent before any later sample reaches it, so the
-sizes used for allocation are exact, not merely recent.
+Writes are sequenced here too. The writer ``ray.put``s its rows and hands the ref
+over; the :class:`~rayrb.writelog.WriteLog` picks shards and slots, and the
+coordinator submits the shards' copies. A sync actor runs one caller's tasks in
+submission order, so a shard has applied every write the coordinator sent before
+any later read reaches it: the sizes used for allocation are exact.
+
+A draw that raises leaves the step, the RNG and the allocator as they were.
 """
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from rayrb.allocation import (
-    assign_pieces,
-    check_batch_size,
-    hypergeometric_counts,
-    multinomial_counts,
-    split_batch,
-)
+from rayrb.allocation import split_batch, split_slices
+from rayrb.allocators import make_allocator
 from rayrb.metrics import ActorMetrics
+from rayrb.plans import OFFLINE, ONLINE, SIDES, BatchPlan, Dispatch, GroupDispatch, Part, assemble_slice
 from rayrb.schedules import Constant, Linear, make_schedule
-
-OFFLINE, ONLINE = "offline", "online"
+from rayrb.validation import BETA, non_negative_int, positive_int
+from rayrb.writelog import WriteLog
 
 
 class Coordinator:
@@ -44,49 +44,57 @@ class Coordinator:
         drop_last: bool = False,
         seed: int | None = None,
         name: str = "rayrb",
-        export_metrics: bool = True,
         transport: str = "object_store",
         device: str = "cpu",
-        beta: float = 0.4,
+        beta: float = BETA,
     ):
         self._shards = {OFFLINE: list(offline_shards), ONLINE: list(online_shards)}
-        self._sizes = {OFFLINE: np.asarray(offline_sizes, np.int64), ONLINE: np.zeros(len(online_shards), np.int64)}
-        self._capacity = np.asarray(online_capacities, np.int64)
-        self._written = np.zeros(len(online_shards), np.int64)
+        self._offline_sizes = np.asarray(offline_sizes, np.int64)
+        self._log = WriteLog(online_capacities) if online_shards else None
         self._schedule = make_schedule(offline_fraction)
-        self._base_fraction = self._schedule(0, 0, 0) if isinstance(self._schedule, Constant) else None
-        self._sampler, self._drop_last = sampler, bool(drop_last)
+        self._base_fraction = self._schedule.value if isinstance(self._schedule, Constant) else None
+        self._sampler = sampler
+        self._alloc = make_allocator(sampler, {s: len(self._shards[s]) for s in SIDES}, drop_last=drop_last,
+                                     beta=beta)
+        self._masses = {side: [None] * len(self._shards[side]) for side in SIDES}
+        self._masses_stale = False
+        for side in SIDES:
+            self._requery_masses(side, range(len(self._shards[side])))
         self._seed = seed
         self._rng = np.random.default_rng(seed)
         self._step = 0
-        self._left = {OFFLINE: None, ONLINE: None}  # rows left per shard in the epoch (without replacement)
-        self._epochs = {OFFLINE: 0, ONLINE: 0}
         self._name = name
-        self._metrics = ActorMetrics("coordinator", {"buffer": name}, export=export_metrics)
+        self._metrics = ActorMetrics("coordinator", {"buffer": name})
         self._transport, self._device = transport, device
         self._learners: list[Any] = []
-        self._acks: list[tuple[int, Any]] = []  # writes not yet confirmed by their shard
-        self._beta = float(beta)
-        # Prioritized: each shard's (mass, min p) as of its last mutation, queried right after it (in order).
-        self._mass_refs = {side: [s.mass_stats.remote() for s in self._shards[side]] for side in (OFFLINE, ONLINE)} \
-            if sampler == "prioritized" else None
-        self._mass = {OFFLINE: np.zeros(len(offline_shards)), ONLINE: np.zeros(len(online_shards))}
-        self._masses_stale = True
-        self._min_p = {OFFLINE: 1.0, ONLINE: 1.0}
         self._group = None
+
+    # sizes ------------------------------------------------------------------
+    def _sizes(self) -> dict[str, np.ndarray]:
+        online = self._log.sizes if self._log is not None else np.zeros(0, np.int64)
+        return {OFFLINE: self._offline_sizes, ONLINE: online}
+
+    def sizes(self) -> dict[str, list[int]]:
+        """Per-shard sizes as the next draw allocates with them."""
+        sizes = self._sizes()
+        log = self._log
+        return {OFFLINE: sizes[OFFLINE].tolist(), ONLINE: sizes[ONLINE].tolist(),
+                "online_written": [] if log is None else log.written.tolist(),
+                "online_capacity": [] if log is None else log.capacity.tolist()}
 
     # fraction ---------------------------------------------------------------
     def offline_fraction(self) -> float:
-        return float(self._schedule(self._step, int(self._sizes[OFFLINE].sum()), int(self._sizes[ONLINE].sum())))
+        sizes = self._sizes()
+        return float(self._schedule(self._step, int(sizes[OFFLINE].sum()), int(sizes[ONLINE].sum())))
 
     def set_offline_fraction(self, value: Any) -> float:
         self._schedule = make_schedule(value)
-        if isinstance(self._schedule, Constant):
-            self._base_fraction = self._schedule.value
+        self._base_fraction = self._schedule.value if isinstance(self._schedule, Constant) else None
         return self.offline_fraction()
 
     def anneal(self, step: int, total_steps: int) -> float:
         """TorchRL's ``anneal``: linear from the base fraction to 0 over ``total_steps``."""
+        step, total_steps = non_negative_int("step", step), positive_int("total_steps", total_steps)
         base = self._base_fraction if self._base_fraction is not None else self.offline_fraction()
         value = Linear(base, 0.0, total_steps)(step, 0, 0)
         self._schedule = Constant(value)
@@ -94,163 +102,130 @@ class Coordinator:
         return value
 
     def set_step(self, step: int) -> None:
-        if step < 0:
-            raise ValueError(f"step must be >= 0, got {step}")
-        self._step = int(step)
+        self._step = non_negative_int("step", step)
 
-    # sampling ---------------------------------------------------------------
-    def _epoch_plan(self, side: str, n: int) -> bool:
-        """Whether ``side`` needs a new epoch before drawing ``n`` rows; raise if it cannot serve them."""
-        sizes = self._sizes[side]
-        if n > sizes.sum():
-            raise ValueError(
-                f"cannot draw {n} {side} rows without replacement: the {side} side holds {int(sizes.sum())} rows"
-            )
-        left = self._left[side]
-        if left is None or left.sum() == 0:
-            return True
-        if n > left.sum():
-            if not self._drop_last:
-                raise ValueError(
-                    f"cannot draw {n} {side} rows without replacement: {int(left.sum())} left in the epoch; "
-                    f"pass drop_last=True to drop them and start the next epoch"
-                )
-            return True
-        return False
+    # drawing ----------------------------------------------------------------
+    def _requery_masses(self, side: str, shards: Any) -> None:
+        """Ask these shards for their mass now, behind every write and update sent to them."""
+        if self._alloc.uses_masses:
+            for i in shards:
+                self._masses[side][i] = self._shards[side][i].mass_stats.remote()
+            self._masses_stale = True
 
-    def _begin_epoch(self, side: str) -> None:
-        seeds = self._rng.integers(0, 2**63 - 1, len(self._shards[side]))
-        for shard, s in zip(self._shards[side], seeds):
-            shard.begin_epoch.remote(int(s))
-        self._left[side] = self._sizes[side].copy()
-        self._epochs[side] += 1
-
-    def _refresh_masses(self) -> None:
-        """Resolve the shards' latest (mass, min p); only after a write or priority update changed them."""
+    def _refresh_masses(self, sizes: dict[str, np.ndarray]) -> None:
         import ray
 
-        if not self._masses_stale:
-            return
-        self._masses_stale = False
-        for side in (OFFLINE, ONLINE):
-            stats = ray.get(self._mass_refs[side])
-            self._mass[side] = np.asarray([m for m, _ in stats], dtype=np.float64)
-            mins = [p for (m, p), size in zip(stats, self._sizes[side]) if size > 0]
-            self._min_p[side] = float(min(mins)) if mins else 1.0
+        if self._masses_stale:
+            for side in SIDES:
+                self._alloc.set_masses(side, ray.get(self._masses[side]), sizes[side])
+            self._masses_stale = False
 
-    def _counts(self, side: str, n: int) -> np.ndarray:
-        if self._sampler == "prioritized":
-            return multinomial_counts(n, self._mass[side], self._rng)
-        if self._sampler == "without_replacement":
-            counts = hypergeometric_counts(n, self._left[side], self._rng)
-            self._left[side] = self._left[side] - counts
-            return counts
-        return multinomial_counts(n, self._sizes[side], self._rng)
+    @contextlib.contextmanager
+    def _unchanged_on_error(self) -> Iterator[None]:
+        saved = (self._rng.bit_generator.state, self._step, self._alloc.state_dict())
+        try:
+            yield
+        except BaseException:
+            self._rng.bit_generator.state, self._step = saved[0], saved[1]
+            self._alloc.load_state_dict(saved[2])
+            raise
 
-    def _read(self, shard: Any, count: int, seed: int, tensors: bool) -> Any:
-        if not tensors:
-            return shard.sample.remote(count, seed)
-        return shard.sample_tensors.options(tensor_transport=self._transport).remote(count, seed, self._device)
+    def _draw(self, batch_size: int, num_slices: int = 1) -> list[tuple[BatchPlan, list[tuple[int, dict]]]]:
+        """Split and allocate one global batch as ``num_slices`` slices: ``(plan, [(seed, read kwargs)])``.
 
-    def _plan(self, batch_size: int, num_slices: int = 1, tensors: bool = False) -> list[dict[str, Any]]:
-        """:meth:`_draw`, then submit each part's shard read; parts carry refs instead of seeds."""
-        slices = self._draw(batch_size, num_slices)
-        for plan in slices:
-            plan["parts"] = [(side, i, c, self._read(self._shards[side][i], c, seed, tensors))
-                             for side, i, c, seed in plan["parts"]]
-        return slices
-
-    def _draw(self, batch_size: int, num_slices: int = 1) -> list[dict[str, Any]]:
-        """Split and allocate one global batch, as ``num_slices`` slices of ``(side, shard, count, seed)`` parts.
-
-        Each slice is allocated on its own (its own multinomial or hypergeometric
-        draw), so every slice and their union have the distribution of sampling the
-        union of shards, and each slice's split is exact to within one row.
+        Each slice is allocated on its own, so every slice and their union have the
+        distribution of sampling the union of shards, and each slice's split is exact
+        to within one row.
         """
-        from rayrb.allocation import split_slices
-
-        batch_size = check_batch_size(batch_size)
-        if num_slices <= 0 or num_slices > batch_size:
+        batch_size = positive_int("batch_size", batch_size)
+        if not 1 <= num_slices <= batch_size:
             raise ValueError(f"num_slices must be in [1, batch_size={batch_size}], got {num_slices}")
-        fraction = self.offline_fraction()
-        n = dict(zip((OFFLINE, ONLINE), split_batch(batch_size, fraction, int(self._sizes[ONLINE].sum()))))
-        if self._sampler == "prioritized":
-            self._refresh_masses()  # exact: queried after every earlier write and priority update
-        # Validate both sides before touching any state, so a refused call changes nothing.
-        new_epoch = {s: self._sampler == "without_replacement" and n[s] > 0 and self._epoch_plan(s, n[s])
-                     for s in (OFFLINE, ONLINE)}
-        for side in (OFFLINE, ONLINE):
-            if new_epoch[side]:
-                self._begin_epoch(side)
-        slices = []
-        for n_off, n_on in split_slices(n[OFFLINE], n[ONLINE], num_slices):
-            parts = []
-            for side, count in ((OFFLINE, n_off), (ONLINE, n_on)):
-                if count == 0:
-                    continue
-                counts = self._counts(side, count)
-                seeds = self._rng.integers(0, 2**63 - 1, len(counts))
-                for i, (c, s) in enumerate(zip(counts, seeds)):
-                    if c > 0:
-                        parts.append((side, i, int(c), int(s)))
-            plan = {"parts": parts, "n_offline": n_off, "n_online": n_on, "fraction": fraction, "step": self._step}
-            if self._sampler == "prioritized":
-                # Importance weights use each side's global min p_i: w = (p_i / min p)^-beta, i.e. the
-                # (N P(i))^-beta of the union of shards, normalized by its largest value.
-                plan["weights"] = {"beta": self._beta, OFFLINE: self._min_p[OFFLINE], ONLINE: self._min_p[ONLINE]}
-            slices.append(plan)
-        self._step += 1
+        with self._unchanged_on_error():
+            fraction = self.offline_fraction()
+            sizes = self._sizes()
+            need = dict(zip(SIDES, split_batch(batch_size, fraction, int(sizes[ONLINE].sum()))))
+            if self._alloc.uses_masses:
+                self._refresh_masses(sizes)
+            for side, begin in self._alloc.check(need, sizes).items():  # raises before anything changes
+                if begin:
+                    self._alloc.begin_epoch(side, sizes[side], self._rng)
+            out = []
+            for n_off, n_on in split_slices(need[OFFLINE], need[ONLINE], num_slices):
+                parts, reads = [], []
+                for side, n in ((OFFLINE, n_off), (ONLINE, n_on)):
+                    if n == 0:
+                        continue
+                    kwargs = [self._alloc.read_args(side, i) for i in range(len(self._shards[side]))]
+                    counts = self._alloc.counts(side, n, sizes[side], self._rng)
+                    seeds = self._rng.integers(0, 2**63 - 1, len(counts))
+                    for i, (c, s) in enumerate(zip(counts, seeds)):
+                        if c > 0:
+                            parts.append(Part(side, i, int(c)))
+                            reads.append((int(s), kwargs[i]))
+                out.append((BatchPlan(parts, n_off, n_on, fraction, self._step, self._alloc.weights()), reads))
+            self._step += 1
         self._metrics.count("batches")
         self._metrics.count("rows_sampled", batch_size)
-        return slices
+        return out
 
-    def sample(self, batch_size: int) -> dict[str, Any]:
-        """Plan one batch and submit its shard reads; return the refs and the plan."""
+    def _submit(self, plan: BatchPlan, reads: list[tuple[int, dict]], tensors: bool = False) -> list[Any]:
+        refs = []
+        for part, (seed, kwargs) in zip(plan.parts, reads):
+            shard = self._shards[part.side][part.shard]
+            if tensors:
+                refs.append(shard.sample_tensors.options(tensor_transport=self._transport).remote(
+                    part.count, seed, device=self._device, **kwargs))
+            else:
+                refs.append(shard.sample.remote(part.count, seed, **kwargs))
+        return refs
+
+    # sampling ---------------------------------------------------------------
+    def sample(self, batch_size: int) -> Dispatch:
+        """Plan one batch and submit its shard reads."""
         t0 = time.perf_counter()
-        (plan,) = self._plan(batch_size)
+        ((plan, reads),) = self._draw(batch_size)
+        out = Dispatch(plan, self._submit(plan, reads))
         self._metrics.observe("plan_ms", (time.perf_counter() - t0) * 1e3)
-        return plan
+        return out
 
-    def sample_group(self, batch_size: int, num_batches: int) -> dict[str, Any]:
+    def sample_group(self, batch_size: int, num_batches: int) -> GroupDispatch:
         """Plan ``num_batches`` consecutive batches with one read task per shard.
 
-        The batches are exactly those of as many :meth:`sample` calls (same draws, same
-        seeds); each shard returns the rows of all of them in one object, which cuts
-        the per-object and per-call costs by ``num_batches``. Without replacement a
-        group is one batch, since an epoch may begin between two batches.
+        The batches are exactly those of as many :meth:`sample` calls; each shard
+        returns the rows of all of them in one object, which cuts the per-object and
+        per-call costs by ``num_batches``. Without replacement a group is one batch,
+        so that a refused draw never follows one that was already taken.
         """
         t0 = time.perf_counter()
-        if self._sampler == "without_replacement":
-            num_batches = 1
-        plans = [self._draw(batch_size)[0] for _ in range(int(num_batches))]
-        by_shard: dict[tuple[str, int], list[tuple[int, int]]] = {}
-        for plan in plans:
-            for side, i, c, seed in plan["parts"]:
-                by_shard.setdefault((side, i), []).append((c, seed))
-            plan["parts"] = [p[:3] for p in plan["parts"]]
-        reads = [(side, i, self._shards[side][i].sample_many.remote([c for c, _ in items], [s for _, s in items]))
-                 for (side, i), items in by_shard.items()]
+        num_batches = 1 if self._sampler == "without_replacement" else positive_int("num_batches", num_batches)
+        drawn = [self._draw(batch_size)[0] for _ in range(num_batches)]
+        by_shard: dict[tuple[str, int], list[tuple[int, int, dict]]] = {}
+        for plan, reads in drawn:
+            for part, (seed, kwargs) in zip(plan.parts, reads):
+                by_shard.setdefault((part.side, part.shard), []).append((part.count, seed, kwargs.get("epoch")))
+        group = GroupDispatch([plan for plan, _ in drawn])
+        for (side, i), items in by_shard.items():
+            counts, seeds, epochs = (list(x) for x in zip(*items))
+            group.reads.append((side, i))
+            group.refs.append(self._shards[side][i].sample_many.remote(counts, seeds, epochs))
         self._metrics.observe("plan_ms", (time.perf_counter() - t0) * 1e3)
-        return {"plans": plans, "reads": reads}
+        return group
 
-    def sample_refs(self, batch_size: int, num_slices: int = 1, return_info: bool = False,
-                    node_ids: Sequence[str | None] | None = None, postprocess: Any = None,
-                    split_info: bool = False) -> list[Any]:
-        """Like :meth:`sample`, but each slice comes back as one ObjectRef to its flat rows.
+    def sample_slices(self, batch_size: int, *, num_slices: int = 1, return_info: bool = False,
+                      node_ids: Sequence[str | None] | None = None, postprocess: Any = None,
+                      split_info: bool = False) -> list[Any]:
+        """One global batch as ``num_slices`` refs, each to one slice's flat rows.
 
         A small task concatenates each slice's shard parts (on ``node_ids[j]`` when
         given, so the slice is assembled where it is consumed), applying
-        ``postprocess(rows)`` if given. With ``split_info`` each slice is a pair of
-        refs ``(rows, info)``.
+        ``postprocess`` if given. With ``split_info`` each slice is a pair of refs
+        ``(rows, info)``.
         """
         t0 = time.perf_counter()
-        slices = self._plan(batch_size, num_slices)
         out = []
-        for j, plan in enumerate(slices):
-            node = node_ids[j] if node_ids else None
-            task = _assemble_task(node, num_returns=2 if split_info else 1)
-            out.append(task.remote(_plan_meta(plan), return_info or split_info, postprocess,
-                                   *[p[3] for p in plan["parts"]]))
+        for j, (plan, reads) in enumerate(self._draw(batch_size, num_slices)):
+            task = _assemble_task(node_ids[j] if node_ids else None, num_returns=2 if split_info else 1)
+            out.append(task.remote(plan, return_info or split_info, postprocess, *self._submit(plan, reads)))
         self._metrics.observe("plan_ms", (time.perf_counter() - t0) * 1e3)
         return out
 
@@ -261,238 +236,137 @@ class Coordinator:
         The coordinator creates the collective group over shards and learners, since
         only a group's creator may pass its refs on.
         """
+        from rayrb.transport import connect_group
+
         learners = list(learners)
         if not learners:
             raise ValueError("expected at least one learner actor handle, got none")
-        if self._transport != "object_store":
-            missing = [i for i, a in enumerate(learners) if not getattr(a, "_ray_enable_tensor_transport", False)]
-            if missing:
-                raise ValueError(
-                    f"transport={self._transport!r} needs learner classes declared with "
-                    f"@ray.remote(enable_tensor_transport=True); learners {missing} are not (without it the "
-                    "receive deadlocks until Ray's 60 s RDT timeout, ray-project/ray#66264)")
-            from ray.experimental.collective import create_collective_group, destroy_collective_group
-
-            if self._group is not None:
-                destroy_collective_group(self._group)
-                self._group = None
-            members = self._shards[OFFLINE] + self._shards[ONLINE] + learners
-            try:
-                self._group = create_collective_group(members, backend=self._transport,
-                                                      name=f"{self._name}-{self._transport}")
-            except Exception as e:
-                raise RuntimeError(
-                    f"could not create a {self._transport} collective group over the shards and learners: {e}. "
-                    "An actor can join one group per backend, and gloo RDT cannot share an actor with a "
-                    "torch.distributed default group (DDP, RLlib remote learners): use transport='object_store' "
-                    "or 'nccl' for those learners") from e
+        self._group = connect_group(self._transport, self._shards[OFFLINE] + self._shards[ONLINE], learners,
+                                    f"{self._name}-{self._transport}", previous=self._group)
         self._learners = learners
         return len(learners)
 
     def feed(self, method: str, batch_size: int, args: Sequence[Any] = ()) -> list[Any]:
         """Sample one global batch, slice it over the connected learners, call ``method`` on each.
 
-        Learner ``j`` gets ``method(meta_j, *parts_j, *args)``: its shard parts arrive as
+        Learner ``j`` gets ``method(plan_j, *parts_j, *args)``: its shard parts arrive as
         resolved arguments (numpy rows, or tensors over RDT) straight from the shards.
-        ``rayrb.transport.receive(meta, *parts)`` turns them into a TensorDict. Returns
-        the learners' result refs.
+        ``rayrb.transport.receive(plan, *parts)`` turns them into a TensorDict.
         """
         if not self._learners:
             raise RuntimeError("no learners connected: call connect_learners(learners) first")
         t0 = time.perf_counter()
-        slices = self._plan(batch_size, len(self._learners), tensors=self._transport != "object_store")
-        out = []
-        for learner, plan in zip(self._learners, slices):
-            out.append(getattr(learner, method).remote(_plan_meta(plan), *[p[3] for p in plan["parts"]], *args))
+        tensors = self._transport != "object_store"
+        out = [getattr(learner, method).remote(plan, *self._submit(plan, reads, tensors), *args)
+               for learner, (plan, reads) in zip(self._learners, self._draw(batch_size, len(self._learners)))]
         self._metrics.observe("plan_ms", (time.perf_counter() - t0) * 1e3)
         return out
 
     # writing ----------------------------------------------------------------
-    def extend(self, rows_ref: Sequence[Any], piece_rows: Sequence[int], return_acks: bool = False):
+    def extend(self, rows_ref: Sequence[Any], piece_rows: Sequence[int], write_id: str | None = None
+               ) -> tuple[np.ndarray, list[Any]]:
         """Send contiguous pieces of one batch (``rows_ref[0]``, an ObjectRef) to shards.
 
-        Returns the rows' global online indices (and the shards' ack refs if asked).
-        Slots are known here (a shard's cursor is its write count modulo its capacity),
-        so a writer need not wait for the copies. Acks of earlier writes are checked
-        first: a failed one resyncs sizes from the shards and raises.
+        Returns the rows' global online indices and the shards' acknowledgements; the
+        caller waits on those before it reports the write as done. A ``write_id`` seen
+        before returns that write's indices and acknowledgements, and writes nothing.
         """
-        if not self._shards[ONLINE]:
+        if self._log is None:
             raise RuntimeError("this buffer has no online shards")
-        if len(piece_rows) > len(self._shards[ONLINE]):
-            raise ValueError(f"expected at most {len(self._shards[ONLINE])} pieces, got {len(piece_rows)}")
-        if len(self._acks) >= 32:  # checking costs a ray.wait; amortize it
-            self._check_acks()
-        targets = assign_pieces(piece_rows, self._written)
-        offsets = np.concatenate([[0], np.cumsum(self._capacity)[:-1]])
-        indices, acks, start = [], [], 0
-        for rows, shard in zip(piece_rows, targets):
-            slots = (int(self._written[shard]) + np.arange(rows, dtype=np.int64)) % int(self._capacity[shard])
-            # The ref came nested in a list, so it is still unresolved: the shard fetches the rows itself.
-            ack = self._shards[ONLINE][shard].extend.remote(rows_ref[0], start, start + rows)
-            self._acks.append((shard, ack))
-            if self._mass_refs is not None:
-                self._mass_refs[ONLINE][shard] = self._shards[ONLINE][shard].mass_stats.remote()
-                self._masses_stale = True
-            acks.append(ack)
-            indices.append(int(offsets[shard]) + slots)
-            self._written[shard] += rows
-            start += rows
-        self._sizes[ONLINE] = np.minimum(self._written, self._capacity)
+        seen = self._log.seen(write_id)
+        if seen is not None:
+            return seen
+        plan = self._log.plan(piece_rows)
+        # The ref came nested in a list, so it is still unresolved: each shard fetches its piece itself.
+        acks = [self._shards[ONLINE][w.shard].extend.remote(rows_ref[0], w.start, w.stop, first=w.first)
+                for w in plan]
+        self._log.commit(plan, write_id, acks)
+        self._requery_masses(ONLINE, [w.shard for w in plan])
         self._metrics.count("rows_written", int(sum(piece_rows)))
-        out = np.concatenate(indices)
-        return (out, acks) if return_acks else out
+        return self._log.indices(plan), acks
 
     def update_priority(self, offline: np.ndarray, shard: np.ndarray, index: np.ndarray, generation: np.ndarray,
-                        priority: np.ndarray) -> int:
-        """Route priority updates to the shards that own the rows; return how many rows were sent.
+                        priority: np.ndarray) -> tuple[int, list[Any]]:
+        """Route priority updates to the shards that own the rows; return the row count and the shards' acks.
 
-        Each shard drops updates whose generation no longer matches the slot.
+        The whole call is checked before any shard gets its part. Each shard drops
+        updates whose generation no longer matches the slot.
         """
-        if self._sampler != "prioritized":
+        if not self._alloc.uses_masses:
             raise ValueError(f"update_priority needs sampler='prioritized', this buffer samples {self._sampler!r}")
-        offline, shard = np.asarray(offline, bool), np.asarray(shard, np.int64)
-        arrays = [np.asarray(a) for a in (index, generation, priority)]
-        if len({len(offline), len(shard), *map(len, arrays)}) != 1:
-            raise ValueError("expected offline, shard, index, generation and priority of the same length, got "
-                             f"{[len(offline), len(shard), *map(len, arrays)]}")
-        if not np.all(np.isfinite(arrays[2].astype(np.float64))):
-            raise ValueError("priorities must be finite numbers")
+        offline, shard = np.asarray(offline, bool).reshape(-1), np.asarray(shard, np.int64).reshape(-1)
+        index, generation = np.asarray(index, np.int64).reshape(-1), np.asarray(generation, np.int64).reshape(-1)
+        priority = np.asarray(priority, np.float64).reshape(-1)
+        lengths = [len(offline), len(shard), len(index), len(generation), len(priority)]
+        if len(set(lengths)) != 1:
+            raise ValueError(f"expected offline, shard, index, generation and priority of the same length, got {lengths}")
+        if not np.all(np.isfinite(priority)):
+            raise ValueError(f"priorities must be finite numbers, got {priority[~np.isfinite(priority)][:3].tolist()}")
+        sizes, routes = self._sizes(), []
         for side, on_side in ((OFFLINE, offline), (ONLINE, ~offline)):
             for i in np.unique(shard[on_side]):
                 if not 0 <= i < len(self._shards[side]):
                     raise ValueError(f"no {side} shard {i}: the buffer has {len(self._shards[side])}")
                 sel = on_side & (shard == i)
-                self._shards[side][i].update_priority.remote(*(a[sel] for a in arrays))
-                self._mass_refs[side][i] = self._shards[side][i].mass_stats.remote()
-                self._masses_stale = True
-        return int(len(offline))
-
-    def _check_acks(self) -> None:
-        import ray
-
-        if not self._acks:
-            return
-        refs = [a for _, a in self._acks]
-        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-        done = set(done)
-        failed = []
-        for shard, ack in self._acks:
-            if ack in done:
-                try:
-                    ray.get(ack)
-                except Exception as e:
-                    failed.append((shard, e))
-        self._acks = [(s, a) for s, a in self._acks if a not in done]
-        if failed:
-            self.resync()
-            shard, e = failed[0]
-            raise RuntimeError(f"an earlier write to online shard {shard} failed ({type(e).__name__}: {e}); "
-                               f"sizes were re-read from the shards: {self.sizes()}")
+                bad = index[sel][(index[sel] < 0) | (index[sel] >= sizes[side][i])]
+                if bad.size:
+                    raise IndexError(f"{side} shard {i} holds {int(sizes[side][i])} rows, got index {int(bad[0])}")
+                routes.append((side, int(i), sel))
+        acks = [self._shards[side][i].update_priority.remote(index[sel], generation[sel], priority[sel])
+                for side, i, sel in routes]
+        for side, i, _ in routes:
+            self._requery_masses(side, [i])
+        return int(len(offline)), acks
 
     def resync(self) -> dict[str, list[int]]:
-        """Re-read sizes from the shards (after a failed write)."""
+        """Take the online shards' own write counts (after a failed write or a restore)."""
         import ray
 
-        self._masses_stale = True  # the min-p filter depends on sizes
-        sizes = ray.get([s.size.remote() for s in self._shards[OFFLINE]])
-        self._sizes[OFFLINE] = np.asarray(sizes, np.int64)
-        if self._shards[ONLINE]:
-            self._written = np.asarray(ray.get([s.written.remote() for s in self._shards[ONLINE]]), np.int64)
-            self._sizes[ONLINE] = np.minimum(self._written, self._capacity)
+        if self._log is not None:
+            self._log.reset(ray.get([s.written.remote() for s in self._shards[ONLINE]]))
+        for side in SIDES:
+            self._requery_masses(side, range(len(self._shards[side])))
         return self.sizes()
 
     # introspection ----------------------------------------------------------
-    def sizes(self) -> dict[str, list[int]]:
-        self._check_acks()
-        return {OFFLINE: self._sizes[OFFLINE].tolist(), ONLINE: self._sizes[ONLINE].tolist(),
-                "online_written": self._written.tolist(), "online_capacity": self._capacity.tolist()}
-
     def stats(self, include_shards: bool = True) -> dict[str, Any]:
         import ray
 
         out = {"coordinator": {**self._metrics.snapshot(), "step": self._step, "offline_fraction": self.offline_fraction(),
-                               "epochs": dict(self._epochs), **self.sizes()}}
+                               "epochs": self._alloc.stats().get("epochs", {s: 0 for s in SIDES}), **self.sizes()}}
         if include_shards:
-            out["shards"] = ray.get([s.stats.remote() for side in (OFFLINE, ONLINE) for s in self._shards[side]])
+            out["shards"] = ray.get([s.stats.remote() for side in SIDES for s in self._shards[side]])
         return out
 
     def state_dict(self) -> dict[str, Any]:
         return {"step": self._step, "schedule": self._schedule.config(), "base_fraction": self._base_fraction,
-                "rng": self._rng.bit_generator.state, "sampler": self._sampler}
+                "rng": self._rng.bit_generator.state, "sampler": self._sampler, "allocator": self._alloc.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self._mass_refs is not None:  # priorities may have changed under us: re-query every shard
-            self._mass_refs = {side: [s.mass_stats.remote() for s in self._shards[side]] for side in (OFFLINE, ONLINE)}
-            self._masses_stale = True
-        self._step = int(state["step"])
-        self._schedule = make_schedule(state["schedule"])
-        self._base_fraction = state.get("base_fraction")
-        self._rng.bit_generator.state = state["rng"]
+        """Restore the sampling state; checked whole before anything changes."""
+        if state.get("sampler", self._sampler) != self._sampler:
+            raise ValueError(f"state was saved by a buffer sampling {state['sampler']!r}, this one samples "
+                             f"{self._sampler!r}")
+        step, schedule = non_negative_int("step", state["step"]), make_schedule(state["schedule"])
+        rng = np.random.default_rng()
+        rng.bit_generator.state = state["rng"]
+        alloc = make_allocator(self._sampler, self._alloc.num_shards, drop_last=getattr(self._alloc, "drop_last", False),
+                               beta=getattr(self._alloc, "beta", BETA))
+        alloc.load_state_dict(state.get("allocator", {}))
+        self._step, self._schedule, self._base_fraction = step, schedule, state.get("base_fraction")
+        self._rng.bit_generator.state = rng.bit_generator.state
+        self._alloc = alloc
+        for side in SIDES:  # priorities may have changed under us: re-query every shard
+            self._requery_masses(side, range(len(self._shards[side])))
+
+    def checkpoint(self, path: str) -> dict[str, Any]:
+        """Submit every shard's dump behind the writes sent so far, and take this state at the same cut."""
+        shards = self._shards[OFFLINE] + self._shards[ONLINE]
+        acks = [s.dump.remote(f"{path}/shard-{j}.npz") for j, s in enumerate(shards)]
+        return {"acks": acks, "state": self.state_dict(), "sizes": self.sizes()}
 
     def ping(self) -> str:
         return self._name
-
-
-def split_group(group: dict[str, Any], results: Sequence[tuple]) -> list[tuple[dict[str, Any], list[tuple]]]:
-    """Cut :meth:`Coordinator.sample_group`'s per-shard results back into per-batch ``(plan, parts)``."""
-    data = {(side, i): r for (side, i, _), r in zip(group["reads"], results)}
-    cursor = {k: 0 for k in data}
-    out = []
-    for plan in group["plans"]:
-        parts = []
-        for side, i, c in plan["parts"]:
-            rows, info = data[(side, i)]
-            a = cursor[(side, i)]
-            parts.append(({k: v[a:a + c] for k, v in rows.items()}, {k: v[a:a + c] for k, v in info.items()}))
-            cursor[(side, i)] = a + c
-        out.append((plan, parts))
-    return out
-
-
-def _plan_meta(plan: dict[str, Any]) -> dict[str, Any]:
-    """A plan without its refs (the refs travel as task arguments, so Ray resolves them)."""
-    return {**plan, "parts": [p[:3] for p in plan["parts"]]}
-
-
-def provenance(plan: dict[str, Any], infos: Sequence[dict], cat: Any = np.concatenate,
-               as_array: Any = np.asarray) -> dict[str, Any]:
-    """Per-row provenance of a planned batch from its parts' shard infos (numpy, or torch via ``cat``/``as_array``).
-
-    ``offline`` and ``shard`` come from the plan; ``index``, ``generation`` (and the
-    prioritized ``weight = (p_i / min p)^-beta``) from the shards.
-    """
-    parts = plan["parts"]
-    counts = [p[2] for p in parts]
-    info = {
-        "offline": as_array(np.repeat([p[0] == OFFLINE for p in parts], counts).astype(bool)),
-        "shard": as_array(np.repeat([p[1] for p in parts], counts).astype(np.int64)),
-        "index": cat([i["index"] for i in infos]),
-        "generation": cat([i["generation"] for i in infos]),
-    }
-    if "weights" in plan:
-        w = plan["weights"]
-        info["weight"] = cat([(i["priority"] / w[p[0]]) ** -w["beta"] for p, i in zip(parts, infos)])
-    return info
-
-
-def assemble(plan: dict[str, Any], results: Sequence[tuple], return_info: bool = False):
-    """Concatenate shard parts into one flat batch (offline parts first), with provenance if asked."""
-    from rayrb.transport import concat
-
-    rows = concat([r[0] for r in results])
-    if not return_info:
-        return rows
-    info = provenance(plan, [r[1] for r in results])
-    if "weight" in info:
-        info["weight"] = info["weight"].astype(np.float32)
-    return rows, info
-
-
-def _assemble_remote(plan: dict[str, Any], return_info: bool, postprocess: Any, *results: tuple):
-    out = assemble(plan, results, return_info)
-    if postprocess is not None:  # called with the rows, and their provenance when it was asked for
-        out = (postprocess(out[0], out[1]), out[1]) if return_info else postprocess(out)
-    return out
 
 
 _TASKS: dict[Any, Any] = {}
@@ -503,7 +377,7 @@ def _assemble_task(node_id: str | None, num_returns: int = 1):
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     if None not in _TASKS:
-        _TASKS[None] = ray.remote(num_cpus=0)(_assemble_remote)
+        _TASKS[None] = ray.remote(num_cpus=0)(assemble_slice)
     opts: dict[str, Any] = {"num_returns": num_returns}
     if node_id is not None:
         opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=True)

@@ -217,10 +217,10 @@ def _process(unit: tuple, index: int, fn: Callable, batched: bool, dest: str) ->
     spec = RowSpec.from_arrays(out)
     info = write_chunk(out, Path(dest) / name, spec)
     info.node = ray.get_runtime_context().get_node_id()
-    from rayrb.shards import _memory
+    from rayrb.metrics import process_memory
 
     # peak RSS of the worker process so far (bounded by the chunk size, not the dataset size)
-    info.extra = {"input": [start, stop], "spec": spec.to_json(), "worker_rss_bytes": _memory()["rss_peak_bytes"]}
+    info.extra = {"input": [start, stop], "spec": spec.to_json(), "worker_rss_bytes": process_memory()["rss_peak_bytes"]}
     marker = Path(dest) / f"{name}.done.json"
     tmp = marker.with_suffix(".tmp")
     tmp.write_text(json.dumps(asdict(info)))
@@ -286,16 +286,15 @@ def preprocess(
     """
     import ray
 
+    from rayrb.validation import optional_positive_int, positive_int
+
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
-    if num_frames is not None and (isinstance(num_frames, bool) or not isinstance(num_frames, int) or num_frames <= 0):
-        raise ValueError(f"num_frames must be a positive integer, got {num_frames!r}")
-    if chunk_rows is not None and (not isinstance(chunk_rows, int) or chunk_rows <= 0):
-        raise ValueError(f"chunk_rows must be a positive integer, got {chunk_rows!r}")
+    num_frames = optional_positive_int("num_frames", num_frames)
+    chunk_rows = optional_positive_int("chunk_rows", chunk_rows)
     if num_workers is None:
         num_workers = max(1, int(ray.cluster_resources().get("CPU", 1)) if ray.is_initialized() else os.cpu_count() or 1)
-    if num_workers <= 0:
-        raise ValueError(f"num_workers must be a positive integer, got {num_workers}")
+    num_workers = positive_int("num_workers", num_workers)
 
     dest = Path(dest).resolve()
     src_root = _source_root(source)

@@ -1,59 +1,137 @@
 """Per-shard samplers: which local rows a shard returns for a count the coordinator gave it.
 
-They are plain numpy objects that shard actors hold; the coordinator decides
-*how many* rows each shard draws (:mod:`rayrb.allocation`), a sampler decides
-*which*.
+A sampling kind has two halves, registered together under one name:
+
+* a :class:`Sampler` here, held by each shard actor: *which* rows (TorchRL's
+  ``Sampler``: ``sample``, ``update_priority``, ``state_dict``);
+* an :class:`~rayrb.allocators.Allocator`, held by the coordinator: *how many*
+  rows each shard draws, so that the batch has the distribution of sampling the
+  union of shards (:mod:`rayrb.allocators`).
+
+Samplers are plain numpy objects, and all of a shard's kind-specific behaviour
+lives in them: the extra provenance a row carries (:meth:`Sampler.info`), what a
+write does (:meth:`Sampler.on_write`), the mass the coordinator allocates by
+(:meth:`Sampler.mass`) and the state a checkpoint or a restart keeps.
+
+Without replacement, each read carries an :class:`Epoch`: which permutation the
+coordinator planned with and where in it this read starts. A shard whose state
+differs (it restarted, or missed a step) rebuilds the permutation from the seed,
+so its place in the epoch never depends on its process surviving.
 
 Examples:
     >>> import numpy as np
     >>> s = make_sampler("without_replacement")
     >>> s.begin_epoch(5, np.random.default_rng(0))
+    5
     >>> sorted(np.concatenate([s.sample(2, 5, None), s.sample(3, 5, None)]).tolist())
+    [0, 1, 2, 3, 4]
+    >>> fresh = make_sampler("without_replacement")  # a restarted shard, told where the epoch stands
+    >>> first = make_sampler("without_replacement")
+    >>> a = first.sample(2, 5, None, epoch=Epoch(number=1, seed=7, size=5, start=0))
+    >>> b = fresh.sample(3, 5, None, epoch=Epoch(number=1, seed=7, size=5, start=2))
+    >>> sorted(np.concatenate([a, b]).tolist())
     [0, 1, 2, 3, 4]
 """
 from __future__ import annotations
 
+from typing import Any, ClassVar, Mapping, NamedTuple
+
 import numpy as np
 
-SAMPLERS = ("uniform", "without_replacement", "prioritized")
+from rayrb.allocators import Allocator, PrioritizedAllocator, UniformAllocator, WithoutReplacementAllocator
+from rayrb.validation import ALPHA, EPS, positive_int, priority_options
 
 
-class UniformSampler:
+class Epoch(NamedTuple):
+    """Without replacement: epoch ``number`` is ``permutation(size)`` drawn from ``seed``; a read starts at ``start``."""
+
+    number: int
+    seed: int
+    size: int
+    start: int
+
+
+class Sampler:
+    """The shard side of a sampling kind. Subclasses set ``name`` and ``allocator`` and override what differs."""
+
+    name: ClassVar[str] = "sampler"
+    allocator: ClassVar[type[Allocator]] = Allocator
+
+    def __init__(self, capacity: int = 0, **options: Any):
+        pass
+
+    def sample(self, count: int, size: int, rng: np.random.Generator | None, epoch: Epoch | None = None) -> np.ndarray:
+        raise NotImplementedError
+
+    def on_write(self, idx: np.ndarray) -> None:
+        """Slots ``idx`` now hold new rows."""
+
+    def info(self, idx: np.ndarray) -> dict[str, np.ndarray]:
+        """Per-row provenance beyond index and generation."""
+        return {}
+
+    def mass(self, size: int) -> tuple[float, float]:
+        """``(total mass, smallest p_i)`` that the allocator weighs this shard by."""
+        return float(size), 1.0
+
+    def update_priority(self, idx: np.ndarray, priority: np.ndarray) -> None:
+        raise ValueError(f"update_priority needs sampler='prioritized', this shard samples {self.name!r}")
+
+    def check_priority(self, idx: np.ndarray, priority: np.ndarray) -> None:
+        """Raise before anything changes if :meth:`update_priority` would refuse these values."""
+        self.update_priority(idx[:0], priority[:0])
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
+        pass
+
+
+class UniformSampler(Sampler):
     """Rows drawn uniformly with replacement from ``[0, size)``."""
 
     name = "uniform"
+    allocator = UniformAllocator
 
-    def sample(self, count: int, size: int, rng: np.random.Generator | None) -> np.ndarray:
+    def sample(self, count: int, size: int, rng: np.random.Generator | None, epoch: Epoch | None = None) -> np.ndarray:
         if count > 0 and size <= 0:
             raise ValueError(f"cannot draw {count} rows from an empty shard")
         return rng.integers(0, size, count, dtype=np.int64)
 
-    def remaining(self) -> int | None:
-        return None
 
-
-class WithoutReplacementSampler:
+class WithoutReplacementSampler(Sampler):
     """One random permutation per epoch; each row of the epoch is drawn exactly once.
 
     The epoch covers the rows present when it began; rows written later join the next one.
     """
 
     name = "without_replacement"
+    allocator = WithoutReplacementAllocator
 
-    def __init__(self) -> None:
+    def __init__(self, capacity: int = 0, **options: Any):
         self._perm = np.empty(0, dtype=np.int64)
         self._cursor = 0
-        self.epoch = 0
+        self._number = 0
 
-    def begin_epoch(self, size: int, rng: np.random.Generator) -> None:
+    def begin_epoch(self, size: int, rng: np.random.Generator) -> int:
         self._perm = rng.permutation(size).astype(np.int64)
         self._cursor = 0
-        self.epoch += 1
+        self._number += 1
+        return self.remaining()
 
     def remaining(self) -> int:
         return int(self._perm.size - self._cursor)
 
-    def sample(self, count: int, size: int, rng: np.random.Generator | None) -> np.ndarray:
+    def _sync(self, epoch: Epoch) -> None:
+        if self._number != epoch.number or self._perm.size != epoch.size:
+            self._perm = np.random.default_rng(epoch.seed).permutation(epoch.size).astype(np.int64)
+            self._number = epoch.number
+        self._cursor = epoch.start
+
+    def sample(self, count: int, size: int, rng: np.random.Generator | None, epoch: Epoch | None = None) -> np.ndarray:
+        if epoch is not None:
+            self._sync(epoch)
         if count > self.remaining():
             raise ValueError(f"cannot draw {count} rows without replacement: {self.remaining()} left in the epoch")
         out = self._perm[self._cursor:self._cursor + count]
@@ -72,9 +150,7 @@ class SumTree:
     """
 
     def __init__(self, capacity: int):
-        if capacity <= 0:
-            raise ValueError(f"capacity must be a positive integer, got {capacity}")
-        self.capacity = int(capacity)
+        self.capacity = positive_int("capacity", capacity)
         self._n = 1 << (self.capacity - 1).bit_length()
         self._tree = np.zeros(2 * self._n, dtype=np.float64)
 
@@ -110,7 +186,7 @@ class SumTree:
         return pos - self._n
 
 
-class PrioritizedSampler:
+class PrioritizedSampler(Sampler):
     """Rows drawn with probability ``p_i / sum(p)``, where ``p_i = (|priority_i| + eps) ** alpha``.
 
     New rows get the largest priority seen so far, so each is likely to be drawn once
@@ -118,16 +194,26 @@ class PrioritizedSampler:
     """
 
     name = "prioritized"
+    allocator = PrioritizedAllocator
 
-    def __init__(self, capacity: int, alpha: float = 0.6, eps: float = 1e-8):
-        if alpha < 0 or eps <= 0:
-            raise ValueError(f"expected alpha >= 0 and eps > 0, got alpha={alpha}, eps={eps}")
+    def __init__(self, capacity: int, alpha: float = ALPHA, eps: float = EPS, **options: Any):
+        opts = priority_options(alpha=alpha, eps=eps)
         self.tree = SumTree(capacity)
-        self.alpha, self.eps = float(alpha), float(eps)
+        self.alpha, self.eps = opts["alpha"], opts["eps"]
         self.max_priority = 1.0
 
     def add(self, idx: np.ndarray) -> None:
         self.tree.update(idx, np.full(len(idx), self.max_priority ** self.alpha))
+
+    on_write = add
+
+    def info(self, idx: np.ndarray) -> dict[str, np.ndarray]:
+        return {"priority": self.tree.values(idx)}  # p_i, for importance weights
+
+    def check_priority(self, idx: np.ndarray, priority: np.ndarray) -> None:
+        priority = np.asarray(priority, dtype=np.float64)
+        if not np.all(np.isfinite(priority)):
+            raise ValueError(f"priorities must be finite numbers, got {priority[~np.isfinite(priority)][:3].tolist()}")
 
     def set_priority(self, idx: np.ndarray, priority: np.ndarray) -> None:
         priority = np.abs(np.asarray(priority, dtype=np.float64)) + self.eps
@@ -135,26 +221,50 @@ class PrioritizedSampler:
             self.max_priority = max(self.max_priority, float(priority.max()))
         self.tree.update(idx, priority ** self.alpha)
 
+    update_priority = set_priority
+
     def mass(self, size: int) -> tuple[float, float]:
         """Total and smallest ``p_i`` over the first ``size`` rows."""
         return self.tree.total(), self.tree.min(size)
 
-    def sample(self, count: int, size: int, rng: np.random.Generator) -> np.ndarray:
+    def sample(self, count: int, size: int, rng: np.random.Generator, epoch: Epoch | None = None) -> np.ndarray:
         total = self.tree.total()
         if count > 0 and (size <= 0 or total <= 0):
             raise ValueError(f"cannot draw {count} rows from a shard with no priority mass")
         u = rng.uniform(0.0, total, count) * (1.0 - 1e-12)
         return np.minimum(self.tree.find(u), size - 1)
 
-    def remaining(self) -> None:
-        return None
+    def state_dict(self) -> dict[str, np.ndarray]:
+        return {"priority": self.tree.values(np.arange(self.tree.capacity)),
+                "max_priority": np.float64(self.max_priority)}
+
+    def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
+        priority = np.asarray(state["priority"], dtype=np.float64)
+        if priority.shape != (self.tree.capacity,) or not np.all(np.isfinite(priority)) or np.any(priority < 0):
+            raise ValueError(f"expected {self.tree.capacity} finite non-negative priorities, got shape "
+                             f"{priority.shape}")
+        self.tree.update(np.arange(self.tree.capacity), priority)
+        self.max_priority = float(state["max_priority"])
 
 
-def make_sampler(name: str, capacity: int = 0, alpha: float = 0.6, eps: float = 1e-8):
-    if name == "uniform":
-        return UniformSampler()
-    if name == "without_replacement":
-        return WithoutReplacementSampler()
-    if name == "prioritized":
-        return PrioritizedSampler(capacity, alpha, eps)
-    raise ValueError(f"sampler must be one of {SAMPLERS}, got {name!r}")
+SAMPLERS: dict[str, type[Sampler]] = {}
+
+
+def register_sampler(cls: type[Sampler]) -> type[Sampler]:
+    """Make ``cls`` (and its ``allocator``) available as ``sampler=cls.name``."""
+    SAMPLERS[cls.name] = cls
+    return cls
+
+
+for _cls in (UniformSampler, WithoutReplacementSampler, PrioritizedSampler):
+    register_sampler(_cls)
+
+
+def sampler_class(name: str) -> type[Sampler]:
+    if name not in SAMPLERS:
+        raise ValueError(f"sampler must be one of {tuple(SAMPLERS)}, got {name!r}")
+    return SAMPLERS[name]
+
+
+def make_sampler(name: str, capacity: int = 0, alpha: float = ALPHA, eps: float = EPS) -> Sampler:
+    return sampler_class(name)(capacity=capacity, alpha=alpha, eps=eps)

@@ -22,12 +22,7 @@ import math
 from typing import Any, Mapping, Sequence
 
 from rayrb.allocation import check_fraction
-
-
-def _check_steps(total_steps: Any) -> int:
-    if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps <= 0:
-        raise ValueError(f"total_steps must be a positive integer, got {total_steps!r}")
-    return total_steps
+from rayrb.validation import positive_int
 
 
 class Schedule:
@@ -62,7 +57,7 @@ class _Ramp(Schedule):
 
     def __init__(self, start: float, end: float = 0.0, total_steps: int = 1):
         self.start, self.end = check_fraction(start), check_fraction(end)
-        self.total_steps = _check_steps(total_steps)
+        self.total_steps = positive_int("total_steps", total_steps)
 
     def _progress(self, step: int) -> float:
         return min(max(step, 0) / self.total_steps, 1.0)

@@ -15,47 +15,33 @@ shard sizes exact.
 """
 from __future__ import annotations
 
+import copy
 import os
 import time
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
 from rayrb.chunks import ChunkDataset, ReadOnlyError
-from rayrb.metrics import ActorMetrics
-from rayrb.samplers import make_sampler
+from rayrb.metrics import ActorMetrics, process_memory
+from rayrb.samplers import Epoch, make_sampler
 from rayrb.schema import RowSpec
+from rayrb.validation import ALPHA, EPS, positive_int
+from rayrb.writelog import slots
 
 Rows = dict[str, np.ndarray]
 Info = dict[str, np.ndarray]
 
 
-def _memory() -> dict[str, int]:
-    """Resident memory split into private (``rss_anon``: copies) and file-backed (``rss_file``: mapped chunks)."""
-    out = {"rss_bytes": 0, "rss_anon_bytes": 0, "rss_file_bytes": 0, "rss_peak_bytes": 0}
-    names = {"VmRSS:": "rss_bytes", "RssAnon:": "rss_anon_bytes", "RssFile:": "rss_file_bytes",
-             "VmHWM:": "rss_peak_bytes"}
-    try:
-        with open(f"/proc/{os.getpid()}/status") as f:
-            for line in f:
-                parts = line.split()
-                if parts and parts[0] in names:
-                    out[names[parts[0]]] = int(parts[1]) * 1024
-    except OSError:
-        pass
-    return out
-
-
 class _Shard:
     kind = "shard"
 
-    def __init__(self, shard_id: str, sampler: str, export_metrics: bool = True, capacity: int = 0,
+    def __init__(self, shard_id: str, sampler: str, capacity: int = 0,
                  sampler_options: Mapping[str, float] | None = None):
         self.shard_id = shard_id
         opts = dict(sampler_options or {})
-        self._sampler = make_sampler(sampler, capacity, opts.get("alpha", 0.6), opts.get("eps", 1e-8))
-        self._prioritized = sampler == "prioritized"
-        self._metrics = ActorMetrics("shard", {"shard": shard_id, "kind": self.kind}, export=export_metrics)
+        self._sampler = make_sampler(sampler, capacity, opts.get("alpha", ALPHA), opts.get("eps", EPS))
+        self._metrics = ActorMetrics("shard", {"shard": shard_id, "kind": self.kind})
 
     # storage hooks ------------------------------------------------------------
     def size(self) -> int:
@@ -68,92 +54,105 @@ class _Shard:
         raise NotImplementedError
 
     # sampling -----------------------------------------------------------------
-    def begin_epoch(self, seed: int) -> int:
-        self._sampler.begin_epoch(self.size(), np.random.default_rng(seed))
-        return self._sampler.remaining()
-
-    def sample(self, count: int, seed: int) -> tuple[Rows, Info]:
-        """``count`` local rows drawn by this shard's sampler from ``seed``, with their provenance."""
-        return self.sample_many([count], [seed])
-
     def _info(self, idx: np.ndarray) -> Info:
-        info = {"index": idx, "generation": self._generation(idx)}
-        if self._prioritized:
-            info["priority"] = self._sampler.tree.values(idx)  # p_i, for importance weights
-        return info
+        return {"index": idx, "generation": self._generation(idx), **self._sampler.info(idx)}
 
     def mass_stats(self) -> tuple[float, float]:
-        """``(total mass, smallest p_i)`` under prioritized sampling; ``(size, 1)`` otherwise."""
-        if self._prioritized:
-            return self._sampler.mass(self.size())
-        return float(self.size()), 1.0
+        """``(total mass, smallest p_i)`` the coordinator allocates by (``(size, 1)`` unless prioritized)."""
+        return self._sampler.mass(self.size())
+
+    def check_priority(self, idx: np.ndarray, generation: np.ndarray, priority: np.ndarray) -> int:
+        """Raise if :meth:`update_priority` would refuse these rows; change nothing."""
+        idx = np.asarray(idx, dtype=np.int64)
+        if idx.size and (idx.min() < 0 or idx.max() >= self.size()):
+            raise IndexError(f"shard {self.shard_id}: expected indices in [0, {self.size()}), "
+                             f"got {int(idx.min())}..{int(idx.max())}")
+        self._sampler.check_priority(idx, np.asarray(priority, dtype=np.float64))
+        return int(idx.size)
 
     def update_priority(self, idx: np.ndarray, generation: np.ndarray, priority: np.ndarray) -> int:
         """Set priorities of rows still holding the written generation; return how many were set.
 
         An update for a slot overwritten since it was sampled is dropped.
         """
-        if not self._prioritized:
-            raise ValueError(f"shard {self.shard_id}: update_priority needs sampler='prioritized'")
+        self.check_priority(idx, generation, priority)
         idx = np.asarray(idx, dtype=np.int64)
-        if idx.size and (idx.min() < 0 or idx.max() >= self.size()):
-            raise IndexError(f"shard {self.shard_id}: expected indices in [0, {self.size()}), got {idx.min()}..{idx.max()}")
         keep = self._generation(idx) == np.asarray(generation, dtype=np.int64)
-        self._sampler.set_priority(idx[keep], np.asarray(priority, dtype=np.float64)[keep])
+        self._sampler.update_priority(idx[keep], np.asarray(priority, dtype=np.float64)[keep])
         self._metrics.count("priority_updates", int(keep.sum()))
         self._metrics.count("priority_updates_dropped", int((~keep).sum()))
         return int(keep.sum())
 
-    def sample_many(self, counts: list[int], seeds: list[int]) -> tuple[Rows, Info]:
-        """The rows of several :meth:`sample` calls, in order, gathered in one pass into one object."""
+    def sample_many(self, counts: list[int], seeds: list[int], epochs: list[Epoch | None] | None = None
+                    ) -> tuple[Rows, Info]:
+        """Several reads' rows, in order, gathered in one pass into one object.
+
+        Read ``j`` draws ``counts[j]`` rows from ``seeds[j]``; without replacement,
+        ``epochs[j]`` says which epoch it belongs to and where in it it starts.
+        """
         t0 = time.perf_counter()
-        idx = np.concatenate([self._sampler.sample(int(c), self.size(), np.random.default_rng(s))
-                              for c, s in zip(counts, seeds)]) if counts else np.empty(0, np.int64)
+        epochs = epochs or [None] * len(counts)
+        idx = np.concatenate([self._sampler.sample(int(c), self.size(), np.random.default_rng(s), epoch=e)
+                              for c, s, e in zip(counts, seeds, epochs)]) if counts else np.empty(0, np.int64)
         rows, info = self._gather(idx), self._info(idx)
         self._metrics.count("rows_sampled", len(idx))
         self._metrics.observe("sample_ms", (time.perf_counter() - t0) * 1e3)
         return rows, info
 
-    def sample_tensors(self, count: int, seed: int, device: str = "cpu") -> dict[str, Any]:
+    def sample(self, count: int, seed: int, epoch: Epoch | None = None) -> tuple[Rows, Info]:
+        """``count`` local rows drawn by this shard's sampler from ``seed``, with their provenance."""
+        return self.sample_many([count], [seed], [epoch])
+
+    def sample_tensors(self, count: int, seed: int, epoch: Epoch | None = None, device: str = "cpu"
+                       ) -> dict[str, Any]:
         """:meth:`sample` as one flat dict of torch tensors (``rows/..``, ``info/..``), for Ray Direct Transport.
 
         Called with ``.options(tensor_transport="gloo" | "nccl")``; torch is imported only here.
         """
         import torch
 
-        rows, info = self.sample(count, seed)
+        rows, info = self.sample(count, seed, epoch)
         out = {f"rows/{k}": torch.from_numpy(v) for k, v in rows.items()}
         out.update({f"info/{k}": torch.from_numpy(v) for k, v in info.items()})
         if device != "cpu":
             out = {k: v.to(device, non_blocking=True) for k, v in out.items()}
         return out
 
-    def dump(self, path: str) -> None:
-        """Write this shard's mutable state (rows for online shards, priorities) under ``path``."""
-        os.makedirs(path, exist_ok=True)
-        state = self._state()
-        if self._prioritized:
-            state["priority"] = self._sampler.tree.values(np.arange(self._sampler.tree.capacity))
-            state["max_priority"] = np.float64(self._sampler.max_priority)
-        np.savez(os.path.join(path, "state.npz"), **state)
+    def dump(self, path: str) -> tuple[str, dict[str, Any]]:
+        """Write this shard's mutable state (online rows, sampler state) to ``path``; return its name and digest."""
+        from rayrb.checkpoint import file_digest
+
+        state = {**self._state(), **{f"sampler/{k}": v for k, v in self._sampler.state_dict().items()}}
+        with open(path, "wb") as f:
+            np.savez(f, **state)
+            f.flush()
+            os.fsync(f.fileno())
+        return os.path.basename(path), file_digest(path)
 
     def load(self, path: str) -> None:
-        with np.load(os.path.join(path, "state.npz")) as f:
-            state = dict(f)
-        self._set_state(state)
-        if self._prioritized:
-            self._sampler.tree.update(np.arange(self._sampler.tree.capacity), state["priority"])
-            self._sampler.max_priority = float(state["max_priority"])
+        """Take the state :meth:`dump` wrote; a file that does not fit this shard changes nothing."""
+        try:
+            with np.load(path) as f:
+                state = dict(f)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"shard {self.shard_id}: cannot read saved state {path}: {e}") from None
+        sampler_state = {k[len("sampler/"):]: v for k, v in state.items() if k.startswith("sampler/")}
+        check = copy.deepcopy(self._sampler)
+        check.load_state_dict(sampler_state)  # raises on a bad file, on a copy
+        apply = self._set_state(state)
+        apply()
+        self._sampler = check
 
     def _state(self) -> dict[str, np.ndarray]:
         return {}
 
-    def _set_state(self, state: dict[str, np.ndarray]) -> None:
-        pass
+    def _set_state(self, state: dict[str, np.ndarray]) -> Callable[[], None]:
+        """Check ``state``; return what applies it."""
+        return lambda: None
 
     def stats(self) -> dict[str, Any]:
         self._metrics.gauge("size", self.size())
-        for name, value in _memory().items():
+        for name, value in process_memory().items():
             self._metrics.gauge(name, value)
         return self._metrics.snapshot()
 
@@ -167,15 +166,13 @@ class OfflineShard(_Shard):
     kind = "offline"
 
     def __init__(self, root: str, start: int, stop: int, shard_id: str, sampler: str = "uniform",
-                 export_metrics: bool = True, sampler_options: Mapping[str, float] | None = None):
-        super().__init__(shard_id, sampler, export_metrics, capacity=max(1, stop - start),
-                         sampler_options=sampler_options)
+                 sampler_options: Mapping[str, float] | None = None):
+        super().__init__(shard_id, sampler, capacity=max(1, stop - start), sampler_options=sampler_options)
         self._ds = ChunkDataset.open(root)
         if not 0 <= start < stop <= len(self._ds):
             raise ValueError(f"shard {shard_id}: expected 0 <= start < stop <= {len(self._ds)}, got [{start}, {stop})")
         self._start, self._stop = int(start), int(stop)
-        if self._prioritized:
-            self._sampler.add(np.arange(self.size()))
+        self._sampler.on_write(np.arange(self.size()))
         self._metrics.gauge("dataset_bytes", (stop - start) * self._ds.spec.row_bytes)
 
     def size(self) -> int:
@@ -197,15 +194,13 @@ class OnlineShard(_Shard):
     kind = "online"
 
     def __init__(self, spec_json: Mapping[str, Any], capacity: int, shard_id: str, sampler: str = "uniform",
-                 export_metrics: bool = True, sampler_options: Mapping[str, float] | None = None):
-        if capacity <= 0:
-            raise ValueError(f"shard {shard_id}: capacity must be a positive integer, got {capacity}")
-        super().__init__(shard_id, sampler, export_metrics, capacity=capacity, sampler_options=sampler_options)
+                 sampler_options: Mapping[str, float] | None = None):
+        capacity = positive_int(f"shard {shard_id}: capacity", capacity)
+        super().__init__(shard_id, sampler, capacity=capacity, sampler_options=sampler_options)
         self._spec = RowSpec.from_json(spec_json)
         self._capacity = int(capacity)
         self._data = self._spec.empty(self._capacity)
         self._gen = np.zeros(self._capacity, dtype=np.int64)
-        self._cursor = 0
         self._written = 0
 
     def size(self) -> int:
@@ -215,20 +210,25 @@ class OnlineShard(_Shard):
         """Rows ever written (the write count); ``size()`` is this capped at the capacity."""
         return self._written
 
-    def extend(self, rows: Mapping[str, np.ndarray], start: int = 0, stop: int | None = None
-               ) -> tuple[np.ndarray, np.ndarray]:
-        """Copy ``rows[start:stop]`` in; return their slots and generations."""
+    def extend(self, rows: Mapping[str, np.ndarray], start: int = 0, stop: int | None = None,
+               first: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Copy ``rows[start:stop]`` in as this shard's ``first``-th rows on; return their slots and generations.
+
+        ``first`` is the write count the coordinator planned with: a shard that is
+        elsewhere (it lost writes) refuses, rather than put rows where nobody expects them.
+        """
         t0 = time.perf_counter()
+        if first is not None and first != self._written:
+            raise RuntimeError(f"shard {self.shard_id}: a write planned at row {first} reached a shard at row "
+                               f"{self._written}")
         rows = {k: v[start:stop] for k, v in rows.items()}
         n = self._spec.validate(rows, what=f"rows for shard {self.shard_id}")
-        pos = (self._cursor + np.arange(n, dtype=np.int64)) % self._capacity
+        pos = slots(self._written, n, self._capacity)
         keep = slice(max(0, n - self._capacity), n)  # a write larger than the shard keeps its tail
         for k, dst in self._data.items():
             dst[pos[keep]] = rows[k][keep]  # copies out of the object store
         np.add.at(self._gen, pos, 1)
-        if self._prioritized:
-            self._sampler.add(pos)
-        self._cursor = int((self._cursor + n) % self._capacity)
+        self._sampler.on_write(pos)
         self._written += n
         self._metrics.count("rows_written", n)
         self._metrics.observe("extend_ms", (time.perf_counter() - t0) * 1e3)
@@ -239,18 +239,26 @@ class OnlineShard(_Shard):
 
     def _state(self) -> dict[str, np.ndarray]:
         return {**{f"rows/{k}": v for k, v in self._data.items()}, "generation": self._gen,
-                "cursor": np.int64(self._cursor), "written": np.int64(self._written)}
+                "written": np.int64(self._written)}
 
-    def _set_state(self, state: dict[str, np.ndarray]) -> None:
+    def _set_state(self, state: dict[str, np.ndarray]) -> Callable[[], None]:
         rows = {k[len("rows/"):]: v for k, v in state.items() if k.startswith("rows/")}
-        if set(rows) != set(self._data) or state["generation"].shape != self._gen.shape:
+        gen = state.get("generation")
+        if set(rows) != set(self._data) or gen is None or gen.shape != self._gen.shape or "written" not in state:
             raise ValueError(f"shard {self.shard_id}: saved state has keys {sorted(rows)} and capacity "
-                             f"{state['generation'].shape[0]}, expected {sorted(self._data)} and {self._capacity}")
+                             f"{None if gen is None else gen.shape[0]}, expected {sorted(self._data)} and "
+                             f"{self._capacity}")
         self._spec.validate(rows, what="saved rows")
-        for k in self._data:
-            self._data[k][...] = rows[k]
-        self._gen[...] = state["generation"]
-        self._cursor, self._written = int(state["cursor"]), int(state["written"])
+        if any(v.shape[0] != self._capacity for v in rows.values()):
+            raise ValueError(f"shard {self.shard_id}: saved rows are not {self._capacity} slots")
+
+        def apply() -> None:
+            for k in self._data:
+                self._data[k][...] = rows[k]
+            self._gen[...] = gen
+            self._written = int(state["written"])
+
+        return apply
 
     def _generation(self, idx: np.ndarray) -> np.ndarray:
         return self._gen[idx]

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
+from rayrb.plans import BatchPlan, concat, nest, provenance
 from rayrb.schema import SEP
 
 _TORCH_TO_NUMPY = {
@@ -72,24 +73,9 @@ def _tensor(a: np.ndarray) -> torch.Tensor:
 
 def from_numpy_dict(arrays: Mapping[str, np.ndarray], batch_size: int | None = None) -> TensorDict:
     """Rebuild a TensorDict from ``{"a/b": ndarray}`` without copying."""
-    nested: dict[str, Any] = {}
-    for k, a in arrays.items():
-        parts = k.split(SEP)
-        d = nested
-        for p in parts[:-1]:
-            d = d.setdefault(p, {})
-        d[parts[-1]] = _tensor(a)
     if batch_size is None:
         batch_size = next(iter(arrays.values())).shape[0] if arrays else 0
-    return TensorDict(nested, batch_size=[batch_size])
-
-
-def concat(parts: list[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    """Concatenate flat batches key by key (a single part is returned as is)."""
-    parts = [p for p in parts if p and next(iter(p.values())).shape[0] > 0] or parts[:1]
-    if len(parts) == 1:
-        return dict(parts[0])
-    return {k: np.concatenate([p[k] for p in parts], axis=0) for k in parts[0]}
+    return TensorDict(nest({k: _tensor(a) for k, a in arrays.items()}), batch_size=[batch_size])
 
 
 TRANSPORTS = ("object_store", "gloo", "nccl")
@@ -113,13 +99,43 @@ def check_transport(transport: str) -> str:
     return transport
 
 
-def receive(meta: Mapping[str, Any], *parts: Any):
+def connect_group(transport: str, shards: list, learners: list, name: str, previous: Any = None) -> Any:
+    """The collective group that carries ``transport`` from ``shards`` to ``learners`` (None for the object store).
+
+    Refuses learners whose class cannot receive RDT refs, instead of letting Ray
+    deadlock until its 60 s fetch timeout (ray-project/ray#66264).
+    """
+    if transport == "object_store":
+        return None
+    missing = [i for i, a in enumerate(learners) if not getattr(a, "_ray_enable_tensor_transport", False)]
+    if missing:
+        raise ValueError(
+            f"transport={transport!r} needs learner classes declared with "
+            f"@ray.remote(enable_tensor_transport=True); learners {missing} are not (without it the "
+            "receive deadlocks until Ray's 60 s RDT timeout, ray-project/ray#66264)")
+    from ray.experimental.collective import create_collective_group, destroy_collective_group
+
+    if previous is not None:
+        destroy_collective_group(previous)
+    try:
+        return create_collective_group(shards + learners, backend=transport, name=name)
+    except Exception as e:
+        raise RuntimeError(
+            f"could not create a {transport} collective group over the shards and learners: {e}. "
+            "An actor can join one group per backend, and gloo RDT cannot share an actor with a "
+            "torch.distributed default group (DDP, RLlib remote learners): use transport='object_store' "
+            "or 'nccl' for those learners") from e
+
+
+def receive(plan: BatchPlan, *parts: Any):
     """A learner's slice from :meth:`OfflineToOnlineReplayBuffer.feed`: ``(TensorDict, info)``.
 
     ``parts`` are the shard parts as Ray resolved them: ``(rows, info)`` numpy pairs
     (object store) or flat tensor dicts (Ray Direct Transport; tensors stay on the
     device they arrived on).
     """
+    if len(plan.parts) != len(parts):
+        raise ValueError(f"expected {len(plan.parts)} shard parts for this slice, got {len(parts)}")
     rows: list[dict[str, torch.Tensor]] = []
     infos: list[dict[str, torch.Tensor]] = []
     for part in parts:
@@ -130,21 +146,9 @@ def receive(meta: Mapping[str, Any], *parts: Any):
         else:
             rows.append({k[len("rows/"):]: v for k, v in part.items() if k.startswith("rows/")})
             infos.append({k[len("info/"):]: v for k, v in part.items() if k.startswith("info/")})
-    counts = [p[2] for p in meta["parts"]]
-    if len(counts) != len(parts):
-        raise ValueError(f"expected {len(counts)} shard parts for this slice, got {len(parts)}")
-    flat = {k: torch.cat([r[k] for r in rows]) if len(rows) > 1 else rows[0][k] for k in rows[0]}
+    flat = concat(rows)
     device = next(iter(flat.values())).device
-    from rayrb.coordinator import provenance
-
-    info = provenance(meta, infos, cat=torch.cat, as_array=lambda a: torch.from_numpy(a).to(device))
+    info = provenance(plan, infos, cat=torch.cat, as_array=lambda a: torch.from_numpy(a).to(device))
     if "weight" in info:
         info["weight"] = info["weight"].float()
-    nested: dict[str, Any] = {}
-    for k, t in flat.items():
-        *path, leaf = k.split(SEP)
-        d = nested
-        for p in path:
-            d = d.setdefault(p, {})
-        d[leaf] = t
-    return TensorDict(nested, batch_size=[sum(counts)], device=device if device.type != "cpu" else None), info
+    return TensorDict(nest(flat), batch_size=[plan.batch_size], device=device if device.type != "cpu" else None), info

@@ -60,12 +60,11 @@ def to_multi_agent_batch(rows: Mapping[str, np.ndarray], info: Mapping[str, np.n
 def batch_refs(rb: Any, num_learners: int = 1, batch_size: int | None = None,
                columns: Mapping[str, str] = DQN_COLUMNS, module_id: str | None = None, n_step: int = 1):
     """One global batch as ``num_learners`` MultiAgentBatch refs, plus a provenance ref per slice."""
-    from rayrb.buffer import _positive_int
+    from rayrb.validation import positive_int
 
-    num_learners = _positive_int("num_learners", num_learners)
     post = partial(to_multi_agent_batch, columns=dict(columns), module_id=module_id, n_step=n_step)
-    pairs = rb._get(rb._coord.sample_refs.remote(rb._resolve_batch_size(batch_size), num_learners, True, None,
-                                                 post, True))
+    pairs = rb.sample_slices(positive_int("num_learners", num_learners), batch_size, postprocess=post,
+                             split_info=True)
     return [p[0] for p in pairs], [p[1] for p in pairs]
 
 

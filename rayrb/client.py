@@ -1,0 +1,326 @@
+"""The handle that collectors and learners hold: :class:`BufferClient`, a thin client over the coordinator.
+
+A client holds the coordinator's actor handle, the row spec and a few settings;
+it is small and picklable, so it is passed to collector and learner actors. It can
+write, sample and read settings, but it does not own the buffer: only the
+:class:`~rayrb.OfflineToOnlineReplayBuffer` that created the actors shuts them
+down. Pickling that owner gives a client.
+
+Every remote call goes through :meth:`BufferClient._get`, which bounds the wait
+by ``timeout`` and turns Ray's failures into ``TimeoutError``,
+:class:`BufferUnavailableError` or the actor's own ``ValueError``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from rayrb.allocation import write_pieces
+from rayrb.plans import assemble
+from rayrb.schedules import Schedule, make_schedule
+from rayrb.schema import RowSpec, strip_bookkeeping
+from rayrb.transport import from_numpy_dict, to_numpy_dict
+from rayrb.validation import fraction, non_negative_int, positive_int
+
+
+class BufferUnavailableError(RuntimeError):
+    """The buffer was shut down, or its coordinator actor died."""
+
+
+def _numpy(x: Any) -> np.ndarray:
+    return x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
+
+
+class BufferClient:
+    """Write, sample and steer a running buffer. Made by :meth:`OfflineToOnlineReplayBuffer.client`."""
+
+    _owner = False
+
+    def __init__(self, coord: Any, shards: list, spec: RowSpec, *, name: str, batch_size: int | None,
+                 transform: Any, timeout: float | None, num_online_shards: int, max_batch_bytes: int):
+        self._coord, self._shards, self._spec, self._name = coord, shards, spec, name
+        self._batch_size, self._transform, self._timeout = batch_size, transform, timeout
+        self._num_online, self._max_batch_bytes = num_online_shards, max_batch_bytes
+        self._closed = False
+
+    # plumbing ---------------------------------------------------------------
+    def _get(self, refs: Any) -> Any:
+        import ray
+        from ray.exceptions import GetTimeoutError, ObjectLostError, RayActorError, RayTaskError
+
+        if self._closed:
+            raise BufferUnavailableError(f"buffer {self._name!r} was shut down")
+        try:
+            return ray.get(refs, timeout=self._timeout)
+        except GetTimeoutError as e:
+            raise TimeoutError(f"buffer {self._name!r}: no answer within timeout={self._timeout}s") from e
+        except (RayActorError, ObjectLostError) as e:  # ObjectLostError: the coordinator died owning the rows
+            raise BufferUnavailableError(
+                f"buffer {self._name!r}: an actor of this buffer is dead (killed, shut down, or its node failed)"
+            ) from e
+        except RayTaskError as e:
+            if isinstance(e.cause, (ValueError, TypeError, IndexError, PermissionError)):
+                raise e.cause from None
+            raise
+
+    def _rows(self, data: Any, what: str) -> dict[str, np.ndarray]:
+        if isinstance(data, (list, tuple)):
+            raise TypeError(f"expected one TensorDict or dict of arrays for {what}, got a {type(data).__name__} "
+                            f"of {len(data)}: concatenate them first (torch.cat)")
+        arrays = strip_bookkeeping(to_numpy_dict(data), keep=self._spec.keys)
+        self._spec.validate(arrays, what=what)
+        return arrays
+
+    def _batch(self, batch_size: int | None) -> int:
+        """The batch size to draw, refused before anything is planned if its rows cannot fit the cap."""
+        if batch_size is None:
+            batch_size = self._batch_size
+        if batch_size is None:
+            raise ValueError("batch_size must be provided either in __init__ or sample(), got None in both")
+        batch_size = positive_int("batch_size", batch_size)
+        nbytes = batch_size * max(1, self._spec.row_bytes)
+        if nbytes > self._max_batch_bytes:
+            raise ValueError(f"batch_size={batch_size} needs {nbytes:,} bytes of rows, over max_batch_bytes="
+                             f"{self._max_batch_bytes:,}; sample smaller batches or raise max_batch_bytes")
+        return batch_size
+
+    def _finish(self, out: Any, return_info: bool, device: Any = None):
+        """Flat numpy batch (and info) from the object store -> TensorDict (and tensors), transformed."""
+        rows, info = out if return_info else (out, None)
+        td = from_numpy_dict(rows)
+        if device is not None:
+            td = _to_device(td, device)
+        if self._transform is not None:
+            td = self._transform(td)
+        if not return_info:
+            return td
+        return td, {k: torch.from_numpy(v) for k, v in info.items()}
+
+    # writing ----------------------------------------------------------------
+    def extend(self, data: Any, *, write_id: str | None = None) -> torch.Tensor:
+        """Copy rows into the online buffer; return their online indices once the shards hold them.
+
+        ``data`` (a TensorDict or dict of arrays) is checked against the offline row
+        spec before anything ships; a mismatch raises :class:`~rayrb.SchemaError`
+        naming the key, and nothing is written. When this returns, the rows are in
+        the buffer until capacity evicts them, whatever happens to the caller next.
+
+        ``write_id`` names the write: a retry with the same id (after a
+        ``TimeoutError``, say) is applied once and returns the same indices.
+        """
+        import ray
+
+        arrays = self._rows(data, "online data")
+        n = next(iter(arrays.values())).shape[0]
+        if n == 0:
+            return torch.empty(0, dtype=torch.int64)
+        pieces = write_pieces(n, self._num_online).tolist()
+        ref = ray.put(arrays)  # one object; each shard copies its own contiguous piece out of it
+        indices, acks = self._get(self._coord.extend.remote([ref], pieces, write_id=write_id))
+        try:
+            self._get(acks)
+        except (BufferUnavailableError, RuntimeError):
+            try:  # the shards' own counts, so the next write goes where the rows really are
+                self._get(self._coord.resync.remote())
+            except Exception:
+                pass
+            raise
+        return torch.from_numpy(np.array(indices))  # a writable copy of the (read-only) reply
+
+    def add(self, data: Any) -> int:
+        """Add one row (no batch dimension)."""
+        arrays = {k: np.asarray(v)[None] for k, v in to_numpy_dict(data).items()}
+        return int(self.extend(arrays)[0])
+
+    def update_priority(self, info: dict, priority: Any) -> int:
+        """Set the priorities of sampled rows (``sampler="prioritized"``), e.g. from TD errors.
+
+        ``info`` is what ``sample(return_info=True)`` returned with the batch; each
+        update goes to the shard that owns its row and is dropped there if the slot was
+        overwritten since (its generation changed). The whole call is checked before any
+        shard applies it. Returns the number of rows sent.
+        """
+        missing = [k for k in ("offline", "shard", "index", "generation") if k not in info]
+        if missing:
+            raise ValueError(f"info must come from sample(return_info=True); missing keys {missing}")
+        n, acks = self._get(self._coord.update_priority.remote(
+            _numpy(info["offline"]), _numpy(info["shard"]), _numpy(info["index"]), _numpy(info["generation"]),
+            _numpy(priority).reshape(-1)))
+        self._get(acks)
+        return int(n)
+
+    # sampling ---------------------------------------------------------------
+    def sample(self, batch_size: int | None = None, return_info: bool = False):
+        """A ``[batch_size]`` TensorDict: offline rows first, then online rows.
+
+        With ``return_info=True`` returns ``(batch, info)``; ``info`` has per row
+        ``offline`` (bool), ``shard``, ``index`` (within the shard) and
+        ``generation`` (times that slot was written), and ``weight`` when prioritized.
+        """
+        dispatch = self._get(self._coord.sample.remote(self._batch(batch_size)))
+        return self._finish(assemble(dispatch.plan, self._get(dispatch.refs), return_info), return_info)
+
+    def sample_async(self, batch_size: int | None = None, return_info: bool = False):
+        """An ObjectRef to the next batch as a flat dict of numpy arrays (``(rows, info)`` with info).
+
+        Does not wait for the rows. ``rb.to_tensordict(ray.get(ref))`` rebuilds what
+        :meth:`sample` returns; the same seed gives the same batches either way.
+        """
+        import ray
+
+        node = ray.get_runtime_context().get_node_id()
+        (ref,) = self._get(self._coord.sample_slices.remote(self._batch(batch_size), return_info=return_info,
+                                                            node_ids=[node]))
+        return ref
+
+    def to_tensordict(self, flat: Any, return_info: bool = False, device: Any = None):
+        """Rebuild a batch from :meth:`sample_async` / :meth:`sample_slices` output (applies ``transform``)."""
+        return self._finish(flat, return_info, device)
+
+    def iter_batches(self, batch_size: int | None = None, *, prefetch: int = 2, device: Any = None,
+                     return_info: bool = False, num_batches: int | None = None):
+        """Batches in order, keeping exactly up to ``prefetch`` sample requests in flight.
+
+        ``device`` moves each batch there (through pinned memory when CUDA is present).
+        """
+        from rayrb.iterator import BatchIterator
+
+        return BatchIterator(self, self._batch(batch_size), prefetch=prefetch, device=device,
+                             return_info=return_info, num_batches=num_batches)
+
+    def sample_slices(self, num_slices: int, batch_size: int | None = None, *, return_info: bool = False,
+                      learners: list | None = None, postprocess: Any = None, split_info: bool = False) -> list:
+        """Sample one global batch and return it as ``num_slices`` ObjectRefs, one per learner.
+
+        Each ref resolves to a flat dict (``rb.to_tensordict`` rebuilds it), so a learner
+        actor receives its slice straight from the shards, not through the caller: pass
+        ``refs[j]`` to learner ``j`` (RLlib's ``batch_refs`` shape). Slices are disjoint
+        parts of the global batch, sizes differ by at most one, and the exact offline
+        count holds for the global batch and, to within one row, for each slice. With
+        ``learners`` (actor handles), each slice is assembled on its learner's node.
+        ``postprocess(rows)`` (``postprocess(rows, info)`` with info) runs in that task;
+        with ``split_info`` each slice is a pair of refs ``(rows, info)``.
+        """
+        from rayrb.placement import actor_nodes
+
+        num_slices = positive_int("num_slices", num_slices)
+        batch_size = self._batch(batch_size)
+        nodes = None
+        if learners is not None:
+            if len(learners) != num_slices:
+                raise ValueError(f"expected {num_slices} learners, one per slice, got {len(learners)}")
+            nodes = actor_nodes(learners)
+        return self._get(self._coord.sample_slices.remote(
+            batch_size, num_slices=num_slices, return_info=return_info, node_ids=nodes, postprocess=postprocess,
+            split_info=split_info))
+
+    def connect_learners(self, learners: list) -> None:
+        """Set the learner actors that :meth:`feed` hands slices to.
+
+        With ``transport="gloo"`` or ``"nccl"`` the coordinator creates a collective
+        group over the shards and these learners; their classes must be declared
+        ``@ray.remote(enable_tensor_transport=True)`` (checked here: without it Ray
+        deadlocks for 60 s). Gloo RDT cannot share an actor with DDP or an RLlib remote
+        learner (both use torch.distributed's default group).
+        """
+        self._get(self._coord.connect_learners.remote(list(learners)))
+
+    def feed(self, method: str = "update", batch_size: int | None = None, *args: Any, wait: bool = True):
+        """Sample one global batch and call ``learner_j.method(plan, *parts, *args)`` on each connected learner.
+
+        The learner rebuilds its slice with ``rayrb.transport.receive(plan, *parts)``;
+        rows come straight from the shards (as GPU tensors with ``transport="nccl"``).
+        Slices follow :meth:`sample_slices`'s rules. Returns the learners' results
+        (``wait=True``, bounded by ``timeout``) or their refs.
+        """
+        refs = self._get(self._coord.feed.remote(method, self._batch(batch_size), args))
+        return self._get(refs) if wait else refs
+
+    # settings ---------------------------------------------------------------
+    @property
+    def offline_fraction(self) -> float:
+        """The fraction the next batch will use (after any schedule or annealing)."""
+        return float(self._get(self._coord.offline_fraction.remote()))
+
+    @offline_fraction.setter
+    def offline_fraction(self, value: float | Schedule | str | dict) -> None:
+        if isinstance(value, (int, float)):
+            fraction("offline_fraction", value)
+        self._get(self._coord.set_offline_fraction.remote(make_schedule(value)))
+
+    def anneal(self, step: int, total_steps: int) -> None:
+        """Linearly decay ``offline_fraction`` from its base value to 0 over ``total_steps`` (TorchRL's)."""
+        step, total_steps = non_negative_int("step", step), positive_int("total_steps", total_steps)
+        self._get(self._coord.anneal.remote(step, total_steps))
+
+    def set_step(self, step: int) -> None:
+        """Set the step that schedules read (by default, the number of sample calls so far)."""
+        self._get(self._coord.set_step.remote(non_negative_int("step", step)))
+
+    def state_dict(self) -> dict[str, Any]:
+        """Sampling state (step, schedule, RNG, epochs) to resume the same batch stream."""
+        return self._get(self._coord.state_dict.remote())
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._get(self._coord.load_state_dict.remote(state))
+
+    # introspection ----------------------------------------------------------
+    def __len__(self) -> int:
+        sizes = self.sizes()
+        return int(sum(sizes["offline"]) + sum(sizes["online"]))
+
+    @property
+    def write_count(self) -> int:
+        """Rows ever written to the online side (overwritten ones included)."""
+        return int(sum(self.sizes()["online_written"]))
+
+    def sizes(self) -> dict[str, list[int]]:
+        """Per-shard sizes as the coordinator allocates with them."""
+        return self._get(self._coord.sizes.remote())
+
+    def stats(self) -> dict[str, Any]:
+        """Sizes, rates and latencies of the coordinator and every shard."""
+        return self._get(self._coord.stats.remote())
+
+    @property
+    def spec(self) -> RowSpec:
+        return self._spec
+
+    @property
+    def batch_size(self) -> int | None:
+        return self._batch_size
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    def shutdown(self) -> None:
+        """Close this handle. A client never stops the buffer: its owner does."""
+        self._closed = True
+
+    close = shutdown
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"{type(self).__name__}(name={self._name!r}, {state}, spec={self._spec!r}, batch_size={self._batch_size})"
+
+    def __reduce__(self):
+        return _client, (self._client_args(),)
+
+    def _client_args(self) -> dict[str, Any]:
+        return {"coord": self._coord, "shards": self._shards, "spec": self._spec, "name": self._name,
+                "batch_size": self._batch_size, "transform": self._transform, "timeout": self._timeout,
+                "num_online_shards": self._num_online, "max_batch_bytes": self._max_batch_bytes}
+
+
+def _client(args: dict[str, Any]) -> BufferClient:
+    return BufferClient(**args)
+
+
+def _to_device(td: Any, device: Any):
+    device = torch.device(device)
+    if device.type == "cuda":
+        return td.pin_memory().to(device, non_blocking=True)
+    return td.to(device)

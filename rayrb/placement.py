@@ -1,0 +1,54 @@
+"""Where actors go: offline shards beside their chunks, learner slices beside their learners."""
+from __future__ import annotations
+
+from typing import Any
+
+from rayrb.chunks import ChunkDataset
+
+
+def shard_placement(dataset: ChunkDataset, start: int, stop: int, opts: dict) -> dict:
+    """Actor options that prefer the node holding most of rows ``[start, stop)`` (a soft hint)."""
+    if "scheduling_strategy" in opts:
+        return opts
+    rows_by_node: dict[str, int] = {}
+    for c, a in zip(dataset.chunks, dataset.offsets[:-1]):
+        overlap = min(stop, a + c.rows) - max(start, a)
+        if c.node and overlap > 0:
+            rows_by_node[c.node] = rows_by_node.get(c.node, 0) + int(overlap)
+    if not rows_by_node:
+        return opts
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+    node = max(rows_by_node, key=rows_by_node.get)
+    if node not in alive:
+        return opts
+    return {**opts, "scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=True)}
+
+
+def actor_nodes(actors: list) -> list[str | None]:
+    """The node each actor runs on (None where Ray does not say)."""
+    from ray.util.state import list_actors
+
+    want = {a._actor_id.hex(): i for i, a in enumerate(actors)}
+    nodes: list[str | None] = [None] * len(actors)
+    try:
+        for a in list_actors(filters=[("state", "=", "ALIVE")], limit=10_000):
+            if a.actor_id in want:
+                nodes[want[a.actor_id]] = a.node_id
+    except Exception:  # the state API needs the dashboard; placement is only a hint
+        pass
+    return nodes
+
+
+def group_options(actor_options: dict[str, Any], transport: str, num_actors: int) -> tuple[dict, dict, str]:
+    """``(class options, actor options, device)`` for the shard actors under ``transport``."""
+    opts = {"num_cpus": 0, **actor_options}
+    # Shards return tensors over RDT: a class-level option, not an .options() one.
+    cls_opts = {"enable_tensor_transport": True} if transport != "object_store" else {"num_cpus": 0}
+    device = "cpu"
+    if transport == "nccl":
+        device = "cuda"
+        opts.setdefault("num_gpus", 1.0 / num_actors)
+    return cls_opts, opts, device

@@ -1,0 +1,93 @@
+"""Argument checks shared by every public entry point, so each rule is spelled once.
+
+Each check returns the value normalized to a plain Python type, or raises
+``ValueError`` (``TypeError`` where the type is wrong in kind, as for a
+callable) naming the argument, what was expected and what came. ``bool`` is
+never taken for a number, and numpy scalars are taken like Python ones.
+
+Examples:
+    >>> positive_int("batch_size", 32), positive_int("batch_size", __import__("numpy").int64(8))
+    (32, 8)
+    >>> positive_int("chunk_rows", True)
+    Traceback (most recent call last):
+    ValueError: chunk_rows must be a positive integer, got True
+    >>> non_negative_int("step", 2.5)
+    Traceback (most recent call last):
+    ValueError: step must be a non-negative integer, got 2.5
+    >>> fraction("offline_fraction", 0.25)
+    0.25
+    >>> finite_number("beta", float("inf"), minimum=0.0)
+    Traceback (most recent call last):
+    ValueError: beta must be a finite number >= 0.0, got inf
+"""
+from __future__ import annotations
+
+import math
+from numbers import Integral, Real
+from typing import Any
+
+# Prioritized replay's defaults (TorchRL's PrioritizedSampler takes alpha and beta; eps is its floor).
+ALPHA, BETA, EPS = 0.6, 0.4, 1e-8
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+def positive_int(name: str, value: Any) -> int:
+    """``value`` as an ``int`` > 0."""
+    if not _is_int(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def non_negative_int(name: str, value: Any) -> int:
+    """``value`` as an ``int`` >= 0."""
+    if not _is_int(value) or value < 0:
+        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+    return int(value)
+
+
+def optional_positive_int(name: str, value: Any) -> int | None:
+    return None if value is None else positive_int(name, value)
+
+
+def finite_number(name: str, value: Any, *, minimum: float | None = None, strict: bool = False) -> float:
+    """``value`` as a finite ``float``, at least ``minimum`` (strictly above it with ``strict``)."""
+    bound = "" if minimum is None else f" {'>' if strict else '>='} {minimum}"
+    ok = isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(float(value))
+    if ok and minimum is not None:
+        ok = float(value) > minimum if strict else float(value) >= minimum
+    if not ok:
+        raise ValueError(f"{name} must be a finite number{bound}, got {value!r}")
+    return float(value)
+
+
+def fraction(name: str, value: Any) -> float:
+    """``value`` as a ``float`` in ``[0, 1]``."""
+    if not isinstance(value, Real) or isinstance(value, bool) or not 0.0 <= float(value) <= 1.0:
+        raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
+    return float(value)
+
+
+def timeout(value: Any) -> float | None:
+    """Seconds to wait, or ``None`` for no limit."""
+    return None if value is None else finite_number("timeout", value, minimum=0.0, strict=True)
+
+
+def priority_options(alpha: Any = ALPHA, beta: Any = BETA, eps: Any = EPS) -> dict[str, float]:
+    """Prioritized sampling's ``alpha >= 0``, ``beta >= 0`` and ``eps > 0``, all finite."""
+    return {"alpha": finite_number("alpha", alpha, minimum=0.0), "beta": finite_number("beta", beta, minimum=0.0),
+            "eps": finite_number("eps", eps, minimum=0.0, strict=True)}
+
+
+def one_of(name: str, value: Any, choices: Any) -> Any:
+    if value not in tuple(choices):
+        raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}")
+    return value
+
+
+def callable_or_none(name: str, value: Any) -> Any:
+    if value is not None and not callable(value):
+        raise TypeError(f"{name} must be callable, got {type(value).__name__}")
+    return value

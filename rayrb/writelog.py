@@ -1,0 +1,122 @@
+"""Where online writes go: slots, write counts and write identities. No Ray here.
+
+The online side is ``k`` circular shards; shard ``s`` holds ``capacity_s`` rows at
+global indices ``offset_s + [0, capacity_s)``, with ``offset_s`` the sum of the
+capacities before it. Its ``w``-th row ever written goes to slot
+``w mod capacity_s``, so a shard's cursor is never stored: it is ``written_s mod
+capacity_s``, and its size is ``min(written_s, capacity_s)``.
+
+A write of ``n`` rows is cut into contiguous pieces (:func:`rayrb.allocation.write_pieces`),
+the largest pieces going to the least-written shards (:func:`rayrb.allocation.assign_pieces`),
+so fill levels stay balanced. :meth:`WriteLog.plan` computes a write's pieces,
+slots and global indices without changing anything; :meth:`WriteLog.commit`
+applies it once the shards hold the rows.
+
+A write may carry an identity. A write whose identity was committed before is
+not applied again: :meth:`WriteLog.seen` returns the indices it got (and the
+receipt the caller kept with them, such as the shards' acknowledgements), so a
+caller that retries after a timeout writes its rows once.
+
+Examples:
+    >>> log = WriteLog([3, 2])
+    >>> plan = log.plan([4])  # one piece of 4 rows, to the least-written shard
+    >>> [(w.shard, w.slots.tolist()) for w in plan], log.indices(plan).tolist()
+    ([(0, [0, 1, 2, 0])], [0, 1, 2, 0])
+    >>> log.commit(plan, write_id="w1")
+    >>> log.written.tolist(), log.sizes.tolist(), log.seen("w1")[0].tolist()
+    ([4, 0], [3, 0], [0, 1, 2, 0])
+    >>> [(w.shard, log.indices([w]).tolist()) for w in log.plan([2])]  # shard 1 is behind: it gets the rows
+    [(1, [3, 4])]
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Hashable, Sequence
+
+import numpy as np
+
+from rayrb.allocation import assign_pieces
+
+
+def slots(first: int, n: int, capacity: int) -> np.ndarray:
+    """Slots of the ``first``-th to ``first + n - 1``-th rows ever written to a circular shard."""
+    return (int(first) + np.arange(n, dtype=np.int64)) % int(capacity)
+
+
+@dataclass(frozen=True)
+class Write:
+    """Rows ``[start, stop)`` of one write, going to ``shard`` at ``slots`` (its ``first``-th row on)."""
+
+    shard: int
+    start: int
+    stop: int
+    first: int
+    slots: np.ndarray
+
+    @property
+    def rows(self) -> int:
+        return self.stop - self.start
+
+
+class WriteLog:
+    """The coordinator's record of online writes: per-shard write counts and recent write identities."""
+
+    def __init__(self, capacities: Sequence[int], remember: int = 4096):
+        self.capacity = np.asarray(capacities, dtype=np.int64)
+        if self.capacity.ndim != 1 or np.any(self.capacity <= 0):
+            raise ValueError(f"expected positive shard capacities, got {list(capacities)!r}")
+        self.offsets = np.concatenate([[0], np.cumsum(self.capacity)[:-1]]).astype(np.int64)
+        self.written = np.zeros(self.capacity.size, dtype=np.int64)
+        self._ids: OrderedDict[Hashable, tuple[np.ndarray, Any]] = OrderedDict()
+        self._remember = int(remember)
+
+    @property
+    def sizes(self) -> np.ndarray:
+        return np.minimum(self.written, self.capacity)
+
+    def plan(self, piece_rows: Sequence[int]) -> list[Write]:
+        """Where each piece of a write goes; changes nothing."""
+        if len(piece_rows) > self.capacity.size:
+            raise ValueError(f"expected at most {self.capacity.size} pieces, one per online shard, "
+                             f"got {len(piece_rows)}")
+        if any(int(r) <= 0 for r in piece_rows):
+            raise ValueError(f"expected positive piece sizes, got {list(piece_rows)!r}")
+        out, start = [], 0
+        for rows, shard in zip(piece_rows, assign_pieces(piece_rows, self.written)):
+            first = int(self.written[shard])
+            out.append(Write(shard, start, start + int(rows), first, slots(first, int(rows), self.capacity[shard])))
+            start += int(rows)
+        return out
+
+    def indices(self, plan: Sequence[Write]) -> np.ndarray:
+        """Global online indices of a planned write's rows, in the write's order."""
+        if not plan:
+            return np.empty(0, np.int64)
+        return np.concatenate([self.offsets[w.shard] + w.slots for w in plan])
+
+    def commit(self, plan: Sequence[Write], write_id: Hashable | None = None, receipt: Any = None) -> None:
+        for w in plan:
+            if self.written[w.shard] != w.first:
+                raise RuntimeError(f"write to online shard {w.shard} planned at row {w.first}, but the shard "
+                                   f"is at row {int(self.written[w.shard])}")
+        for w in plan:
+            self.written[w.shard] += w.rows
+        if write_id is not None:
+            self._ids[write_id] = (self.indices(plan), receipt)
+            while len(self._ids) > self._remember:
+                self._ids.popitem(last=False)
+
+    def seen(self, write_id: Hashable | None) -> tuple[np.ndarray, Any] | None:
+        """``(indices, receipt)`` of an earlier write with this identity, or None."""
+        return None if write_id is None else self._ids.get(write_id)
+
+    def reset(self, written: Sequence[int]) -> None:
+        """Take the shards' own write counts (after a failure or a restore)."""
+        written = np.asarray(written, dtype=np.int64)
+        if written.shape != self.written.shape or np.any(written < 0):
+            raise ValueError(f"expected {self.written.size} non-negative write counts, got {written.tolist()}")
+        self.written = written.copy()
+
+    def state_dict(self) -> dict:
+        return {"written": self.written.tolist(), "capacity": self.capacity.tolist()}
