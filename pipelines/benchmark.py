@@ -81,9 +81,12 @@ def synthetic_table(n: int, dim: int, seed: int = 0) -> TensorDict:
 
 def plasma_mib() -> tuple[float, float]:
     """``(used, needed)`` MiB: ``used`` counts freed objects not yet reclaimed; ``needed`` only referenced ones."""
+    import ray
     from ray._private.internal_api import memory_summary
 
-    for line in memory_summary(stats_only=True).splitlines():
+    # Name this job's instance: other Ray instances on the machine would make the lookup ambiguous.
+    address = ray.get_runtime_context().gcs_address
+    for line in memory_summary(address=address, stats_only=True).splitlines():
         if "Plasma memory usage" in line:
             # "Plasma memory usage 361 MiB, 11 objects, 17.65% full, 0.07% needed"
             used = float(line.split("Plasma memory usage")[1].split("MiB")[0])
