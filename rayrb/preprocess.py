@@ -82,6 +82,13 @@ def arrow_to_arrays(table: Any) -> dict[str, np.ndarray]:
     for name, col in zip(table.column_names, table.columns):
         key = name.replace(".", "/")
         col = col.combine_chunks()
+        if pa.types.is_list(col.type) or pa.types.is_large_list(col.type):
+            import pyarrow.compute as pc
+
+            lengths = pc.list_value_length(col)
+            if len(col) and pc.min(lengths).as_py() != pc.max(lengths).as_py():  # would reshape silently wrong
+                raise TypeError(f"column {name!r}: expected lists of one length per row, got lengths from "
+                                f"{pc.min(lengths).as_py()} to {pc.max(lengths).as_py()}")
         if pa.types.is_fixed_size_list(col.type) or pa.types.is_list(col.type) or pa.types.is_large_list(col.type):
             values = col.flatten()
             while pa.types.is_fixed_size_list(values.type) or pa.types.is_list(values.type):
@@ -269,7 +276,8 @@ def preprocess(
 
     Args:
         source: a chunk dataset (path, ``load_dataset`` id or object), a TensorDict or
-            dict of arrays, a ``pyarrow.Table``, or a Parquet file or directory.
+            dict of arrays, a ``pyarrow.Table``, a Parquet file or directory, or a
+            ``ray.data.Dataset`` (written once as a chunk dataset by Ray tasks, then mapped).
         fn: TorchRL's contract, one row (a TensorDict with no batch dimension) in and
             one row out; with ``batched=True``, one chunk (a ``[n]`` TensorDict) in and
             ``[n]`` rows out (the fast path). The output spec is taken from the first

@@ -16,6 +16,7 @@ Examples:
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -78,13 +79,19 @@ def _torchrl_rows(obj: Any):
     return storage.get(torch.arange(n))
 
 
+def _is_ray_dataset(obj: Any) -> bool:
+    data = sys.modules.get("ray.data")  # a Dataset exists only once ray.data was imported
+    return data is not None and isinstance(obj, data.Dataset)
+
+
 def as_chunk_dataset(source: Any, *, root: str | os.PathLike | None = None, **kwargs: Any) -> tuple[ChunkDataset, bool]:
     """Resolve any offline source to a chunk dataset; return it and whether it was written here.
 
     ``source`` may be a dataset id or chunk-dataset path (see :func:`load_dataset`), a
-    :class:`ChunkDataset`, a TensorDict or dict of arrays, or a TorchRL replay buffer or
-    storage. In-memory rows are written once to ``root`` (a fresh temporary directory
-    by default) and mapped from there.
+    :class:`ChunkDataset`, a TensorDict or dict of arrays, a ``ray.data.Dataset`` (written by
+    Ray tasks, see :func:`rayrb.raydata.write_ray_dataset`), or a TorchRL replay buffer or
+    storage. Other sources are written once to ``root`` (a fresh temporary directory by
+    default) and mapped from there.
     """
     import tempfile
 
@@ -98,19 +105,28 @@ def as_chunk_dataset(source: Any, *, root: str | os.PathLike | None = None, **kw
         raise TypeError(f"dataset options {sorted(kwargs)} apply only to dataset ids, got a {type(source).__name__}")
     if isinstance(source, ChunkDataset):
         return source, False
-    if isinstance(source, (TensorDictBase, dict)):
-        rows = source
-    elif hasattr(source, "storage") or (hasattr(source, "get") and hasattr(source, "__len__")):
-        rows = _torchrl_rows(source)
+    if _is_ray_dataset(source):
+        from rayrb.raydata import write_ray_dataset
+
+        def write(dest: Path) -> ChunkDataset:
+            return write_ray_dataset(source, dest)
     else:
-        raise TypeError(
-            "expected an offline dataset as a dataset id, a chunk-dataset path, a ChunkDataset, a TensorDict, "
-            f"a dict of arrays or a TorchRL replay buffer/storage, got {type(source).__name__}"
-        )
-    if isinstance(rows, TensorDictBase):
-        rows = rows.exclude("index") if "index" in rows.keys() else rows  # TorchRL bookkeeping
-        if rows.batch_dims != 1:
-            rows = rows.reshape(-1)
+        if isinstance(source, (TensorDictBase, dict)):
+            rows = source
+        elif hasattr(source, "storage") or (hasattr(source, "get") and hasattr(source, "__len__")):
+            rows = _torchrl_rows(source)
+        else:
+            raise TypeError(
+                "expected an offline dataset as a dataset id, a chunk-dataset path, a ChunkDataset, a TensorDict, "
+                f"a dict of arrays, a ray.data.Dataset or a TorchRL replay buffer/storage, got {type(source).__name__}"
+            )
+        if isinstance(rows, TensorDictBase):
+            rows = rows.exclude("index") if "index" in rows.keys() else rows  # TorchRL bookkeeping
+            if rows.batch_dims != 1:
+                rows = rows.reshape(-1)
+
+        def write(dest: Path) -> ChunkDataset:
+            return write_dataset(rows, dest, source={"kind": type(source).__name__})
     if root is None:
         from rayrb.datasets.openml import default_root
 
@@ -118,10 +134,10 @@ def as_chunk_dataset(source: Any, *, root: str | os.PathLike | None = None, **kw
         base.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix="offline-", dir=base))
         try:
-            return write_dataset(rows, tmp / "ds", source={"kind": type(source).__name__}), True
+            return write(tmp / "ds"), True
         except BaseException:
             import shutil
 
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-    return write_dataset(rows, root, source={"kind": type(source).__name__}), True
+    return write(Path(root)), True
