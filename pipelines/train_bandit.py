@@ -1,0 +1,430 @@
+"""The main job: an offline-to-online contextual bandit on an OpenML table, on Ray.
+
+The bandit is TorchRL's ``OpenMLEnv``: the context is a row's features ``X``, the action is a class, and the
+reward is 1 when the action is the row's label ``y``, else 0.
+
+1. A Ray task prepares the dataset (TorchRL's recipe) and splits it into training and held-out rows.
+2. ``rayrb.preprocess`` logs a behaviour policy (uniform random by default) on the training contexts, as Ray
+   tasks, into the offline dataset: ``observation``, ``action``, ``action_log_prob`` (the behaviour policy's),
+   ``("next", "reward")`` and ``("next", "done")``.
+3. An offline-only baseline learner trains on offline batches.
+4. The offline-to-online run: collector actors act epsilon-greedily with the learner's latest weights on fresh
+   training contexts and ``extend`` the online buffer; the learner actor trains on batches whose offline
+   share is annealed from 1 to ``--final-offline-fraction``, and every batch's split is checked to be exact.
+   The learner is fed by ``rb.feed()`` (``--input feed``) or pulls ``rb.iter_batches()`` itself
+   (``--input iterator``).
+5. ``metrics.json`` and ``train_bandit.png`` (online reward and held-out greedy accuracy against learner
+   steps, beside the offline-only baseline) go to ``--out``.
+
+The learner is a reward model ``Q(x, a)`` (an MLP, one logit per action) fitted to the observed rewards of the
+actions taken; the greedy policy is ``argmax_a Q(x, a)``.
+
+    python pipelines/train_bandit.py --data-home ../shared/data
+    python pipelines/train_bandit.py --dataset openml:shuttle --data-home ../shared/data --out /tmp/bandit
+    ray job submit --working-dir . -- python pipelines/train_bandit.py --data-home /mnt/data --root /mnt/rayrb \\
+        --out /mnt/rayrb/out
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+import numpy as np  # noqa: E402
+import ray  # noqa: E402
+
+QUICK = {"steps": 60, "sync_every": 10, "batch_size": 64, "collectors": 1, "collect_rows": 64, "hidden": 32,
+         "offline_shards": 1, "online_shards": 1, "online_capacity": 4096}
+
+
+# ---------------------------------------------------------------------------- the bandit's pieces
+def make_model(n_features: int, n_actions: int, hidden: int):
+    import torch
+
+    return torch.nn.Sequential(torch.nn.Linear(n_features, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, n_actions))
+
+
+def behaviour_probs(policy: str, n_actions: int) -> np.ndarray:
+    """Action probabilities of a context-free behaviour policy: uniform, or skewed towards low class ids."""
+    if policy == "uniform":
+        p = np.ones(n_actions)
+    elif policy == "skewed":
+        p = 0.5 ** np.arange(n_actions)
+    else:
+        raise ValueError(f"expected a behaviour policy 'uniform' or 'skewed', got {policy!r}")
+    return p / p.sum()
+
+
+class LogBehaviour:
+    """Batched preprocess fn: one chunk of ``X, y, row`` in, the behaviour policy's logged rows out."""
+
+    def __init__(self, policy: str, n_actions: int, seed: int):
+        self.policy, self.n_actions, self.seed = policy, n_actions, seed
+
+    def __repr__(self) -> str:  # preprocess fingerprints fn by this: a rerun with other settings is a new job
+        return f"LogBehaviour(policy={self.policy!r}, n_actions={self.n_actions}, seed={self.seed})"
+
+    def __call__(self, td):
+        import torch
+        from tensordict import TensorDict
+
+        n = td.batch_size[0]
+        probs = torch.as_tensor(behaviour_probs(self.policy, self.n_actions), dtype=torch.float32)
+        # Seeded by the chunk's first row id: the same chunk logs the same actions on any worker, in any order.
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + int(td["row"][0]))
+        action = torch.multinomial(probs, n, replacement=True, generator=g)
+        reward = (action == td["y"]).float().unsqueeze(-1)
+        return TensorDict({"observation": td["X"], "action": action, "action_log_prob": probs.log()[action],
+                           "next": {"reward": reward, "done": torch.ones(n, 1, dtype=torch.bool)}}, [n])
+
+
+def expected_offline(batch_size: int, fraction: float) -> int:
+    """The buffer's contract: ``n_off = floor(f * B + 1/2)``."""
+    return math.floor(fraction * batch_size + 0.5)
+
+
+@ray.remote(num_cpus=1)
+def prepare_splits(dataset: str, data_home: str | None, root: str | None, seed: int,
+                   test_fraction: float) -> dict[str, Any]:
+    """Prepare the dataset; write its training and held-out rows as chunk datasets (reused when present)."""
+    from rayrb import ChunkDataset, load_dataset, write_dataset
+
+    kw = {"data_home": data_home, "root": root} if dataset.startswith("openml:") else {}
+    ds = load_dataset(dataset, **kw)
+    base = Path(root or ds.root.parents[1]) / "bandit" / f"{ds.root.name}-seed{seed}-test{test_fraction:g}"
+    out = {}
+    if not all((base / s / "manifest.json").is_file() for s in ("train", "test")):
+        rows = ds.read()
+        order = np.random.default_rng(seed).permutation(len(ds))
+        n_test = max(1, int(round(test_fraction * len(ds))))
+        for split, idx in (("test", order[:n_test]), ("train", order[n_test:])):
+            write_dataset({"X": rows["X"][idx], "y": rows["y"][idx], "row": idx.astype(np.int64)}, base / split,
+                          overwrite=True, source={"split": split, "of": str(ds.root), "seed": seed})
+    for split in ("train", "test"):
+        out[split] = str(base / split)
+    train = ChunkDataset.open(base / "train")
+    y = ds.read()["y"]
+    out.update(rows=len(ds), features=int(ds.spec["X"].shape[0]), classes=int(y.max()) + 1,
+               train_rows=len(train), test_rows=len(ChunkDataset.open(base / "test")), prepared=str(ds.root))
+    return out
+
+
+@ray.remote(num_cpus=0)
+class Collector:
+    """An environment worker: epsilon-greedy on fresh training contexts, rows straight into the online buffer."""
+
+    def __init__(self, rb, train_root: str, n_features: int, n_actions: int, hidden: int, epsilon: float,
+                 seed: int):
+        import torch
+
+        from rayrb import ChunkDataset
+
+        torch.set_num_threads(1)
+        self.rb, self.epsilon, self.n_actions = rb, epsilon, n_actions
+        self.contexts = ChunkDataset.open(train_root)
+        self.model = make_model(n_features, n_actions, hidden)
+        self.rng = np.random.default_rng(seed)
+
+    def set_weights(self, weights: dict) -> None:
+        self.model.load_state_dict(weights)
+
+    def collect(self, rows: int) -> dict[str, float]:
+        import torch
+
+        batch = self.contexts.gather(self.rng.integers(0, len(self.contexts), rows))
+        with torch.no_grad():
+            greedy = self.model(torch.from_numpy(batch["X"])).argmax(-1).numpy()
+        explore = self.rng.random(rows) < self.epsilon
+        action = np.where(explore, self.rng.integers(0, self.n_actions, rows), greedy).astype(np.int64)
+        prob = self.epsilon / self.n_actions + (1 - self.epsilon) * (action == greedy)
+        reward = (action == batch["y"]).astype(np.float32)
+        self.rb.extend({"observation": batch["X"], "action": action, "action_log_prob": np.log(prob).astype(np.float32),
+                        "next/reward": reward[:, None], "next/done": np.ones((rows, 1), dtype=bool)})
+        return {"rows": rows, "reward": float(reward.mean()), "greedy_reward": float((greedy == batch["y"]).mean())}
+
+
+@ray.remote(num_cpus=1)
+class Learner:
+    """The reward model and its optimizer; trains on fed slices or on batches it pulls itself."""
+
+    def __init__(self, rb, test_root: str, n_features: int, n_actions: int, hidden: int, lr: float, seed: int):
+        import torch
+
+        from rayrb import ChunkDataset
+
+        torch.set_num_threads(1)
+        torch.manual_seed(seed)
+        self.rb = rb
+        self.model = make_model(n_features, n_actions, hidden)
+        self.opt = torch.optim.Adam(self.model.parameters(), lr=lr)
+        test = ChunkDataset.open(test_root).read()
+        self.test_x, self.test_y = torch.from_numpy(test["X"]), torch.from_numpy(test["y"])
+
+    def _step(self, td, info) -> tuple[float, int]:
+        import torch
+
+        q = self.model(td["observation"]).gather(-1, td["action"].unsqueeze(-1))
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(q, td["next", "reward"])
+        self.opt.zero_grad()
+        loss.backward()
+        self.opt.step()
+        return loss.item(), int(info["offline"].sum())
+
+    def update(self, plan, *parts) -> tuple[float, int, int]:
+        """``rb.feed("update")`` calls this with this learner's slice, straight from the shards."""
+        from rayrb.transport import receive
+
+        td, info = receive(plan, *parts)
+        loss, n_off = self._step(td, info)
+        return loss, n_off, td.batch_size[0]
+
+    def train(self, steps: int, batch_size: int) -> list[tuple[float, int, int]]:
+        """Pull ``steps`` batches through the buffer's prefetching iterator and train on each."""
+        out = []
+        for td, info in self.rb.iter_batches(batch_size, prefetch=4, return_info=True, num_batches=steps):
+            loss, n_off = self._step(td, info)
+            out.append((loss, n_off, td.batch_size[0]))
+        return out
+
+    def weights(self) -> dict:
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    def evaluate(self) -> float:
+        """Held-out greedy accuracy: the mean reward of ``argmax_a Q(x, a)`` on rows never trained on."""
+        import torch
+
+        with torch.no_grad():
+            return float((self.model(self.test_x).argmax(-1) == self.test_y).float().mean())
+
+
+# ---------------------------------------------------------------------------- the runs
+def run(rb, learner, collectors: list, args: argparse.Namespace, label: str) -> dict[str, list]:
+    """Train for ``args.steps`` in blocks of ``args.sync_every``; between blocks, anneal, sync weights, evaluate."""
+    series: dict[str, list] = {"step": [], "offline_fraction": [], "online_reward": [], "greedy_reward": [],
+                               "heldout_accuracy": [], "loss": []}
+    rb.connect_learners([learner])
+    online = bool(collectors)
+    anneal_total = None
+    if online and args.final_offline_fraction < 1:
+        # rb.anneal decays 1 -> 0 over anneal_total steps, which puts the final fraction at args.steps.
+        anneal_total = max(1, math.ceil(args.steps / (1 - args.final_offline_fraction)))
+    if online:  # the online side is never empty once training starts, so every batch has the exact split
+        weights = learner.weights.remote()
+        ray.get([c.set_weights.remote(weights) for c in collectors])
+        ray.get([c.collect.remote(args.collect_rows) for c in collectors])
+    batches = exact = 0
+    online_rows = len(collectors) * args.collect_rows if online else 0
+    step, t0 = 0, time.perf_counter()
+    while step < args.steps:
+        n = min(args.sync_every, args.steps - step)
+        if anneal_total:
+            rb.anneal(step, anneal_total)
+        f = rb.offline_fraction
+        pending = []
+        if online:  # collectors act with the newest weights while the learner trains on this block
+            weights = learner.weights.remote()  # one object, read by every collector from the object store
+            for c in collectors:  # an actor runs its calls in order: the weights land before the collect
+                c.set_weights.remote(weights)
+            pending = [c.collect.remote(args.collect_rows) for c in collectors]
+        if args.input == "feed":
+            results = [rb.feed("update")[0] for _ in range(n)]
+        else:
+            results = ray.get(learner.train.remote(n, args.batch_size))
+        want = expected_offline(args.batch_size, f)
+        for loss, n_off, rows in results:
+            batches += 1
+            exact += int(n_off == want and rows == args.batch_size)
+        step += n
+        collected = ray.get(pending)
+        acc = ray.get(learner.evaluate.remote())
+        series["step"].append(step)
+        series["offline_fraction"].append(f)
+        series["online_reward"].append(float(np.mean([c["reward"] for c in collected])) if collected else None)
+        series["greedy_reward"].append(float(np.mean([c["greedy_reward"] for c in collected])) if collected else None)
+        series["heldout_accuracy"].append(acc)
+        series["loss"].append(float(np.mean([r[0] for r in results])))
+        online_rows += sum(c["rows"] for c in collected)
+        if step == n or step == args.steps or len(series["step"]) % max(1, args.print_every // args.sync_every) == 0:
+            reward = f"  online reward {series['online_reward'][-1]:.3f}" if collected else ""
+            print(f"[{label}] step {step:5d}/{args.steps}  offline fraction {f:.3f}  loss {series['loss'][-1]:.4f}"
+                  f"{reward}  held-out greedy accuracy {acc:.3f}  ({time.perf_counter() - t0:.1f}s)", flush=True)
+    if exact != batches:
+        raise AssertionError(f"[{label}] {batches - exact} of {batches} batches did not have the exact "
+                             f"offline/online split")
+    series["batches"], series["exact_split_batches"], series["online_rows"] = batches, exact, online_rows
+    series["seconds"] = time.perf_counter() - t0
+    return series
+
+
+def plot(metrics: dict, path: Path) -> bool:
+    """Online reward and held-out greedy accuracy against learner steps; False when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    o2o, base, ds = metrics["o2o"], metrics["offline_only"], metrics["dataset"]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    a.plot(o2o["step"], o2o["online_reward"], label=f"collectors (epsilon={metrics['config']['epsilon']:g})")
+    a.plot(o2o["step"], o2o["greedy_reward"], label="greedy policy on the same contexts", alpha=0.7)
+    a.axhline(ds["behaviour_reward"], color="gray", ls=":", label=f"behaviour policy ({ds['behaviour']})")
+    a.set(xlabel="learner step", ylabel="mean reward", title="online reward", ylim=(0, 1.02))
+    twin = a.twinx()
+    twin.plot(o2o["step"], o2o["offline_fraction"], color="black", ls="--", lw=0.8, label="offline fraction")
+    twin.set(ylabel="offline fraction", ylim=(0, 1.02))
+    handles = [h for ax in (a, twin) for h in ax.get_legend_handles_labels()[0]]
+    a.legend(handles=handles, loc="lower right", fontsize=8)
+    b.plot(o2o["step"], o2o["heldout_accuracy"], label="offline-to-online")
+    b.plot(base["step"], base["heldout_accuracy"], label="offline only")
+    b.axhline(ds["behaviour_heldout_accuracy"], color="gray", ls=":", label="behaviour policy")
+    b.set(xlabel="learner step", ylabel="accuracy", title="held-out greedy accuracy", ylim=(0, 1.02))
+    b.legend(loc="lower right", fontsize=8)
+    fig.suptitle(f"{ds['id']}: {ds['train_rows']} training / {ds['test_rows']} held-out rows, "
+                 f"{ds['classes']} actions")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dataset", default="openml:mushroom_onehot")
+    p.add_argument("--data-home", default=os.environ.get("SCIKIT_LEARN_DATA"),
+                   help="scikit-learn data home holding the OpenML cache (default $SCIKIT_LEARN_DATA)")
+    p.add_argument("--root", default=None, help="prepared and logged datasets (default $RAYRB_HOME or ~/.cache/rayrb)")
+    p.add_argument("--out", default="outputs/train_bandit", help="where metrics.json and train_bandit.png go")
+    p.add_argument("--address", default=os.environ.get("RAY_ADDRESS"), help="Ray cluster (default: $RAY_ADDRESS "
+                   "or a new local Ray)")
+    p.add_argument("--input", choices=["feed", "iterator"], default="feed",
+                   help="feed: rb.feed() hands the learner actor its slices; iterator: it pulls rb.iter_batches()")
+    p.add_argument("--behaviour", choices=["uniform", "skewed"], default="uniform",
+                   help="the logging policy: uniform random, or skewed (p(a) halving with each class id)")
+    p.add_argument("--steps", type=int, default=600, help="learner steps, for each run")
+    p.add_argument("--sync-every", type=int, default=20, help="steps between weight syncs, annealing and evaluation")
+    p.add_argument("--print-every", type=int, default=100)
+    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--final-offline-fraction", type=float, default=0.25)
+    p.add_argument("--epsilon", type=float, default=0.1, help="collectors' exploration rate")
+    p.add_argument("--collectors", type=int, default=2)
+    p.add_argument("--collect-rows", type=int, default=128, help="rows each collector adds per block")
+    p.add_argument("--online-capacity", type=int, default=20_000)
+    p.add_argument("--offline-shards", type=int, default=2)
+    p.add_argument("--online-shards", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--test-fraction", type=float, default=0.2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help=f"a short configuration for tests: {QUICK}")
+    args = p.parse_args(argv)
+    if args.quick:
+        for k, v in QUICK.items():
+            setattr(args, k, v)
+    if not 0 <= args.final_offline_fraction <= 1 or not 0 <= args.epsilon <= 1:
+        p.error(f"expected --final-offline-fraction and --epsilon in [0, 1], got {args.final_offline_fraction} "
+                f"and {args.epsilon}")
+    if args.steps <= 0 or args.sync_every <= 0 or args.collectors <= 0:
+        p.error("expected positive --steps, --sync-every and --collectors")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse(argv)
+    t_start = time.perf_counter()
+    ray.init(address=args.address, include_dashboard=False if args.address is None else None,
+             logging_level=logging.WARNING)
+    from rayrb import ChunkDataset, OfflineToOnlineReplayBuffer, preprocess
+
+    out_dir = Path(args.out).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    data_home = os.path.abspath(args.data_home) if args.data_home else None
+    root = os.path.abspath(args.root) if args.root else None
+    timing: dict[str, float] = {}
+
+    t0 = time.perf_counter()
+    splits = ray.get(prepare_splits.remote(args.dataset, data_home, root, args.seed, args.test_fraction))
+    timing["prepare_s"] = time.perf_counter() - t0
+    K, d = splits["classes"], splits["features"]
+    print(f"prepared {args.dataset}: {splits['rows']} rows, {d} features, {K} actions; "
+          f"{splits['train_rows']} training / {splits['test_rows']} held-out rows ({timing['prepare_s']:.1f}s)",
+          flush=True)
+
+    t0 = time.perf_counter()
+    logged_root = Path(splits["train"]).parent / f"logged-{args.behaviour}-seed{args.seed}"
+    logged = preprocess(splits["train"], LogBehaviour(args.behaviour, K, args.seed), logged_root, batched=True)
+    timing["log_s"] = time.perf_counter() - t0
+    behaviour_reward = float(logged.read()["next/reward"].mean())
+    test_y = ChunkDataset.open(splits["test"]).read()["y"]
+    behaviour_acc = float(behaviour_probs(args.behaviour, K)[test_y].mean())  # its expected held-out reward
+    print(f"logged the {args.behaviour} behaviour policy on {len(logged)} contexts with rayrb.preprocess "
+          f"({timing['log_s']:.1f}s): mean reward {behaviour_reward:.3f}, spec {logged.spec}", flush=True)
+
+    rb = OfflineToOnlineReplayBuffer(logged.root, online_capacity=args.online_capacity, offline_fraction=1.0,
+                                     batch_size=args.batch_size, num_offline_shards=args.offline_shards,
+                                     num_online_shards=args.online_shards, seed=args.seed)
+    actors: list = []
+    try:
+        def learner():
+            actor = Learner.remote(rb, splits["test"], d, K, args.hidden, args.lr, args.seed)
+            actors.append(actor)
+            return actor
+
+        baseline = learner()
+        offline_only = run(rb, baseline, [], args, "offline only")
+        ray.kill(baseline)  # frees its CPU for the next learner
+        collectors = [Collector.remote(rb, splits["train"], d, K, args.hidden, args.epsilon, args.seed + 1 + i)
+                      for i in range(args.collectors)]
+        actors += collectors
+        o2o = run(rb, learner(), collectors, args, "offline-to-online")
+        stats = rb.stats()
+    finally:
+        rb.shutdown()
+        for a in actors:
+            ray.kill(a)
+    timing["total_s"] = time.perf_counter() - t_start
+    tail = max(1, len(o2o["step"]) // 5)  # the last fifth of the run
+    metrics = {
+        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "config": vars(args),
+        "dataset": {"id": args.dataset, "rows": splits["rows"], "features": d, "classes": K,
+                    "train_rows": splits["train_rows"], "test_rows": splits["test_rows"], "logged_rows": len(logged),
+                    "logged_root": str(logged.root), "behaviour": args.behaviour,
+                    "behaviour_reward": behaviour_reward, "behaviour_heldout_accuracy": behaviour_acc},
+        "offline_only": offline_only,
+        "o2o": o2o,
+        "final": {"o2o_heldout_accuracy": o2o["heldout_accuracy"][-1],
+                  "offline_only_heldout_accuracy": offline_only["heldout_accuracy"][-1],
+                  "behaviour_heldout_accuracy": behaviour_acc,
+                  "online_reward_last_fifth": float(np.mean(o2o["online_reward"][-tail:])),
+                  "online_rows_written": o2o["online_rows"]},
+        "timing": {**timing, "offline_only_s": offline_only["seconds"], "o2o_s": o2o["seconds"],
+                   "learner_rows_per_s": args.steps * args.batch_size / o2o["seconds"]},
+        "buffer_stats": stats,
+        "versions": {m: __import__(m).__version__ for m in ("ray", "torch", "tensordict", "numpy")},
+    }
+    (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=1, default=str))
+    plotted = plot(metrics, out_dir / "train_bandit.png")
+    fin = metrics["final"]
+    print(f"final held-out greedy accuracy: offline-to-online {fin['o2o_heldout_accuracy']:.3f}, offline only "
+          f"{fin['offline_only_heldout_accuracy']:.3f}, behaviour policy {behaviour_acc:.3f}; online reward "
+          f"(last fifth) {fin['online_reward_last_fifth']:.3f}; {o2o['exact_split_batches']}/{o2o['batches']} "
+          f"batches with the exact split; {timing['total_s']:.1f}s in all", flush=True)
+    print(f"wrote {out_dir / 'metrics.json'}" + (f" and {out_dir / 'train_bandit.png'}" if plotted else
+                                                 " (matplotlib is not installed: no plot)"), flush=True)
+    ray.shutdown()
+    return metrics
+
+
+if __name__ == "__main__":
+    main()
