@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 import uuid
 from pathlib import Path
 from typing import Any, Callable
@@ -28,6 +29,7 @@ from rayrb.validation import timeout as check_timeout
 __all__ = ["OfflineToOnlineReplayBuffer", "BufferUnavailableError", "prefill_replay_buffer"]
 
 DEFAULT_MAX_BATCH_BYTES = 8 << 30
+DEFAULT_STORAGE = os.path.join(tempfile.gettempdir(), "rayrb-state")
 
 
 class OfflineToOnlineReplayBuffer(BufferClient):
@@ -68,6 +70,11 @@ class OfflineToOnlineReplayBuffer(BufferClient):
         timeout (float): seconds to wait on any call before raising ``TimeoutError``.
         max_batch_bytes (int): the largest batch a call may ask for, in bytes of rows
             (default 8 GiB); larger requests are refused before anything is drawn.
+        storage_dir: a directory on each node's local disk where shards keep their
+            mutable state as memory maps (online rows, generations, write counts,
+            priorities), so that a shard whose process dies restarts with every
+            acknowledged write. Default: ``$TMPDIR/rayrb-state``. ``None`` keeps that state in
+            process memory; online shards then do not restart.
         **dataset_kwargs: forwarded to :func:`~rayrb.load_dataset` for dataset ids.
 
     Sampled batches are rebuilt from numpy arrays without copying where possible:
@@ -112,6 +119,7 @@ class OfflineToOnlineReplayBuffer(BufferClient):
         beta: float = BETA,
         eps: float = EPS,
         max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
+        storage_dir: str | os.PathLike | None = DEFAULT_STORAGE,
         **dataset_kwargs: Any,
     ):
         self._closed, self._owned_dirs = True, []  # until the actors run, nothing is usable or owned
@@ -154,7 +162,8 @@ class OfflineToOnlineReplayBuffer(BufferClient):
         try:
             coord, shards = _start_actors(dataset, name, online_capacity, num_offline_shards, num_online_shards,
                                           schedule=schedule, sampler=sampler, drop_last=drop_last, seed=seed,
-                                          actor_options=actor_options or {}, transport=transport, prio=prio)
+                                          actor_options=actor_options or {}, transport=transport, prio=prio,
+                                          storage_dir=None if storage_dir is None else str(storage_dir))
         except BaseException:
             self._remove_owned()  # no half-built buffer: what started is killed in _start_actors
             raise
@@ -212,7 +221,12 @@ class OfflineToOnlineReplayBuffer(BufferClient):
         import ray
 
         self._closed = True
-        for actor in [*getattr(self, "_shards", []), getattr(self, "_coord", None)]:
+        shards = getattr(self, "_shards", [])
+        try:  # shards remove their state files; a dead or stuck one is killed all the same
+            ray.wait([s.close.remote() for s in shards], num_returns=len(shards), timeout=5)
+        except Exception:
+            pass
+        for actor in [*shards, getattr(self, "_coord", None)]:
             if actor is not None:
                 try:
                     ray.kill(actor)
@@ -232,29 +246,35 @@ class OfflineToOnlineReplayBuffer(BufferClient):
 
 def _start_actors(dataset: ChunkDataset, name: str, capacity: int, m: int, k: int, *, schedule: Schedule,
                   sampler: str, drop_last: bool, seed: int | None, actor_options: dict, transport: str,
-                  prio: dict[str, float]) -> tuple[Any, list]:
+                  prio: dict[str, float], storage_dir: str | None) -> tuple[Any, list]:
     """Start ``m`` offline shards, ``k`` online shards and the coordinator; kill them all if one fails to start."""
     import ray
 
     from rayrb.coordinator import Coordinator
     from rayrb.placement import group_options, shard_placement
     from rayrb.shards import OfflineShard, OnlineShard
+    from rayrb.storage import shard_directory
 
     cls_opts, opts, device = group_options(actor_options, transport, m + k)
     ranges = row_ranges(len(dataset), m)
     capacities = split_evenly(capacity, k).tolist()
     so = {"alpha": prio["alpha"], "eps": prio["eps"]}
-    # Offline shards hold no data of their own (a restart re-maps the chunks), so they may restart;
-    # online shards may not: their rows would be lost and the coordinator's sizes out of step.
-    off_opts = {"max_restarts": 3, "max_task_retries": 3, **opts}
+    # A restarted offline shard re-maps its chunks; its priorities, and an online shard's rows, come back
+    # from its state files. Without those files an online shard's rows would be lost, so it does not restart.
+    restart = {"max_restarts": 3, "max_task_retries": 3}
+    off_opts = {**restart, **opts}
+    on_opts = {**restart, **opts} if storage_dir is not None else opts
+    instance = f"{name.replace('/', '_')}-{uuid.uuid4().hex[:8]}"
     started: list = []
     try:
         for i, (a, b) in enumerate(ranges):
             started.append(ray.remote(**cls_opts)(OfflineShard).options(**shard_placement(dataset, a, b, off_opts))
-                           .remote(str(dataset.root), a, b, f"{name}/off-{i}", sampler, sampler_options=so))
+                           .remote(str(dataset.root), a, b, f"{name}/off-{i}", sampler, sampler_options=so,
+                                   state_dir=shard_directory(storage_dir, instance, f"off-{i}")))
         for i, c in enumerate(capacities):
-            started.append(ray.remote(**cls_opts)(OnlineShard).options(**opts).remote(
-                dataset.spec.to_json(), c, f"{name}/on-{i}", sampler, sampler_options=so))
+            started.append(ray.remote(**cls_opts)(OnlineShard).options(**on_opts).remote(
+                dataset.spec.to_json(), c, f"{name}/on-{i}", sampler, sampler_options=so,
+                state_dir=shard_directory(storage_dir, instance, f"on-{i}")))
         coord = ray.remote(Coordinator).options(name=name, **opts).remote(
             started[:m], [b - a for a, b in ranges], started[m:], capacities, offline_fraction=schedule,
             sampler=sampler, drop_last=drop_last, seed=seed, name=name, transport=transport, device=device,

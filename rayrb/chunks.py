@@ -266,9 +266,14 @@ def read_manifest(root: str | os.PathLike) -> dict[str, Any]:
     path = Path(root) / MANIFEST
     if not path.is_file():
         raise ChunkError(f"expected a chunk dataset with {MANIFEST} at {Path(root)}, found none (absent or incomplete)")
-    with open(path) as f:
-        manifest = json.load(f)
-    if manifest.get("format") != FORMAT or manifest.get("version") != FORMAT_VERSION:
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ChunkError(f"{path}: the manifest is not valid JSON ({e}); the dataset is damaged or was not "
+                         "written completely: prepare it again") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("version") != FORMAT_VERSION:
+        manifest = manifest if isinstance(manifest, dict) else {}
         raise ChunkError(
             f"{path}: expected format {FORMAT!r} version {FORMAT_VERSION}, "
             f"got {manifest.get('format')!r} version {manifest.get('version')!r}"
@@ -283,6 +288,15 @@ def map_chunk(directory: str | os.PathLike, spec: RowSpec, rows: int, mode: str 
     """
     if mode not in ("r", "c"):
         raise ValueError(f"mode must be 'r' (read-only) or 'c' (copy-on-write), got {mode!r}")
+    out = {}
+    for k, (path, shape, dtype) in _chunk_files(directory, spec, rows).items():
+        want = int(np.prod(shape, dtype=np.int64))
+        out[k] = np.memmap(path, dtype=dtype, mode=mode, shape=shape) if want else np.zeros(shape, dtype)
+    return out
+
+
+def _chunk_files(directory: str | os.PathLike, spec: RowSpec, rows: int) -> dict[str, tuple[Path, tuple, np.dtype]]:
+    """Each key's ``(file, shape, dtype)`` in one chunk, after checking the file exists with its exact size."""
     directory = Path(directory)
     out = {}
     for k, f in spec.items():
@@ -296,7 +310,7 @@ def map_chunk(directory: str | os.PathLike, spec: RowSpec, rows: int, mode: str 
             raise ChunkError(f"chunk {directory.name}: file for key {k!r} is missing ({path})") from None
         if size != want:
             raise ChunkError(f"chunk {directory.name}: key {k!r} expected {want} bytes in {path.name}, found {size}")
-        out[k] = np.memmap(path, dtype=f.dtype, mode=mode, shape=shape) if want else np.zeros(shape, f.dtype)
+        out[k] = (path, shape, np.dtype(f.dtype))
     return out
 
 
@@ -313,10 +327,26 @@ class ChunkDataset:
 
     @classmethod
     def open(cls, root: str | os.PathLike, *, verify: bool = False) -> "ChunkDataset":
-        ds = cls(root, read_manifest(root))
+        """Open a dataset, checking that the manifest adds up and every chunk file is present with its size.
+
+        ``verify=True`` also checks every chunk's content hash (reads every byte).
+        """
+        try:
+            ds = cls(root, read_manifest(root))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ChunkError(f"{Path(root) / MANIFEST}: the manifest is malformed ({type(e).__name__}: {e})") from None
+        ds.check_files()
         if verify:
             ds.verify()
         return ds
+
+    def check_files(self) -> None:
+        """Raise :class:`ChunkError` unless the rows add up and each chunk's files exist with the right sizes."""
+        total = self.manifest.get("rows")
+        if total is not None and int(total) != len(self):
+            raise ChunkError(f"{self.root / MANIFEST}: says {total} rows, but its chunks hold {len(self)}")
+        for c in self.chunks:
+            _chunk_files(self.root / c.path, self.spec, c.rows)
 
     def __len__(self) -> int:
         return int(self.offsets[-1])

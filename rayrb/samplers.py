@@ -87,6 +87,9 @@ class Sampler:
     def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
         pass
 
+    def attach(self, priority: np.ndarray, max_priority: np.ndarray, reopened: bool) -> None:
+        """Keep per-slot state in these (memory-mapped) arrays, reloading it from them if ``reopened``."""
+
 
 class UniformSampler(Sampler):
     """Rows drawn uniformly with replacement from ``[0, size)``."""
@@ -201,9 +204,26 @@ class PrioritizedSampler(Sampler):
         self.tree = SumTree(capacity)
         self.alpha, self.eps = opts["alpha"], opts["eps"]
         self.max_priority = 1.0
+        self._mirror: tuple[np.ndarray, np.ndarray] | None = None
+
+    def _set(self, idx: np.ndarray, values: np.ndarray) -> None:
+        self.tree.update(idx, values)
+        if self._mirror is not None:  # the mapped copy that a restarted shard reloads
+            self._mirror[0][np.asarray(idx, dtype=np.int64)] = values
+            self._mirror[1][0] = self.max_priority
+
+    def attach(self, priority: np.ndarray, max_priority: np.ndarray, reopened: bool) -> None:
+        everything = np.arange(self.tree.capacity)
+        if reopened:
+            self.tree.update(everything, np.asarray(priority[:self.tree.capacity]))
+            self.max_priority = float(max_priority[0])
+        else:
+            priority[:self.tree.capacity] = self.tree.values(everything)
+            max_priority[0] = self.max_priority
+        self._mirror = (priority, max_priority)
 
     def add(self, idx: np.ndarray) -> None:
-        self.tree.update(idx, np.full(len(idx), self.max_priority ** self.alpha))
+        self._set(idx, np.full(len(idx), self.max_priority ** self.alpha))
 
     on_write = add
 
@@ -219,7 +239,7 @@ class PrioritizedSampler(Sampler):
         priority = np.abs(np.asarray(priority, dtype=np.float64)) + self.eps
         if priority.size:
             self.max_priority = max(self.max_priority, float(priority.max()))
-        self.tree.update(idx, priority ** self.alpha)
+        self._set(idx, priority ** self.alpha)
 
     update_priority = set_priority
 
@@ -243,8 +263,8 @@ class PrioritizedSampler(Sampler):
         if priority.shape != (self.tree.capacity,) or not np.all(np.isfinite(priority)) or np.any(priority < 0):
             raise ValueError(f"expected {self.tree.capacity} finite non-negative priorities, got shape "
                              f"{priority.shape}")
-        self.tree.update(np.arange(self.tree.capacity), priority)
         self.max_priority = float(state["max_priority"])
+        self._set(np.arange(self.tree.capacity), priority)
 
 
 SAMPLERS: dict[str, type[Sampler]] = {}

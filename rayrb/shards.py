@@ -26,6 +26,7 @@ from rayrb.chunks import ChunkDataset, ReadOnlyError
 from rayrb.metrics import ActorMetrics, process_memory
 from rayrb.samplers import Epoch, make_sampler
 from rayrb.schema import RowSpec
+from rayrb.storage import OnlineStorage, PriorityStore
 from rayrb.validation import ALPHA, EPS, positive_int
 from rayrb.writelog import slots
 
@@ -137,11 +138,10 @@ class _Shard:
         except (OSError, ValueError) as e:
             raise ValueError(f"shard {self.shard_id}: cannot read saved state {path}: {e}") from None
         sampler_state = {k[len("sampler/"):]: v for k, v in state.items() if k.startswith("sampler/")}
-        check = copy.deepcopy(self._sampler)
-        check.load_state_dict(sampler_state)  # raises on a bad file, on a copy
+        copy.deepcopy(self._sampler).load_state_dict(sampler_state)  # raises on a bad file, on a copy
         apply = self._set_state(state)
         apply()
-        self._sampler = check
+        self._sampler.load_state_dict(sampler_state)
 
     def _state(self) -> dict[str, np.ndarray]:
         return {}
@@ -159,20 +159,30 @@ class _Shard:
     def ping(self) -> str:
         return self.shard_id
 
+    def close(self) -> None:
+        """Remove this shard's state files: the buffer is being shut down for good."""
+        self._store.remove()
+
 
 class OfflineShard(_Shard):
-    """Rows ``[start, stop)`` of a chunk dataset, mapped read-only."""
+    """Rows ``[start, stop)`` of a chunk dataset, mapped read-only.
+
+    Its only mutable state, priorities, is kept in ``state_dir`` (node-local files),
+    so a restarted shard re-maps its chunks and reloads its priorities.
+    """
 
     kind = "offline"
 
     def __init__(self, root: str, start: int, stop: int, shard_id: str, sampler: str = "uniform",
-                 sampler_options: Mapping[str, float] | None = None):
+                 sampler_options: Mapping[str, float] | None = None, state_dir: str | None = None):
         super().__init__(shard_id, sampler, capacity=max(1, stop - start), sampler_options=sampler_options)
         self._ds = ChunkDataset.open(root)
         if not 0 <= start < stop <= len(self._ds):
             raise ValueError(f"shard {shard_id}: expected 0 <= start < stop <= {len(self._ds)}, got [{start}, {stop})")
         self._start, self._stop = int(start), int(stop)
         self._sampler.on_write(np.arange(self.size()))
+        self._store = PriorityStore(max(1, stop - start), state_dir)
+        self._sampler.attach(self._store.priority, self._store.max_priority, self._store.reopened)
         self._metrics.gauge("dataset_bytes", (stop - start) * self._ds.spec.row_bytes)
 
     def size(self) -> int:
@@ -189,47 +199,64 @@ class OfflineShard(_Shard):
 
 
 class OnlineShard(_Shard):
-    """A circular buffer of ``capacity`` rows; the oldest rows are overwritten first."""
+    """A circular buffer of ``capacity`` rows; the oldest rows are overwritten first.
+
+    Rows, generations, the write count and priorities live in
+    :class:`~rayrb.storage.OnlineStorage`, memory-mapped under ``state_dir`` when
+    given: a restarted shard reopens them with every acknowledged write.
+    """
 
     kind = "online"
 
     def __init__(self, spec_json: Mapping[str, Any], capacity: int, shard_id: str, sampler: str = "uniform",
-                 sampler_options: Mapping[str, float] | None = None):
+                 sampler_options: Mapping[str, float] | None = None, state_dir: str | None = None):
         capacity = positive_int(f"shard {shard_id}: capacity", capacity)
         super().__init__(shard_id, sampler, capacity=capacity, sampler_options=sampler_options)
         self._spec = RowSpec.from_json(spec_json)
         self._capacity = int(capacity)
-        self._data = self._spec.empty(self._capacity)
-        self._gen = np.zeros(self._capacity, dtype=np.int64)
-        self._written = 0
+        self._store = OnlineStorage(self._spec, self._capacity, state_dir)
+        self._data, self._gen = self._store.rows, self._store.generation
+        if self._store.reopened:
+            self._sampler.on_write(np.arange(self.size()))
+        self._sampler.attach(self._store.priority, self._store.max_priority, self._store.reopened)
+
+    @property
+    def _written(self) -> int:
+        return self._store.written
 
     def size(self) -> int:
-        return min(self._written, self._capacity)
+        return self._store.size
 
     def written(self) -> int:
         """Rows ever written (the write count); ``size()`` is this capped at the capacity."""
-        return self._written
+        return self._store.written
 
     def extend(self, rows: Mapping[str, np.ndarray], start: int = 0, stop: int | None = None,
                first: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Copy ``rows[start:stop]`` in as this shard's ``first``-th rows on; return their slots and generations.
 
-        ``first`` is the write count the coordinator planned with: a shard that is
-        elsewhere (it lost writes) refuses, rather than put rows where nobody expects them.
+        ``first`` is the write count the coordinator planned with. Since the coordinator
+        sequences every write, it names this write: one already applied (a retry after
+        a restart) is not applied again, and a shard that is behind (it lost rows)
+        refuses rather than put rows where nobody expects them.
         """
         t0 = time.perf_counter()
-        if first is not None and first != self._written:
-            raise RuntimeError(f"shard {self.shard_id}: a write planned at row {first} reached a shard at row "
-                               f"{self._written}")
         rows = {k: v[start:stop] for k, v in rows.items()}
         n = self._spec.validate(rows, what=f"rows for shard {self.shard_id}")
-        pos = slots(self._written, n, self._capacity)
+        written = self._store.written
+        if first is not None and first != written:
+            if written >= first + n:
+                pos = slots(first, n, self._capacity)
+                return pos, self._gen[pos]
+            raise RuntimeError(f"shard {self.shard_id}: a write planned at row {first} reached a shard at row "
+                               f"{written} (rows were lost)")
+        pos = slots(written, n, self._capacity)
         keep = slice(max(0, n - self._capacity), n)  # a write larger than the shard keeps its tail
         for k, dst in self._data.items():
             dst[pos[keep]] = rows[k][keep]  # copies out of the object store
         np.add.at(self._gen, pos, 1)
         self._sampler.on_write(pos)
-        self._written += n
+        self._store.written = written + n  # last: this is what makes the rows visible after a restart
         self._metrics.count("rows_written", n)
         self._metrics.observe("extend_ms", (time.perf_counter() - t0) * 1e3)
         return pos, self._gen[pos]
@@ -256,7 +283,7 @@ class OnlineShard(_Shard):
             for k in self._data:
                 self._data[k][...] = rows[k]
             self._gen[...] = gen
-            self._written = int(state["written"])
+            self._store.written = int(state["written"])
 
         return apply
 

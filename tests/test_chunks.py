@@ -83,7 +83,11 @@ def test_truncated_chunk_is_detected_by_name(tmp_path):
     write_dataset({"x": np.arange(8.0)}, tmp_path / "ds", chunk_rows=4)
     path = tmp_path / "ds" / "chunk-00000" / "x.memmap"
     path.write_bytes(path.read_bytes()[:-8])
-    ds = ChunkDataset.open(tmp_path / "ds")
+    with pytest.raises(ChunkError, match="chunk-00000: key 'x' expected 32 bytes"):
+        ChunkDataset.open(tmp_path / "ds")  # found when the dataset is opened, not at the first read
+    from rayrb.chunks import read_manifest
+
+    ds = ChunkDataset(tmp_path / "ds", read_manifest(tmp_path / "ds"))  # unchecked: a read still names it
     with pytest.raises(ChunkError, match="chunk-00000: key 'x' expected 32 bytes"):
         ds.gather(np.array([0]))
     with pytest.raises(ChunkError, match="chunk-00000"):
@@ -198,3 +202,23 @@ def test_strided_and_large_arrays_are_written_exactly(tmp_path, monkeypatch):
     spec = chunks.RowSpec.from_arrays({"a": strided, "b": flags})
     assert info.hash == chunks.hash_arrays({"a": np.ascontiguousarray(strided), "b": flags}, spec)
     assert info.hash != chunks.hash_arrays({"a": np.ascontiguousarray(strided) + 1, "b": flags}, spec)
+
+
+def test_damaged_manifests_are_refused_when_opened(tmp_path):
+    write_dataset({"x": np.arange(8.0)}, tmp_path / "ds", chunk_rows=4)
+    manifest = tmp_path / "ds" / "manifest.json"
+    good = manifest.read_text()
+    manifest.write_text(good[: len(good) // 2])  # truncated
+    with pytest.raises(ChunkError, match="not valid JSON"):
+        ChunkDataset.open(tmp_path / "ds")
+    import json
+
+    m = json.loads(good)
+    m["rows"] = 9  # disagrees with its chunks
+    manifest.write_text(json.dumps(m))
+    with pytest.raises(ChunkError, match="says 9 rows, but its chunks hold 8"):
+        ChunkDataset.open(tmp_path / "ds")
+    manifest.write_text(good)
+    (tmp_path / "ds" / "chunk-00001" / "x.memmap").unlink()
+    with pytest.raises(ChunkError, match="chunk-00001: file for key 'x' is missing"):
+        ChunkDataset.open(tmp_path / "ds")

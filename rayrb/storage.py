@@ -1,0 +1,131 @@
+"""Shard state that outlives the shard's process: memory maps in a directory on the shard's node. No Ray here.
+
+An online shard's rows, slot generations and write count, and any shard's
+priorities, live in files under one directory per shard:
+
+    rows/<key>.memmap        capacity rows per key
+    generation.memmap        int64[capacity]: times each slot was written
+    written.memmap           int64[1]: rows ever written (the cursor is this mod capacity)
+    priority.memmap          float64[capacity]: p_i per slot (prioritized sampling)
+    max_priority.memmap      float64[1]
+    layout.json              spec and capacity; written last, so a half-made directory is never reopened
+
+A write stores rows, then generations, then priorities, and the write count
+last: the count is what makes rows visible. The pages are in the kernel's page
+cache the moment they are stored, so **a process crash loses nothing** that a
+returned call stored: the restarted shard reopens the files and finds every
+acknowledged row, generation and priority. **A node loss loses the directory**
+(it is on that node's disk): a shard restarted elsewhere starts empty. Without a
+directory the same arrays live in process memory.
+
+Examples:
+    >>> import tempfile, numpy as np
+    >>> from rayrb.schema import RowSpec
+    >>> spec = RowSpec.from_arrays({"x": np.zeros((1, 2), "float32")})
+    >>> d = tempfile.mkdtemp()
+    >>> s = OnlineStorage(spec, 4, d)
+    >>> s.rows["x"][0] = [1, 2]; s.written = 1
+    >>> again = OnlineStorage(spec, 4, d)  # a restarted process
+    >>> again.written, again.rows["x"][0].tolist(), again.reopened
+    (1, [1.0, 2.0], True)
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rayrb.schema import SEP, RowSpec
+
+LAYOUT = "layout.json"
+
+
+def _array(directory: Path | None, name: str, shape: tuple, dtype: Any, fresh: bool) -> np.ndarray:
+    if directory is None:
+        return np.zeros(shape, dtype)
+    path = directory / f"{name}.memmap"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    n = int(np.prod(shape, dtype=np.int64))
+    if n == 0:
+        return np.zeros(shape, dtype)
+    return np.memmap(path, dtype=dtype, mode="w+" if fresh else "r+", shape=shape)
+
+
+class OnlineStorage:
+    """Rows, generations, write count and priorities of one circular shard, memory-mapped under ``directory``."""
+
+    def __init__(self, spec: RowSpec, capacity: int, directory: str | os.PathLike | None = None,
+                 priorities: bool = True):
+        self.spec, self.capacity = spec, int(capacity)
+        self.directory = None if directory is None else Path(directory)
+        layout = {"spec": spec.to_json(), "capacity": self.capacity}
+        self.reopened = self.directory is not None and _layout(self.directory) == layout
+        fresh = not self.reopened
+        if fresh and self.directory is not None and self.directory.exists():
+            shutil.rmtree(self.directory)  # a half-made or foreign directory: start over
+        d = self.directory
+        self.rows = {k: _array(d, "rows/" + k.replace(SEP, "__"), (self.capacity, *f.shape), f.dtype, fresh)
+                     for k, f in spec.items()}
+        self.generation = _array(d, "generation", (self.capacity,), np.int64, fresh)
+        self._written = _array(d, "written", (1,), np.int64, fresh)
+        self.priority = _array(d, "priority", (self.capacity,), np.float64, fresh) if priorities else None
+        self.max_priority = _array(d, "max_priority", (1,), np.float64, fresh) if priorities else None
+        if fresh and d is not None:
+            tmp = d / (LAYOUT + ".tmp")
+            tmp.write_text(json.dumps(layout))
+            os.replace(tmp, d / LAYOUT)
+
+    @property
+    def written(self) -> int:
+        return int(self._written[0])
+
+    @written.setter
+    def written(self, value: int) -> None:
+        self._written[0] = int(value)
+
+    @property
+    def size(self) -> int:
+        return min(self.written, self.capacity)
+
+    def remove(self) -> None:
+        """Delete the files (the buffer is being shut down)."""
+        if self.directory is not None:
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+
+class PriorityStore:
+    """Just the priorities of a shard whose rows live elsewhere (an offline shard's mapped chunks)."""
+
+    def __init__(self, capacity: int, directory: str | os.PathLike | None = None):
+        self.directory = None if directory is None else Path(directory)
+        layout = {"capacity": int(capacity)}
+        self.reopened = self.directory is not None and _layout(self.directory) == layout
+        fresh = not self.reopened
+        if fresh and self.directory is not None and self.directory.exists():
+            shutil.rmtree(self.directory)
+        self.priority = _array(self.directory, "priority", (int(capacity),), np.float64, fresh)
+        self.max_priority = _array(self.directory, "max_priority", (1,), np.float64, fresh)
+        if fresh and self.directory is not None:
+            (self.directory / LAYOUT).write_text(json.dumps(layout))
+
+    def remove(self) -> None:
+        if self.directory is not None:
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _layout(directory: Path) -> dict | None:
+    try:
+        return json.loads((directory / LAYOUT).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def shard_directory(root: str | os.PathLike | None, buffer_id: str, shard: str) -> str | None:
+    """Where shard ``shard`` of buffer instance ``buffer_id`` keeps its files (None: in memory)."""
+    if root is None:
+        return None
+    return str(Path(root) / buffer_id / shard)

@@ -1,0 +1,267 @@
+"""Acknowledged means kept, failed means unchanged: killed writers and shards, damaged checkpoints, bad calls."""
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pytest
+import torch
+from tensordict import TensorDict
+
+from rayrb import BufferUnavailableError, OfflineToOnlineReplayBuffer
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+
+def offline_rows(n=600):
+    return TensorDict({"obs": torch.arange(n, dtype=torch.float32)[:, None].expand(n, 2).contiguous(),
+                       "id": torch.arange(n, dtype=torch.int64)}, [n])
+
+
+def online_rows(start, n):
+    ids = torch.arange(start, start + n, dtype=torch.int64)
+    return TensorDict({"obs": -ids.float()[:, None].expand(n, 2).contiguous(), "id": 1_000_000 + ids}, [n])
+
+
+@pytest.fixture
+def make_buffer(tmp_path):
+    made = []
+
+    def make(*args, **kwargs):
+        kwargs.setdefault("dataset_root", tmp_path / f"ds{len(made)}")
+        kwargs.setdefault("storage_dir", tmp_path / "state")
+        rb = OfflineToOnlineReplayBuffer(*args, **kwargs)
+        made.append(rb)
+        return rb
+
+    yield make
+    for rb in made:
+        rb.shutdown()
+
+
+def online_ids(rb, draws=20_000) -> set[int]:
+    """The online rows a buffer serves: all of them, for up to 500 rows, but with probability e^-40 per row."""
+    rb.offline_fraction = 0.0
+    batch = rb.sample(draws)
+    return {i - 1_000_000 for i in batch["id"].tolist()}
+
+
+def retry(fn, seconds=30):
+    """Call ``fn`` until it stops raising (a restarting actor), returning its result and the time it took."""
+    t0 = time.monotonic()
+    while True:
+        try:
+            return fn(), time.monotonic() - t0
+        except Exception:
+            if time.monotonic() - t0 > seconds:
+                raise
+            time.sleep(0.1)
+
+
+def kill(ray, actor):
+    ray.kill(actor, no_restart=False)  # the process dies; Ray restarts the actor
+
+
+def test_rows_are_kept_when_the_writer_exits_right_after_extend(make_buffer, ray_session):
+    ray = ray_session
+
+    @ray.remote(num_cpus=0)
+    class Writer:
+        def write(self, rb, start, n):
+            return rb.extend(online_rows(start, n)).tolist()
+
+    rb = make_buffer(offline_rows(), online_capacity=1000, num_online_shards=1, seed=0, offline_fraction=0.0)
+    rb.extend(online_rows(0, 100))
+    for k in range(1, 3):
+        w = Writer.remote()
+        ray.get(w.__ray_ready__.remote())
+        busy = [rb.sample_async(1_000_000) for _ in range(5)]  # the shard is busy when the write reaches it
+        assert len(ray.get(w.write.remote(rb.client(), 100 * k, 100))) == 100
+        ray.kill(w)  # the owner of the written object is gone at once
+        ray.get(busy)
+    assert rb.write_count == 300
+    assert ray.get(rb._shards[-1].written.remote()) == 300
+    assert online_ids(rb) == set(range(300))
+
+
+def test_a_killed_online_shard_restarts_with_every_acknowledged_row(make_buffer, ray_session):
+    ray = ray_session
+    rb = make_buffer(offline_rows(), online_capacity=400, num_online_shards=2, seed=0)
+    for k in range(6):
+        rb.extend(online_rows(50 * k, 50))
+    kill(ray, rb._shards[1])
+    _, recovery = retry(lambda: rb.sample(64))
+    rb.extend(online_rows(300, 50))  # writes go on where they left off
+    assert rb.write_count == 350
+    assert online_ids(rb) == set(range(350))
+    assert recovery < 20
+
+
+def test_extend_to_a_dead_online_shard_raises_instead_of_returning_indices(make_buffer, ray_session):
+    ray = ray_session
+    rb = make_buffer(offline_rows(), online_capacity=100, num_online_shards=1, seed=0, storage_dir=None, timeout=30)
+    rb.extend(online_rows(0, 10))
+    ray.kill(rb._shards[-1])  # in-memory rows: this shard does not come back
+    for k in range(3):
+        with pytest.raises((BufferUnavailableError, RuntimeError)):
+            rb.extend(online_rows(10 + k, 1))
+
+
+def test_a_retried_write_with_the_same_id_lands_once(make_buffer):
+    rb = make_buffer(offline_rows(), online_capacity=100, seed=0)
+    first = rb.extend(online_rows(0, 10), write_id="collector-3/step-17")
+    again = rb.extend(online_rows(0, 10), write_id="collector-3/step-17")
+    assert torch.equal(first, again) and rb.write_count == 10
+    rb.extend(online_rows(10, 10), write_id="collector-3/step-18")
+    assert rb.write_count == 20
+
+
+def test_killed_offline_shard_keeps_its_place_in_a_without_replacement_epoch(make_buffer, ray_session):
+    ray = ray_session
+    rb = make_buffer(offline_rows(120), online_capacity=10, num_offline_shards=3, sampler="without_replacement",
+                     offline_fraction=1.0, seed=1)
+    seen = rb.sample(30)["id"].tolist() + rb.sample(30)["id"].tolist()
+    kill(ray, rb._shards[0])
+    kill(ray, rb._shards[2])
+    rest, _ = retry(lambda: rb.sample(30)["id"].tolist())
+    seen += rest + rb.sample(30)["id"].tolist()
+    assert sorted(seen) == list(range(120))  # the epoch visits every row exactly once, restart or not
+
+
+def test_killed_prioritized_shards_keep_their_priorities(make_buffer, ray_session):
+    ray = ray_session
+    rb = make_buffer(TensorDict({"id": torch.arange(100)}, [100]), online_capacity=50, num_offline_shards=2,
+                     sampler="prioritized", alpha=1.0, seed=0, offline_fraction=0.5)
+    rb.extend(TensorDict({"id": torch.arange(1000, 1050)}, [50]))
+    batch, info = rb.sample(2000, return_info=True)
+    hot = (batch["id"] == 7) | (batch["id"] == 1003)
+    rb.update_priority(info, torch.where(hot, 50.0, 1.0))
+    for shard in rb._shards:  # both offline shards and the online one
+        kill(ray, shard)
+    (batch, info), _ = retry(lambda: rb.sample(4000, return_info=True))
+    off = batch["id"][info["offline"]]
+    on = batch["id"][~info["offline"]]
+    assert abs(float((off == 7).float().mean()) - 50 / 149) < 0.05  # priorities survived the restart
+    assert abs(float((on == 1003).float().mean()) - 50 / 99) < 0.05
+
+
+def test_checkpoint_resumes_a_without_replacement_epoch(make_buffer, tmp_path):
+    kw = dict(num_offline_shards=2, online_capacity=10, sampler="without_replacement", offline_fraction=1.0,
+              seed=3)
+    a = make_buffer(offline_rows(100), **kw)
+    served = a.sample(40)["id"].tolist()
+    a.dumps(tmp_path / "ckpt")
+    rest = a.sample(30)["id"].tolist() + a.sample(30)["id"].tolist()
+    b = make_buffer(offline_rows(100), **kw)
+    b.loads(tmp_path / "ckpt")
+    got = b.sample(30)["id"].tolist() + b.sample(30)["id"].tolist()
+    assert got == rest and sorted(served + got) == list(range(100))
+
+
+def test_a_damaged_checkpoint_is_refused_and_changes_nothing(make_buffer, tmp_path):
+    kw = dict(online_capacity=100, num_online_shards=2, seed=2)
+    a = make_buffer(offline_rows(), **kw)
+    a.extend(online_rows(0, 80))
+    a.dumps(tmp_path / "ckpt")
+    b = make_buffer(offline_rows(), **kw)
+    b.extend(online_rows(500, 10))
+    before_sizes, before_state = b.sizes(), b.state_dict()
+    shard_file = tmp_path / "ckpt" / "shard-2.npz"
+    shard_file.write_bytes(shard_file.read_bytes()[:-100])  # truncated
+    with pytest.raises(ValueError, match="shard-2.npz is damaged"):
+        b.loads(tmp_path / "ckpt")
+    (tmp_path / "ckpt" / "buffer.json").write_text("{\"format\": ")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        b.loads(tmp_path / "ckpt")
+    assert b.sizes() == before_sizes and b.state_dict() == before_state
+    assert online_ids(b) == set(range(500, 510))
+    b.extend(online_rows(510, 5))  # writes still go where the rows are
+    assert online_ids(b) == set(range(500, 515))
+
+
+def test_loads_refuses_another_sampler_or_dataset(make_buffer, tmp_path):
+    a = make_buffer(offline_rows(), online_capacity=100, seed=0)
+    a.extend(online_rows(0, 5))
+    a.dumps(tmp_path / "ckpt")
+    prio = make_buffer(offline_rows(), online_capacity=100, seed=0, sampler="prioritized")
+    with pytest.raises(ValueError, match="sampler 'uniform' vs 'prioritized'"):
+        prio.loads(tmp_path / "ckpt")
+    other = offline_rows()
+    other["id"] = other["id"] + 1  # same spec, other rows
+    c = make_buffer(other, online_capacity=100, seed=0)
+    with pytest.raises(ValueError, match="offline dataset"):
+        c.loads(tmp_path / "ckpt")
+    assert prio.write_count == 0 and c.write_count == 0
+
+
+def test_checkpoint_is_written_whole_with_its_manifest_last(make_buffer, tmp_path):
+    rb = make_buffer(offline_rows(), online_capacity=100, seed=0)
+    rb.extend(online_rows(0, 5))
+    rb.dumps(tmp_path / "ckpt")
+    rb.extend(online_rows(5, 5))
+    rb.dumps(tmp_path / "ckpt")  # replaces the first one whole
+    meta = json.loads((tmp_path / "ckpt" / "buffer.json").read_text())
+    assert sum(meta["sizes"]["online_written"]) == 10
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".ckpt")) == []  # no temporaries left
+
+
+def test_a_refused_priority_update_changes_nothing(make_buffer):
+    kw = dict(online_capacity=10, num_offline_shards=2, sampler="prioritized", seed=4, offline_fraction=1.0)
+    a = make_buffer(offline_rows(100), **kw)
+    b = make_buffer(offline_rows(100), **kw)
+    _, info = a.sample(50, return_info=True)
+    b.sample(50, return_info=True)
+    bad = dict(info)
+    bad["shard"] = info["shard"].clone()
+    bad["shard"][-1] = 7  # one row names a shard that does not exist
+    with pytest.raises(ValueError, match="no offline shard 7"):
+        a.update_priority(bad, torch.full((50,), 30.0))
+    out_of_range = dict(info)
+    out_of_range["index"] = info["index"].clone()
+    out_of_range["index"][0] = 10_000
+    with pytest.raises(IndexError, match="got index 10000"):
+        a.update_priority(out_of_range, torch.full((50,), 30.0))
+    with pytest.raises(ValueError, match="finite"):
+        a.update_priority(info, torch.full((50,), float("nan")))
+    assert torch.equal(a.sample(200)["id"], b.sample(200)["id"])  # no shard's masses moved
+
+
+def test_an_oversized_batch_is_refused_before_the_stream_moves(make_buffer):
+    a = make_buffer(offline_rows(), online_capacity=10, seed=5)
+    b = make_buffer(offline_rows(), online_capacity=10, seed=5)
+    with pytest.raises(ValueError, match="max_batch_bytes"):
+        a.sample(10**12)
+    with pytest.raises(ValueError, match="max_batch_bytes"):
+        list(a.iter_batches(10**12, num_batches=1))
+    assert torch.equal(a.sample(64)["id"], b.sample(64)["id"])
+
+
+def test_small_input_gaps_are_closed(make_buffer, tmp_path):
+    rb = make_buffer(offline_rows(), online_capacity=10, seed=0)
+    with pytest.raises(ValueError, match="step must be a non-negative integer, got 2.5"):
+        rb.set_step(2.5)
+    with pytest.raises(ValueError, match="beta must be a finite number"):
+        OfflineToOnlineReplayBuffer(offline_rows(), online_capacity=10, beta=float("inf"),
+                                    dataset_root=tmp_path / "x")
+    with pytest.raises(TypeError, match="concatenate them first"):
+        rb.extend([online_rows(0, 2), online_rows(2, 2)])
+    assert rb.write_count == 0
+    it = rb.iter_batches(8, prefetch=4)
+    next(it)
+    rb.shutdown()
+    with pytest.raises(BufferUnavailableError, match="shut down"):
+        next(it)  # prefetched batches are not handed out after shutdown
+
+
+def test_a_client_handle_cannot_shut_the_buffer_down(make_buffer, ray_session):
+    import pickle
+
+    rb = make_buffer(offline_rows(), online_capacity=10, seed=0)
+    handle = pickle.loads(pickle.dumps(rb))
+    assert not isinstance(handle, OfflineToOnlineReplayBuffer)
+    handle.shutdown()  # closes the handle only
+    with pytest.raises(BufferUnavailableError):
+        handle.sample(4)
+    assert rb.sample(4).batch_size[0] == 4
+    assert rb.client().sample(4).batch_size[0] == 4
