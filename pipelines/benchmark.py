@@ -38,6 +38,8 @@ import torch  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
+# In a checkout, results go beside the docs; a script run alone (`ray submit` copies it to ~) writes to ./benchmarks.
+DEFAULT_OUT = REPO / "benchmarks" if (REPO / "pyproject.toml").is_file() else Path("benchmarks")
 
 SIZES = {
     "full": dict(n_off=581_012, dim=54, n_on=100_000, batch_sizes=[256, 4096, 65536], shards=[1, 2, 4],
@@ -462,7 +464,7 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="tiny sizes, one repeat (what the tests run)")
     p.add_argument("--data-home", default=os.environ.get("SCIKIT_LEARN_DATA"))
-    p.add_argument("--out", default=str(REPO / "benchmarks"))
+    p.add_argument("--out", default=str(DEFAULT_OUT))
     p.add_argument("--sections", default="sampling,real,writing,preprocess,cluster")
     p.add_argument("--batch-sizes", default=None, help="comma-separated, overrides the mode's")
     p.add_argument("--repeats", type=int, default=None, help="overrides the mode's")
