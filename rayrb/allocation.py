@@ -37,7 +37,12 @@ def check_fraction(offline_fraction: object) -> float:
 
 
 def offline_count(batch_size: int, offline_fraction: float) -> int:
-    """``floor(f * B + 1/2)``: rounds half up (Python's ``round`` rounds half to even)."""
+    """``floor(f * B + 1/2)``: rounds half up (Python's ``round`` rounds half to even).
+
+    Evaluated in double precision, exactly as the formula reads in Python: where
+    ``f * B`` is a decimal half that doubles cannot hold (``0.29 * 50`` is
+    ``14.499999999999998``) the count is that of the double.
+    """
     return min(batch_size, max(0, math.floor(offline_fraction * batch_size + 0.5)))
 
 

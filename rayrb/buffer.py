@@ -167,8 +167,7 @@ class OfflineToOnlineReplayBuffer(BufferClient):
         except BaseException:
             self._remove_owned()  # no half-built buffer: what started is killed in _start_actors
             raise
-        BufferClient.__init__(self, coord, shards, dataset.spec, name=name, batch_size=batch_size,
-                              num_online_shards=num_online_shards, **settings)
+        BufferClient.__init__(self, coord, shards, dataset.spec, name=name, batch_size=batch_size, **settings)
         try:  # surface construction errors (a missing chunk, a bad spec) here, not at the first sample
             self._get([s.ping.remote() for s in self._shards] + [self._coord.ping.remote()])
             if online_storage is not None and len(online_storage) > 0:

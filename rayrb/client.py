@@ -17,7 +17,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from rayrb.allocation import write_pieces
 from rayrb.plans import assemble
 from rayrb.schedules import Schedule, make_schedule
 from rayrb.schema import RowSpec, strip_bookkeeping
@@ -39,10 +38,10 @@ class BufferClient:
     _owner = False
 
     def __init__(self, coord: Any, shards: list, spec: RowSpec, *, name: str, batch_size: int | None,
-                 transform: Any, timeout: float | None, num_online_shards: int, max_batch_bytes: int):
+                 transform: Any, timeout: float | None, max_batch_bytes: int):
         self._coord, self._shards, self._spec, self._name = coord, shards, spec, name
         self._batch_size, self._transform, self._timeout = batch_size, transform, timeout
-        self._num_online, self._max_batch_bytes = num_online_shards, max_batch_bytes
+        self._max_batch_bytes = max_batch_bytes
         self._closed = False
 
     # plumbing ---------------------------------------------------------------
@@ -116,9 +115,8 @@ class BufferClient:
         n = next(iter(arrays.values())).shape[0]
         if n == 0:
             return torch.empty(0, dtype=torch.int64)
-        pieces = write_pieces(n, self._num_online).tolist()
         ref = ray.put(arrays)  # one object; each shard copies its own contiguous piece out of it
-        indices, acks = self._get(self._coord.extend.remote([ref], pieces, write_id=write_id))
+        indices, acks = self._get(self._coord.extend.remote([ref], n, write_id=write_id))
         try:
             self._get(acks)
         except (BufferUnavailableError, RuntimeError):
@@ -312,7 +310,7 @@ class BufferClient:
     def _client_args(self) -> dict[str, Any]:
         return {"coord": self._coord, "shards": self._shards, "spec": self._spec, "name": self._name,
                 "batch_size": self._batch_size, "transform": self._transform, "timeout": self._timeout,
-                "num_online_shards": self._num_online, "max_batch_bytes": self._max_batch_bytes}
+                "max_batch_bytes": self._max_batch_bytes}
 
 
 def _client(args: dict[str, Any]) -> BufferClient:

@@ -263,9 +263,9 @@ class Coordinator:
         return out
 
     # writing ----------------------------------------------------------------
-    def extend(self, rows_ref: Sequence[Any], piece_rows: Sequence[int], write_id: str | None = None
+    def extend(self, rows_ref: Sequence[Any], rows: int, write_id: str | None = None
                ) -> tuple[np.ndarray, list[Any]]:
-        """Send contiguous pieces of one batch (``rows_ref[0]``, an ObjectRef) to shards.
+        """Send contiguous pieces of one batch of ``rows`` rows (``rows_ref[0]``, an ObjectRef) to shards.
 
         Returns the rows' global online indices and the shards' acknowledgements; the
         caller waits on those before it reports the write as done. A ``write_id`` seen
@@ -274,15 +274,15 @@ class Coordinator:
         if self._log is None:
             raise RuntimeError("this buffer has no online shards")
         seen = self._log.seen(write_id)
-        if seen is not None:
-            return seen
-        plan = self._log.plan(piece_rows)
+        if seen is not None and not _failed(seen[1]):
+            return seen  # a retry: applied once, and its acknowledgements are the first call's
+        plan = self._log.plan(self._log.cut(positive_int("rows", rows)))
         # The ref came nested in a list, so it is still unresolved: each shard fetches its piece itself.
         acks = [self._shards[ONLINE][w.shard].extend.remote(rows_ref[0], w.start, w.stop, first=w.first)
                 for w in plan]
         self._log.commit(plan, write_id, acks)
         self._requery_masses(ONLINE, [w.shard for w in plan])
-        self._metrics.count("rows_written", int(sum(piece_rows)))
+        self._metrics.count("rows_written", int(rows))
         return self._log.indices(plan), acks
 
     def update_priority(self, offline: np.ndarray, shard: np.ndarray, index: np.ndarray, generation: np.ndarray,
@@ -352,7 +352,8 @@ class Coordinator:
         rng.bit_generator.state = state["rng"]
         alloc = make_allocator(self._sampler, self._alloc.num_shards, drop_last=getattr(self._alloc, "drop_last", False),
                                beta=getattr(self._alloc, "beta", BETA))
-        alloc.load_state_dict(state.get("allocator", {}))
+        if "allocator" in state:  # absent when restored onto another shard layout: epochs start afresh
+            alloc.load_state_dict(state["allocator"])
         self._step, self._schedule, self._base_fraction = step, schedule, state.get("base_fraction")
         self._rng.bit_generator.state = rng.bit_generator.state
         self._alloc = alloc
@@ -367,6 +368,19 @@ class Coordinator:
 
     def ping(self) -> str:
         return self._name
+
+
+def _failed(acks: list[Any]) -> bool:
+    """Whether any of these shard acknowledgements has already come back as an error (never waits)."""
+    import ray
+
+    ready, _ = ray.wait(list(acks), num_returns=len(acks), timeout=0)
+    for ref in ready:
+        try:
+            ray.get(ref)
+        except Exception:
+            return True
+    return False
 
 
 _TASKS: dict[Any, Any] = {}

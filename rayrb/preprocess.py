@@ -393,10 +393,16 @@ def _run(units, job, fn, dest: Path, batched, num_workers, pbar, resume, task_op
                 raise PreprocessError(str(cause)) from e.cause
             _check_spec(infos, i)
             bar.update(infos[i]["rows"])
-    finally:
-        bar.close()
+    except KeyboardInterrupt:
         for ref in in_flight:
             ray.cancel(ref)
+        raise
+    finally:
+        bar.close()
+        # Let running tasks finish rather than cancel them: a task cancelled while its worker imports
+        # torch leaves that pooled worker half-initialized, and the next preprocess fails on it.
+        if in_flight:
+            ray.wait(list(in_flight), num_returns=len(in_flight), timeout=120)
     for i in sorted(set(infos) - set(todo)):  # chunks kept from an earlier run; new ones were checked above
         _check_spec(infos, i)
     first = RowSpec.from_json(infos[0]["extra"]["spec"])

@@ -56,6 +56,7 @@ class Sampler:
 
     name: ClassVar[str] = "sampler"
     allocator: ClassVar[type[Allocator]] = Allocator
+    per_slot_state: ClassVar[bool] = False  # whether :meth:`attach` has anything to keep
 
     def __init__(self, capacity: int = 0, **options: Any):
         pass
@@ -115,21 +116,21 @@ class WithoutReplacementSampler(Sampler):
     def __init__(self, capacity: int = 0, **options: Any):
         self._perm = np.empty(0, dtype=np.int64)
         self._cursor = 0
-        self._number = 0
+        self._number, self._seed = 0, None
 
     def begin_epoch(self, size: int, rng: np.random.Generator) -> int:
         self._perm = rng.permutation(size).astype(np.int64)
         self._cursor = 0
-        self._number += 1
+        self._number, self._seed = self._number + 1, None
         return self.remaining()
 
     def remaining(self) -> int:
         return int(self._perm.size - self._cursor)
 
     def _sync(self, epoch: Epoch) -> None:
-        if self._number != epoch.number or self._perm.size != epoch.size:
+        if (self._number, self._seed, self._perm.size) != (epoch.number, epoch.seed, epoch.size):
             self._perm = np.random.default_rng(epoch.seed).permutation(epoch.size).astype(np.int64)
-            self._number = epoch.number
+            self._number, self._seed = epoch.number, epoch.seed
         self._cursor = epoch.start
 
     def sample(self, count: int, size: int, rng: np.random.Generator | None, epoch: Epoch | None = None) -> np.ndarray:
@@ -198,6 +199,7 @@ class PrioritizedSampler(Sampler):
 
     name = "prioritized"
     allocator = PrioritizedAllocator
+    per_slot_state = True
 
     def __init__(self, capacity: int, alpha: float = ALPHA, eps: float = EPS, **options: Any):
         opts = priority_options(alpha=alpha, eps=eps)

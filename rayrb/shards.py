@@ -181,7 +181,7 @@ class OfflineShard(_Shard):
             raise ValueError(f"shard {shard_id}: expected 0 <= start < stop <= {len(self._ds)}, got [{start}, {stop})")
         self._start, self._stop = int(start), int(stop)
         self._sampler.on_write(np.arange(self.size()))
-        self._store = PriorityStore(max(1, stop - start), state_dir)
+        self._store = PriorityStore(max(1, stop - start), state_dir if self._sampler.per_slot_state else None)
         self._sampler.attach(self._store.priority, self._store.max_priority, self._store.reopened)
         self._metrics.gauge("dataset_bytes", (stop - start) * self._ds.spec.row_bytes)
 

@@ -93,8 +93,7 @@ class OnlineStorage:
 
     def remove(self) -> None:
         """Delete the files (the buffer is being shut down)."""
-        if self.directory is not None:
-            shutil.rmtree(self.directory, ignore_errors=True)
+        _remove(self.directory)
 
 
 class PriorityStore:
@@ -113,8 +112,18 @@ class PriorityStore:
             (self.directory / LAYOUT).write_text(json.dumps(layout))
 
     def remove(self) -> None:
-        if self.directory is not None:
-            shutil.rmtree(self.directory, ignore_errors=True)
+        _remove(self.directory)
+
+
+def _remove(directory: Path | None) -> None:
+    """Delete a shard's directory, and its buffer's directory once no shard is left in it."""
+    if directory is None:
+        return
+    shutil.rmtree(directory, ignore_errors=True)
+    try:
+        directory.parent.rmdir()
+    except OSError:
+        pass  # other shards of the buffer still have files there
 
 
 def _layout(directory: Path) -> dict | None:

@@ -34,6 +34,13 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, Integral) and not isinstance(value, bool)
 
 
+def _finite(value: Real) -> bool:
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:  # an int too large for a double
+        return False
+
+
 def positive_int(name: str, value: Any) -> int:
     """``value`` as an ``int`` > 0."""
     if not _is_int(value) or value <= 0:
@@ -55,7 +62,7 @@ def optional_positive_int(name: str, value: Any) -> int | None:
 def finite_number(name: str, value: Any, *, minimum: float | None = None, strict: bool = False) -> float:
     """``value`` as a finite ``float``, at least ``minimum`` (strictly above it with ``strict``)."""
     bound = "" if minimum is None else f" {'>' if strict else '>='} {minimum}"
-    ok = isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(float(value))
+    ok = isinstance(value, Real) and not isinstance(value, bool) and _finite(value)
     if ok and minimum is not None:
         ok = float(value) > minimum if strict else float(value) >= minimum
     if not ok:
@@ -65,7 +72,7 @@ def finite_number(name: str, value: Any, *, minimum: float | None = None, strict
 
 def fraction(name: str, value: Any) -> float:
     """``value`` as a ``float`` in ``[0, 1]``."""
-    if not isinstance(value, Real) or isinstance(value, bool) or not 0.0 <= float(value) <= 1.0:
+    if not isinstance(value, Real) or isinstance(value, bool) or not _finite(value) or not 0.0 <= float(value) <= 1.0:
         raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
     return float(value)
 

@@ -36,7 +36,7 @@ from typing import Any, Hashable, Sequence
 
 import numpy as np
 
-from rayrb.allocation import assign_pieces
+from rayrb.allocation import assign_pieces, split_evenly, write_pieces
 
 
 def slots(first: int, n: int, capacity: int) -> np.ndarray:
@@ -74,6 +74,19 @@ class WriteLog:
     @property
     def sizes(self) -> np.ndarray:
         return np.minimum(self.written, self.capacity)
+
+    def cut(self, n: int, min_piece: int = 1024) -> list[int]:
+        """Piece sizes for a write of ``n`` rows: :func:`~rayrb.allocation.write_pieces`, in more pieces
+        where one would overflow the smallest shard while the buffer as a whole has room.
+
+        >>> WriteLog([100] * 4).cut(300), WriteLog([100] * 4).cut(50), WriteLog([10_000] * 4).cut(4096)
+        ([100, 100, 100], [50], [1024, 1024, 1024, 1024])
+        """
+        pieces = len(write_pieces(n, self.capacity.size, min_piece))
+        smallest = int(self.capacity.min())
+        while pieces < self.capacity.size and -(-n // pieces) > smallest:
+            pieces += 1
+        return split_evenly(n, pieces).tolist()
 
     def plan(self, piece_rows: Sequence[int]) -> list[Write]:
         """Where each piece of a write goes; changes nothing."""

@@ -265,3 +265,50 @@ def test_a_client_handle_cannot_shut_the_buffer_down(make_buffer, ray_session):
         handle.sample(4)
     assert rb.sample(4).batch_size[0] == 4
     assert rb.client().sample(4).batch_size[0] == 4
+
+
+def fails_on_chunk_one(td):
+    if float(td["obs"][0, 0]) >= 100:
+        raise ValueError("bad row")
+    return td
+
+
+def doubles(td):
+    td["obs"] = td["obs"] * 2
+    return td
+
+
+def test_a_failed_preprocess_leaves_the_cluster_able_to_run_the_next(tmp_path):
+    from rayrb import PreprocessError, preprocess
+
+    src = tmp_path / "src"
+    from rayrb.chunks import write_dataset
+    from rayrb.transport import to_numpy_dict
+
+    write_dataset(to_numpy_dict(offline_rows(400)), src, chunk_rows=100)
+    for attempt in range(2):
+        with pytest.raises(PreprocessError, match="bad row"):
+            preprocess(str(src), fails_on_chunk_one, tmp_path / f"bad{attempt}", batched=True, pbar=False,
+                       num_workers=2)
+        out = preprocess(str(src), doubles, tmp_path / f"good{attempt}", batched=True, pbar=False, num_workers=2)
+        assert len(out) == 400 and float(out.gather(np.array([3]))["obs"][0, 0]) == 6.0
+
+
+def test_a_checkpoint_restores_onto_another_shard_layout(make_buffer, tmp_path):
+    a = make_buffer(TensorDict({"id": torch.arange(100)}, [100]), online_capacity=400, num_offline_shards=2,
+                    num_online_shards=4, sampler="prioritized", alpha=1.0, seed=0)
+    a.extend(TensorDict({"id": torch.arange(1000, 1300)}, [300]))
+    batch, info = a.sample(3000, return_info=True)
+    a.update_priority(info, torch.where((batch["id"] == 3) | (batch["id"] == 1005), 40.0, 1.0))
+    a.dumps(tmp_path / "ckpt")
+    b = make_buffer(TensorDict({"id": torch.arange(100)}, [100]), online_capacity=400, num_offline_shards=3,
+                    num_online_shards=2, sampler="prioritized", alpha=1.0, seed=0)
+    b.loads(tmp_path / "ckpt")
+    assert len(b) == 400 and b.sizes()["online"] == [150, 150]
+    b.offline_fraction = 0.5
+    batch, info = b.sample(20_000, return_info=True)
+    on = batch["id"][~info["offline"]]
+    off = batch["id"][info["offline"]]
+    assert set(on.tolist()) == set(range(1000, 1300))  # the same rows
+    assert abs(float((on == 1005).float().mean()) - 40 / 339) < 0.02  # with their priorities
+    assert abs(float((off == 3).float().mean()) - 40 / 139) < 0.02
