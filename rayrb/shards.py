@@ -28,7 +28,6 @@ from rayrb.samplers import Epoch, make_sampler
 from rayrb.schema import RowSpec
 from rayrb.storage import OnlineStorage, PriorityStore
 from rayrb.validation import ALPHA, EPS, positive_int
-from rayrb.writelog import slots
 
 Rows = dict[str, np.ndarray]
 Info = dict[str, np.ndarray]
@@ -216,6 +215,7 @@ class OnlineShard(_Shard):
         self._capacity = int(capacity)
         self._store = OnlineStorage(self._spec, self._capacity, state_dir)
         self._data, self._gen = self._store.rows, self._store.generation
+        self._ahead: dict[int, int] = {}  # writes applied beyond the write count: first row -> end
         if self._store.reopened:
             self._sampler.on_write(np.arange(self.size()))
         self._sampler.attach(self._store.priority, self._store.max_priority, self._store.reopened)
@@ -235,31 +235,38 @@ class OnlineShard(_Shard):
                first: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Copy ``rows[start:stop]`` in as this shard's ``first``-th rows on; return their slots and generations.
 
-        ``first`` is the write count the coordinator planned with. Since the coordinator
-        sequences every write, it names this write: one already applied (a retry after
-        a restart) is not applied again, and a shard that is behind (it lost rows)
-        refuses rather than put rows where nobody expects them.
+        ``first`` is the write count the coordinator planned with, and it names the
+        write: the ``w``-th row ever written goes to slot ``w mod capacity`` with
+        generation ``w // capacity + 1``. So a write lands in the same place whenever
+        it runs: a retry (after a restart, in whatever order Ray re-sends tasks) never
+        lands twice, and never over a newer row. The write count advances over
+        contiguous writes only, so a restart still finds every write that completed.
         """
         t0 = time.perf_counter()
         rows = {k: v[start:stop] for k, v in rows.items()}
         n = self._spec.validate(rows, what=f"rows for shard {self.shard_id}")
-        written = self._store.written
-        if first is not None and first != written:
-            if written >= first + n:
-                pos = slots(first, n, self._capacity)
-                return pos, self._gen[pos]
-            raise RuntimeError(f"shard {self.shard_id}: a write planned at row {first} reached a shard at row "
-                               f"{written} (rows were lost)")
-        pos = slots(written, n, self._capacity)
-        keep = slice(max(0, n - self._capacity), n)  # a write larger than the shard keeps its tail
+        first = self._store.written if first is None else int(first)
+        w = first + np.arange(n, dtype=np.int64)
+        pos, gen = w % self._capacity, w // self._capacity + 1
+        fresh = (w >= first + n - self._capacity) & (self._gen[pos] < gen)  # a write larger than the shard keeps its tail
         for k, dst in self._data.items():
-            dst[pos[keep]] = rows[k][keep]  # copies out of the object store
-        np.add.at(self._gen, pos, 1)
-        self._sampler.on_write(pos)
-        self._store.written = written + n  # last: this is what makes the rows visible after a restart
-        self._metrics.count("rows_written", n)
+            dst[pos[fresh]] = rows[k][fresh]  # copies out of the object store
+        self._gen[pos[fresh]] = gen[fresh]
+        self._sampler.on_write(pos[fresh])
+        self._advance(first, first + n)  # last: this is what makes the rows visible after a restart
+        self._metrics.count("rows_written", int(fresh.sum()))
         self._metrics.observe("extend_ms", (time.perf_counter() - t0) * 1e3)
-        return pos, self._gen[pos]
+        return pos, gen
+
+    def _advance(self, first: int, end: int) -> None:
+        written = self._store.written
+        if first > written:  # an earlier write is still to come (a retry out of order)
+            self._ahead[first] = end
+            return
+        written = max(written, end)
+        while written in self._ahead:
+            written = max(written, self._ahead.pop(written))
+        self._store.written = written
 
     def _gather(self, idx: np.ndarray) -> Rows:
         return {k: v[idx] for k, v in self._data.items()}
@@ -284,6 +291,7 @@ class OnlineShard(_Shard):
                 self._data[k][...] = rows[k]
             self._gen[...] = gen
             self._store.written = int(state["written"])
+            self._ahead.clear()
 
         return apply
 

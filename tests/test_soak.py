@@ -1,0 +1,107 @@
+"""Bounded soak: writers and samplers run while shards are killed; nothing acknowledged is lost or doubled."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+from tensordict import TensorDict
+
+from conftest import REPO
+from rayrb import OfflineToOnlineReplayBuffer
+from rayrb.allocation import offline_count
+
+
+def rows(ids: np.ndarray) -> TensorDict:
+    ids = torch.as_tensor(ids, dtype=torch.int64)
+    return TensorDict({"obs": ids.float()[:, None].expand(len(ids), 2).contiguous(), "id": ids}, [len(ids)])
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_soak_with_killed_shards_loses_and_doubles_nothing(tmp_path, ray_session):
+    ray = ray_session
+    B, f, writers, per_write, seconds = 64, 0.5, 3, 50, 24
+
+    @ray.remote(num_cpus=0)
+    class Writer:
+        def __init__(self, rb, base):
+            self.rb, self.base, self.acked = rb, base, []
+
+        def run(self, until):
+            k = 0
+            while time.time() < until:
+                ids = self.base + np.arange(k, k + per_write)
+                self.rb.extend(rows(ids))  # returns only once the shards hold the rows
+                self.acked.extend(ids.tolist())
+                k += per_write
+            return self.acked
+
+    @ray.remote(num_cpus=0)
+    class Sampler:
+        def __init__(self, rb):
+            self.rb = rb
+
+        def run(self, until):
+            batches, bad = 0, []
+            while time.time() < until:
+                _, info = self.rb.sample(B, return_info=True)
+                n_off = int(info["offline"].sum())
+                if n_off not in (B, offline_count(B, f)):  # all offline only before the first write lands
+                    bad.append(n_off)
+                batches += 1
+            return batches, bad
+
+    rb = OfflineToOnlineReplayBuffer(rows(np.arange(-1000, 0)), online_capacity=200_000, num_offline_shards=2,
+                                     num_online_shards=2, offline_fraction=f, seed=0, timeout=60,
+                                     dataset_root=tmp_path / "ds", storage_dir=tmp_path / "state")
+    try:
+        until = time.time() + seconds
+        ws = [Writer.remote(rb.client(), 10_000_000 * (i + 1)) for i in range(writers)]
+        ss = [Sampler.remote(rb.client()) for _ in range(2)]
+        ray.get([a.__ray_ready__.remote() for a in ws + ss])
+        work = [w.run.remote(until) for w in ws] + [s.run.remote(until) for s in ss]
+        recovery = {}
+        for name, shard in (("offline shard", rb._shards[0]), ("online shard", rb._shards[-1])):
+            time.sleep(seconds / 3)
+            pid = ray.get(shard.__ray_call__.remote(lambda self: os.getpid()))
+            ray.kill(shard, no_restart=False)
+            t0 = time.monotonic()
+            while ray.get(shard.__ray_call__.remote(lambda self: os.getpid()), timeout=60) == pid:
+                time.sleep(0.01)  # the kill has not reached the process yet
+            recovery[name] = time.monotonic() - t0  # until the restarted process answers
+        acked = [i for ids in ray.get(work[:writers]) for i in ids]
+        sampled = ray.get(work[writers:])
+        rb.dumps(tmp_path / "end")
+        held = []
+        for j in (2, 3):  # the online shards' files: every row they hold
+            with np.load(tmp_path / "end" / f"shard-{j}.npz") as state:
+                held.extend(state["rows/id"][:min(int(state["written"]), len(state["rows/id"]))].tolist())
+        assert rb.write_count == len(acked) == len(held)  # nothing lost, nothing written twice
+        assert sorted(held) == sorted(acked)
+        assert all(not bad for _, bad in sampled), sampled
+        print(f"\nsoak: {len(acked)} rows acknowledged, {sum(n for n, _ in sampled)} batches sampled, "
+              f"recovery {', '.join(f'{k} {v:.2f} s' for k, v in recovery.items())}")
+        assert all(v < 30 for v in recovery.values()), recovery
+    finally:
+        rb.shutdown()
+
+
+@pytest.mark.cluster
+def test_sampling_resumes_after_the_node_of_an_offline_shard_is_removed(tmp_path):
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+    env.pop("RAY_ADDRESS", None)
+    out = subprocess.run([sys.executable, str(REPO / "tests" / "cluster_faults.py"), str(tmp_path)],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(next(line for line in reversed(out.stdout.splitlines())
+                             if line.startswith("RAYRB_RESULT "))[len("RAYRB_RESULT "):])
+    assert result["was_on_doomed"] and not result["moved_to_doomed"] and not result["doomed_alive"], result
+    assert result["sampled"] == 64 and result["rows_ok"], result
+    print(f"\nnode removal: declared dead after {result['detected_s']:.2f} s, sampling resumed after "
+          f"{result['recovery_s']:.2f} s")
+    assert result["recovery_s"] < 60, result
