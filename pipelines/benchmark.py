@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -337,6 +338,9 @@ def bench_preprocess(cfg, offline, root, results):
             results.setdefault("checks", {})["preprocess_equal_to_torchrl"] = bool(
                 np.allclose(a["X"], b["X"].numpy()) and np.allclose(a["norm"], b["norm"].numpy()))
         print(f"  preprocess rep {rep}: " + ", ".join(f"{k} {v[-1]:,.0f} rows/s" for k, v in runs.items()), flush=True)
+        # Both libraries' outputs go before the next rep, so that no rep writes behind an earlier one's dirty pages.
+        del out, ref, trl
+        shutil.rmtree(d, ignore_errors=True)
     results["preprocess"] = {k: {"rows_per_s": med_range(v)} for k, v in runs.items()}
     results["preprocess"]["rows"] = len(offline)
     results["preprocess"]["peak_worker_rss_bytes"] = max(workers_rss)
