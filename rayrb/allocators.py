@@ -45,6 +45,7 @@ class Allocator:
     """Per-shard counts for one kind of sampling. The base allocates by size (uniform with replacement)."""
 
     uses_masses = False  # the coordinator feeds :meth:`set_masses` before each draw
+    groups_batches = True  # several batches may be drawn ahead in one group of reads
 
     def __init__(self, num_shards: Mapping[str, int], **options: Any):
         self.num_shards = {side: int(num_shards[side]) for side in SIDES}
@@ -87,6 +88,8 @@ class WithoutReplacementAllocator(Allocator):
     run out. A draw needing more rows than are left in the epoch raises, or, with
     ``drop_last``, drops them and begins the next epoch.
     """
+
+    groups_batches = False  # a refused draw must never follow one already taken
 
     def __init__(self, num_shards: Mapping[str, int], *, drop_last: bool = False, **options: Any):
         super().__init__(num_shards)

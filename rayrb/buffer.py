@@ -70,6 +70,11 @@ class OfflineToOnlineReplayBuffer(BufferClient):
         timeout (float): seconds to wait on any call before raising ``TimeoutError``.
         max_batch_bytes (int): the largest batch a call may ask for, in bytes of rows
             (default 8 GiB); larger requests are refused before anything is drawn.
+        rate_limiter: flow control between collectors and learners, counted in online rows
+            only (:mod:`rayrb.rate_limiter`): a ``RateLimiter`` such as
+            ``SampleToInsertRatio(samples_per_insert, min_size_to_sample, error_buffer)`` or
+            ``MinSize(n)``, or its config dict. Sampling and writing wait (up to ``timeout``)
+            while they run ahead. Default: ``MinSize(1)``, no limit.
         storage_dir: a directory on each node's local disk where shards keep their
             mutable state as memory maps (online rows, generations, write counts,
             priorities), so that a shard whose process dies restarts with every
@@ -120,6 +125,7 @@ class OfflineToOnlineReplayBuffer(BufferClient):
         eps: float = EPS,
         max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
         storage_dir: str | os.PathLike | None = DEFAULT_STORAGE,
+        rate_limiter: Any = None,
         **dataset_kwargs: Any,
     ):
         self._closed, self._owned_dirs = True, []  # until the actors run, nothing is usable or owned
@@ -142,6 +148,10 @@ class OfflineToOnlineReplayBuffer(BufferClient):
         sampler_class(sampler)
         prio = priority_options(alpha, beta, eps)
         transport = check_transport(transport)
+        from rayrb.rate_limiter import make_rate_limiter
+
+        limiter = make_rate_limiter(rate_limiter)
+        limiter.validate(online_capacity=online_capacity)  # a configuration that can deadlock is refused here
         settings = {"timeout": check_timeout(timeout), "transform": callable_or_none("transform", transform),
                     "max_batch_bytes": positive_int("max_batch_bytes", max_batch_bytes)}
 
@@ -163,13 +173,16 @@ class OfflineToOnlineReplayBuffer(BufferClient):
             coord, shards = _start_actors(dataset, name, online_capacity, num_offline_shards, num_online_shards,
                                           schedule=schedule, sampler=sampler, drop_last=drop_last, seed=seed,
                                           actor_options=actor_options or {}, transport=transport, prio=prio,
-                                          storage_dir=None if storage_dir is None else str(storage_dir))
+                                          storage_dir=None if storage_dir is None else str(storage_dir),
+                                          rate_limiter=limiter.config())
         except BaseException:
             self._remove_owned()  # no half-built buffer: what started is killed in _start_actors
             raise
         BufferClient.__init__(self, coord, shards, dataset.spec, name=name, batch_size=batch_size, **settings)
         try:  # surface construction errors (a missing chunk, a bad spec) here, not at the first sample
-            self._get([s.ping.remote() for s in self._shards] + [self._coord.ping.remote()])
+            # Starting processes takes seconds: the per-call timeout is not for this.
+            self._get([s.ping.remote() for s in self._shards] + [self._coord.ping.remote()],
+                      timeout=None if self._timeout is None else max(self._timeout, 300.0))
             if online_storage is not None and len(online_storage) > 0:
                 from rayrb.datasets.registry import _torchrl_rows
 
@@ -178,9 +191,15 @@ class OfflineToOnlineReplayBuffer(BufferClient):
             self.shutdown()
             raise
 
-    def client(self) -> BufferClient:
-        """A handle for collectors and learners: it writes and samples, but cannot shut the buffer down."""
-        return BufferClient(**self._client_args())
+    def client(self, *, timeout: float | None | str = "same") -> BufferClient:
+        """A handle for collectors and learners: it writes and samples, but cannot shut the buffer down.
+
+        ``timeout`` bounds this handle's waits (default: the buffer's).
+        """
+        args = self._client_args()
+        if timeout != "same":
+            args["timeout"] = check_timeout(timeout)
+        return BufferClient(**args)
 
     def preprocess(self, fn: Callable, dest: str | os.PathLike, **kwargs: Any) -> ChunkDataset:
         """Map the offline dataset through ``fn`` with Ray tasks (see :func:`rayrb.preprocess`).
@@ -245,7 +264,7 @@ class OfflineToOnlineReplayBuffer(BufferClient):
 
 def _start_actors(dataset: ChunkDataset, name: str, capacity: int, m: int, k: int, *, schedule: Schedule,
                   sampler: str, drop_last: bool, seed: int | None, actor_options: dict, transport: str,
-                  prio: dict[str, float], storage_dir: str | None) -> tuple[Any, list]:
+                  prio: dict[str, float], storage_dir: str | None, rate_limiter: dict) -> tuple[Any, list]:
     """Start ``m`` offline shards, ``k`` online shards and the coordinator; kill them all if one fails to start."""
     import ray
 
@@ -277,7 +296,7 @@ def _start_actors(dataset: ChunkDataset, name: str, capacity: int, m: int, k: in
         coord = ray.remote(Coordinator).options(name=name, **opts).remote(
             started[:m], [b - a for a, b in ranges], started[m:], capacities, offline_fraction=schedule,
             sampler=sampler, drop_last=drop_last, seed=seed, name=name, transport=transport, device=device,
-            beta=prio["beta"])
+            beta=prio["beta"], rate_limiter=rate_limiter)
     except BaseException:
         for actor in started:
             ray.kill(actor)
@@ -303,7 +322,10 @@ def prefill_replay_buffer(rb: Any, dataset: Any, n_samples: int | None = None, c
         order = np.random.default_rng(seed).permutation(len(ds))[:total]
         for start in range(0, total, chunk_size):
             rows = ds.gather(order[start:start + chunk_size])
-            rb.extend(rows if isinstance(rb, BufferClient) else from_numpy_dict(rows))
+            if isinstance(rb, BufferClient):
+                rb.extend(rows, prefill=True)  # seeding the online side: past any rate limiter
+            else:
+                rb.extend(from_numpy_dict(rows))
     finally:
         if owned:
             shutil.rmtree(Path(ds.root).parent, ignore_errors=True)

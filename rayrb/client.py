@@ -12,12 +12,13 @@ by ``timeout`` and turns Ray's failures into ``TimeoutError``,
 """
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
 import torch
 
-from rayrb.plans import assemble
+from rayrb.plans import Blocked, assemble
 from rayrb.schedules import Schedule, make_schedule
 from rayrb.schema import RowSpec, strip_bookkeeping
 from rayrb.transport import from_numpy_dict, to_numpy_dict
@@ -45,16 +46,17 @@ class BufferClient:
         self._closed = False
 
     # plumbing ---------------------------------------------------------------
-    def _get(self, refs: Any) -> Any:
+    def _get(self, refs: Any, timeout: float | None | str = "call") -> Any:
         import ray
         from ray.exceptions import GetTimeoutError, ObjectLostError, RayActorError, RayTaskError
 
         if self._closed:
             raise BufferUnavailableError(f"buffer {self._name!r} was shut down")
+        timeout = self._timeout if timeout == "call" else timeout
         try:
-            return ray.get(refs, timeout=self._timeout)
+            return ray.get(refs, timeout=timeout)
         except GetTimeoutError as e:
-            raise TimeoutError(f"buffer {self._name!r}: no answer within timeout={self._timeout}s") from e
+            raise TimeoutError(f"buffer {self._name!r}: no answer within timeout={timeout}s") from e
         except (RayActorError, ObjectLostError) as e:  # ObjectLostError: the coordinator died owning the rows
             raise BufferUnavailableError(
                 f"buffer {self._name!r}: an actor of this buffer is dead (killed, shut down, or its node failed)"
@@ -63,6 +65,24 @@ class BufferClient:
             if isinstance(e.cause, (ValueError, TypeError, IndexError, PermissionError)):
                 raise e.cause from None
             raise
+
+    def _call(self, method: Any, *args: Any, **kwargs: Any) -> Any:
+        """``method.remote(*args, **kwargs)``, asked again while the rate limiter holds it back.
+
+        The wait is bounded by ``timeout``; past it, ``TimeoutError`` is raised and nothing
+        was drawn or written. The call that goes through reports how long it waited.
+        """
+        t0, delay = time.monotonic(), 0.001
+        while True:
+            waited = time.monotonic() - t0 if delay > 0.001 else 0.0
+            out = self._get(method.remote(*args, **kwargs, **({"waited": waited} if waited else {})))
+            if not isinstance(out, Blocked):
+                return out
+            if self._timeout is not None and time.monotonic() - t0 + delay > self._timeout:
+                raise TimeoutError(f"buffer {self._name!r}: waited {self._timeout}s for the rate limiter: "
+                                   f"{out.reason}")
+            time.sleep(delay)
+            delay = min(2 * delay, 0.05)
 
     def _rows(self, data: Any, what: str) -> dict[str, np.ndarray]:
         if isinstance(data, (list, tuple)):
@@ -98,7 +118,7 @@ class BufferClient:
         return td, {k: torch.from_numpy(v) for k, v in info.items()}
 
     # writing ----------------------------------------------------------------
-    def extend(self, data: Any, *, write_id: str | None = None) -> torch.Tensor:
+    def extend(self, data: Any, *, write_id: str | None = None, prefill: bool = False) -> torch.Tensor:
         """Copy rows into the online buffer; return their online indices once the shards hold them.
 
         ``data`` (a TensorDict or dict of arrays) is checked against the offline row
@@ -108,6 +128,9 @@ class BufferClient:
 
         ``write_id`` names the write: a retry with the same id (after a
         ``TimeoutError``, say) is applied once and returns the same indices.
+
+        With a rate limiter, a write that runs ahead of the learners waits (up to
+        ``timeout``); ``prefill=True`` writes past the limiter, to seed the online side.
         """
         import ray
 
@@ -116,7 +139,7 @@ class BufferClient:
         if n == 0:
             return torch.empty(0, dtype=torch.int64)
         ref = ray.put(arrays)  # one object; each shard copies its own contiguous piece out of it
-        indices, acks = self._get(self._coord.extend.remote([ref], n, write_id=write_id))
+        indices, acks = self._call(self._coord.extend, [ref], n, write_id=write_id, prefill=bool(prefill))
         try:
             self._get(acks)
         except (BufferUnavailableError, RuntimeError):
@@ -157,7 +180,7 @@ class BufferClient:
         ``offline`` (bool), ``shard``, ``index`` (within the shard) and
         ``generation`` (times that slot was written), and ``weight`` when prioritized.
         """
-        dispatch = self._get(self._coord.sample.remote(self._batch(batch_size)))
+        dispatch = self._call(self._coord.sample, self._batch(batch_size))
         return self._finish(assemble(dispatch.plan, self._get(dispatch.refs), return_info), return_info)
 
     def sample_async(self, batch_size: int | None = None, return_info: bool = False):
@@ -169,8 +192,8 @@ class BufferClient:
         import ray
 
         node = ray.get_runtime_context().get_node_id()
-        (ref,) = self._get(self._coord.sample_slices.remote(self._batch(batch_size), return_info=return_info,
-                                                            node_ids=[node]))
+        (ref,) = self._call(self._coord.sample_slices, self._batch(batch_size), return_info=return_info,
+                            node_ids=[node])
         return ref
 
     def to_tensordict(self, flat: Any, return_info: bool = False, device: Any = None):
@@ -210,9 +233,8 @@ class BufferClient:
             if len(learners) != num_slices:
                 raise ValueError(f"expected {num_slices} learners, one per slice, got {len(learners)}")
             nodes = actor_nodes(learners)
-        return self._get(self._coord.sample_slices.remote(
-            batch_size, num_slices=num_slices, return_info=return_info, node_ids=nodes, postprocess=postprocess,
-            split_info=split_info))
+        return self._call(self._coord.sample_slices, batch_size, num_slices=num_slices, return_info=return_info,
+                          node_ids=nodes, postprocess=postprocess, split_info=split_info)
 
     def connect_learners(self, learners: list) -> None:
         """Set the learner actors that :meth:`feed` hands slices to.
@@ -233,7 +255,7 @@ class BufferClient:
         Slices follow :meth:`sample_slices`'s rules. Returns the learners' results
         (``wait=True``, bounded by ``timeout``) or their refs.
         """
-        refs = self._get(self._coord.feed.remote(method, self._batch(batch_size), args))
+        refs = self._call(self._coord.feed, method, self._batch(batch_size), args)
         return self._get(refs) if wait else refs
 
     # settings ---------------------------------------------------------------

@@ -1,12 +1,13 @@
 """Iterating over batches with a bounded number of sample requests in flight."""
 from __future__ import annotations
 
+import time
 from collections import deque
 from typing import Any
 
 import numpy as np
 
-from rayrb.plans import assemble, split_group
+from rayrb.plans import Blocked, assemble, split_group
 from rayrb.validation import optional_positive_int, positive_int
 
 
@@ -51,6 +52,14 @@ class BatchIterator:
             self._pending.append((self._rb._coord.sample_group.remote(self._batch_size, k), k))
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
 
+    def _backoff(self, waited: float, blocked: Blocked) -> float:
+        timeout = self._rb._timeout
+        delay = min(0.05, 0.001 + waited)
+        if timeout is not None and waited + delay > timeout:
+            raise TimeoutError(f"waited {timeout}s for the rate limiter: {blocked.reason}")
+        time.sleep(delay)
+        return waited + delay
+
     def __iter__(self) -> "BatchIterator":
         return self
 
@@ -61,10 +70,15 @@ class BatchIterator:
             self._pending.clear()
             self._ready.clear()
         self._fill()
-        if not self._ready:
+        waited = 0.0
+        while not self._ready:
             group = self._rb._get(self._pending[0][0])
-            results = self._rb._get(group.refs)
             self._pending.popleft()
+            if isinstance(group, Blocked):  # the rate limiter holds sampling back: ask again shortly
+                waited = self._backoff(waited, group)
+                self._fill()
+                continue
+            results = self._rb._get(group.refs)
             # Copy every batch out of the group's objects now, so the object store holds no more
             # than the requests in flight (a view would pin a whole group).
             for plan, parts in split_group(group, results):

@@ -94,6 +94,14 @@ class GroupDispatch:
     refs: list[Any] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class Blocked:
+    """The rate limiter holds a call back: nothing was drawn or written; the caller waits and asks again."""
+
+    side: str  # "sample" or "insert"
+    reason: str
+
+
 def concat(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """Concatenate flat batches key by key (numpy or torch); a single non-empty part is returned as is."""
     parts = [p for p in parts if p and len(next(iter(p.values()))) > 0] or list(parts[:1])
@@ -173,3 +181,36 @@ def assemble_slice(plan: BatchPlan, return_info: bool, postprocess: Callable | N
     if postprocess is not None:
         out = (postprocess(out[0], out[1]), out[1]) if return_info else postprocess(out)
     return out
+
+
+def route_priorities(offline: Any, shard: Any, index: Any, generation: Any, priority: Any,
+                     sizes: Mapping[str, np.ndarray]) -> list[tuple[str, int, tuple[np.ndarray, ...]]]:
+    """``(side, shard, (index, generation, priority))`` for each shard a priority update touches.
+
+    The whole update is checked first (same lengths, finite priorities, existing
+    shards, indices within each shard's rows), so a refused one reaches no shard.
+
+    >>> sizes = {"offline": np.array([4, 4]), "online": np.array([3])}
+    >>> [(side, i, a[0].tolist()) for side, i, a in route_priorities(
+    ...     [True, False, True], [1, 0, 1], [3, 2, 0], [1, 1, 1], [5.0, 6.0, 7.0], sizes)]
+    [('offline', 1, [3, 0]), ('online', 0, [2])]
+    """
+    offline, shard = np.asarray(offline, bool).reshape(-1), np.asarray(shard, np.int64).reshape(-1)
+    index, generation = np.asarray(index, np.int64).reshape(-1), np.asarray(generation, np.int64).reshape(-1)
+    priority = np.asarray(priority, np.float64).reshape(-1)
+    lengths = [len(offline), len(shard), len(index), len(generation), len(priority)]
+    if len(set(lengths)) != 1:
+        raise ValueError(f"expected offline, shard, index, generation and priority of the same length, got {lengths}")
+    if not np.all(np.isfinite(priority)):
+        raise ValueError(f"priorities must be finite numbers, got {priority[~np.isfinite(priority)][:3].tolist()}")
+    routes = []
+    for side, on_side in ((OFFLINE, offline), (ONLINE, ~offline)):
+        for i in np.unique(shard[on_side]):
+            if not 0 <= i < len(sizes[side]):
+                raise ValueError(f"no {side} shard {i}: the buffer has {len(sizes[side])}")
+            sel = on_side & (shard == i)
+            bad = index[sel][(index[sel] < 0) | (index[sel] >= sizes[side][i])]
+            if bad.size:
+                raise IndexError(f"{side} shard {i} holds {int(sizes[side][i])} rows, got index {int(bad[0])}")
+            routes.append((side, int(i), (index[sel], generation[sel], priority[sel])))
+    return routes

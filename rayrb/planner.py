@@ -1,0 +1,195 @@
+"""The coordinator's sampling state and its one decision: what the next batch is made of. No Ray here.
+
+A :class:`Planner` holds the offline-fraction schedule, the step, the seeded RNG,
+the sampler kind's :class:`~rayrb.allocators.Allocator` and the
+:class:`~rayrb.rate_limiter.RateLimiter`. Given the shard sizes, :meth:`Planner.draw`
+turns a batch size into :class:`~rayrb.plans.BatchPlan` s:
+
+1. ``f`` from the schedule at this step and these sizes;
+2. the exact split ``n_off = floor(f * B + 1/2)``, ``n_on = B - n_off``
+   (:func:`~rayrb.allocation.split_batch`), all offline while the online side is empty;
+3. the rate limiter's say on ``n_on``: as planned, all offline, or wait
+   (:class:`Refused`);
+4. the allocator's check of both sides, epochs begun where needed;
+5. per slice, per side: each shard's read arguments, then per-shard counts, then
+   one seed per shard.
+
+A draw that raises, :class:`Refused` included, leaves the step, the RNG, the
+allocator and the limiter as they were, so the seeded stream goes on as if it
+had not been asked.
+
+Examples:
+    >>> import numpy as np
+    >>> p = Planner({"offline": 2, "online": 1}, offline_fraction=0.25, seed=0)
+    >>> sizes = {"offline": np.array([60, 40]), "online": np.array([10])}
+    >>> ((plan, reads),) = p.draw(10, sizes=sizes)
+    >>> plan.n_offline, plan.n_online, sum(part.count for part in plan.parts), p.step
+    (3, 7, 10, 1)
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Mapping
+
+import numpy as np
+
+from rayrb.allocation import split_batch, split_slices
+from rayrb.allocators import make_allocator
+from rayrb.plans import OFFLINE, ONLINE, SIDES, BatchPlan, Blocked, Part
+from rayrb.rate_limiter import ALL_OFFLINE, WAIT, make_rate_limiter
+from rayrb.schedules import Constant, Linear, make_schedule
+from rayrb.validation import BETA, non_negative_int, positive_int
+
+Sizes = Mapping[str, np.ndarray]
+Reads = list[tuple[int, dict]]
+
+
+class Refused(Exception):
+    """The rate limiter holds a call back; nothing changed."""
+
+    def __init__(self, blocked: Blocked):
+        super().__init__(blocked.reason)
+        self.blocked = blocked
+
+
+class Planner:
+    """Sampling state and batch plans for one buffer (see the module)."""
+
+    def __init__(self, num_shards: Mapping[str, int], *, offline_fraction: Any = 0.5, sampler: str = "uniform",
+                 drop_last: bool = False, seed: int | None = None, beta: float = BETA, rate_limiter: Any = None,
+                 online_capacity: int | None = None):
+        self.num_shards = {side: int(num_shards[side]) for side in SIDES}
+        self.sampler = sampler
+        self._alloc_options = {"drop_last": drop_last, "beta": beta}
+        self.alloc = make_allocator(sampler, self.num_shards, **self._alloc_options)
+        self._online_capacity = online_capacity
+        self.limiter = make_rate_limiter(rate_limiter)
+        self.limiter.validate(online_capacity=online_capacity)
+        self.schedule = make_schedule(offline_fraction)
+        self._base = self.schedule.value if isinstance(self.schedule, Constant) else None
+        self.rng = np.random.default_rng(seed)
+        self.step = 0
+
+    # the fraction -----------------------------------------------------------
+    def fraction(self, sizes: Sizes) -> float:
+        return float(self.schedule(self.step, int(sizes[OFFLINE].sum()), int(sizes[ONLINE].sum())))
+
+    def set_fraction(self, value: Any) -> None:
+        self.schedule = make_schedule(value)
+        self._base = self.schedule.value if isinstance(self.schedule, Constant) else None
+
+    def anneal(self, step: int, total_steps: int, sizes: Sizes) -> float:
+        """TorchRL's ``anneal``: linear from the base fraction to 0 over ``total_steps``.
+
+        The base is the last constant fraction set; after a schedule, the fraction it gives now.
+        """
+        step, total_steps = non_negative_int("step", step), positive_int("total_steps", total_steps)
+        base = self._base if self._base is not None else self.fraction(sizes)
+        value = Linear(base, 0.0, total_steps)(step, 0, 0)
+        self.schedule, self._base = Constant(value), base
+        return value
+
+    def set_step(self, step: int) -> None:
+        self.step = non_negative_int("step", step)
+
+    # drawing ----------------------------------------------------------------
+    @contextlib.contextmanager
+    def _unchanged_on_error(self) -> Iterator[None]:
+        saved = (self.rng.bit_generator.state, self.step, self.alloc.state_dict(), self.limiter.state_dict())
+        try:
+            yield
+        except BaseException:
+            self.rng.bit_generator.state, self.step = saved[0], saved[1]
+            self.alloc.load_state_dict(saved[2])
+            self.limiter.load_state_dict(saved[3])
+            raise
+
+    def draw(self, batch_size: int, num_slices: int = 1, *, sizes: Sizes) -> list[tuple[BatchPlan, Reads]]:
+        """One global batch as ``num_slices`` slices: ``(plan, [(seed, read kwargs) per part])``.
+
+        Each slice is allocated on its own, so every slice and their union have the
+        distribution of sampling the union of shards, and each slice's split is exact
+        to within one row. Raises :class:`Refused` when the rate limiter holds it back.
+        """
+        batch_size = positive_int("batch_size", batch_size)
+        if not 1 <= num_slices <= batch_size:
+            raise ValueError(f"num_slices must be in [1, batch_size={batch_size}], got {num_slices}")
+        with self._unchanged_on_error():
+            fraction = self.fraction(sizes)
+            online = int(sizes[ONLINE].sum())
+            need = dict(zip(SIDES, split_batch(batch_size, fraction, online)))
+            decision = self.limiter.decide(need[ONLINE], online)
+            if decision == WAIT:
+                raise Refused(Blocked("sample", f"the rate limiter holds back {need[ONLINE]} online rows "
+                                                f"(online size {online}, {self.limiter!r}, {self.limiter.stats()})"))
+            if decision == ALL_OFFLINE:
+                need = {OFFLINE: batch_size, ONLINE: 0}
+            for side, begin in self.alloc.check(need, sizes).items():  # raises before anything changes
+                if begin:
+                    self.alloc.begin_epoch(side, sizes[side], self.rng)
+            out = [self._slice(n_off, n_on, fraction, sizes)
+                   for n_off, n_on in split_slices(need[OFFLINE], need[ONLINE], num_slices)]
+            self.limiter.record_sample(need[ONLINE])
+            self.step += 1
+        return out
+
+    def _slice(self, n_off: int, n_on: int, fraction: float, sizes: Sizes) -> tuple[BatchPlan, Reads]:
+        parts, reads = [], []
+        for side, n in ((OFFLINE, n_off), (ONLINE, n_on)):
+            if n == 0:
+                continue
+            kwargs = [self.alloc.read_args(side, i) for i in range(self.num_shards[side])]
+            counts = self.alloc.counts(side, n, sizes[side], self.rng)
+            seeds = self.rng.integers(0, 2**63 - 1, len(counts))
+            for i, (c, s) in enumerate(zip(counts, seeds)):
+                if c > 0:
+                    parts.append(Part(side, i, int(c)))
+                    reads.append((int(s), kwargs[i]))
+        return BatchPlan(parts, n_off, n_on, fraction, self.step, self.alloc.weights()), reads
+
+    # writes -----------------------------------------------------------------
+    def admit_insert(self, rows: int, online_size: int, *, prefill: bool = False) -> None:
+        """Raise :class:`Refused` if the rate limiter holds a write of ``rows`` back (never for a prefill)."""
+        if not prefill and not self.limiter.can_insert(rows, online_size):
+            raise Refused(Blocked("insert", f"the rate limiter holds back {rows} rows "
+                                            f"({self.limiter!r}, {self.limiter.stats()})"))
+
+    def record_insert(self, rows: int, online_size: int, *, prefill: bool = False) -> None:
+        if prefill:
+            self.limiter.record_prefill(rows, online_size)
+        else:
+            self.limiter.record_insert(rows)
+
+    # state ------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        return {"step": self.step, "epochs": self.alloc.stats().get("epochs", {s: 0 for s in SIDES}),
+                "rate_limiter": self.limiter.stats()}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "schedule": self.schedule.config(), "base_fraction": self._base,
+                "rng": self.rng.bit_generator.state, "sampler": self.sampler, "allocator": self.alloc.state_dict(),
+                "rate_limiter": {"config": self.limiter.config(), "state": self.limiter.state_dict()}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`; checked whole before anything changes.
+
+        Without ``allocator`` (a checkpoint restored onto another shard layout) epochs
+        start afresh; without ``rate_limiter`` the limiter is kept.
+        """
+        if state.get("sampler", self.sampler) != self.sampler:
+            raise ValueError(f"state was saved by a buffer sampling {state['sampler']!r}, this one samples "
+                             f"{self.sampler!r}")
+        step, schedule = non_negative_int("step", state["step"]), make_schedule(state["schedule"])
+        rng = np.random.default_rng()
+        rng.bit_generator.state = state["rng"]
+        alloc = make_allocator(self.sampler, self.num_shards, **self._alloc_options)
+        if "allocator" in state:
+            alloc.load_state_dict(state["allocator"])
+        limiter = self.limiter
+        if "rate_limiter" in state:
+            limiter = make_rate_limiter(state["rate_limiter"]["config"])
+            limiter.validate(online_capacity=self._online_capacity)
+            limiter.load_state_dict(state["rate_limiter"]["state"])
+        self.step, self.schedule, self._base = step, schedule, state.get("base_fraction")
+        self.rng.bit_generator.state = rng.bit_generator.state
+        self.alloc, self.limiter = alloc, limiter
