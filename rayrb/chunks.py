@@ -216,6 +216,17 @@ def write_manifest(
     return root / MANIFEST
 
 
+def new_dataset_root(root: str | os.PathLike, overwrite: bool = False) -> Path:
+    """Make ``root`` ready for a new dataset: it must be absent or empty, unless ``overwrite`` clears it."""
+    root = Path(root)
+    if root.exists() and any(root.iterdir()):
+        if not overwrite:
+            raise FileExistsError(f"expected an absent or empty directory for a new chunk dataset, got non-empty {root}")
+        shutil.rmtree(root)
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
 def iter_row_blocks(arrays: Mapping[str, np.ndarray], rows: int, chunk_rows: int) -> Iterator[dict[str, np.ndarray]]:
     for start in range(0, rows, chunk_rows):
         yield {k: v[start:start + chunk_rows] for k, v in arrays.items()}
@@ -252,12 +263,7 @@ def write_dataset(
     from rayrb.validation import positive_int
 
     chunk_rows = positive_int("chunk_rows", chunk_rows)
-    root = Path(root)
-    if root.exists() and any(root.iterdir()):
-        if not overwrite:
-            raise FileExistsError(f"expected an absent or empty directory for a new chunk dataset, got non-empty {root}")
-        shutil.rmtree(root)
-    root.mkdir(parents=True, exist_ok=True)
+    root = new_dataset_root(root, overwrite)
     blocks = iter_row_blocks(arrays, rows, chunk_rows)
     if pbar:
         from tqdm.auto import tqdm

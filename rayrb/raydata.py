@@ -32,8 +32,9 @@ import ray.data
 from ray.data.block import BlockAccessor, BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
-from rayrb.chunks import ChunkDataset, ChunkInfo, write_chunk, write_manifest
+from rayrb.chunks import ChunkDataset, ChunkInfo, new_dataset_root, write_chunk, write_manifest
 from rayrb.schema import RowSpec
+from rayrb.validation import optional_positive_int
 
 SOURCE_KIND = "ray.data.Dataset"
 
@@ -148,14 +149,8 @@ def write_ray_dataset(
     """
     if not isinstance(dataset, ray.data.Dataset):
         raise TypeError(f"expected a ray.data.Dataset, got {type(dataset).__name__}")
-    if chunk_rows is not None and (isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows <= 0):
-        raise ValueError(f"chunk_rows must be a positive integer, got {chunk_rows!r}")
-    root = Path(root).resolve()
-    if root.exists() and any(root.iterdir()):
-        if not overwrite:
-            raise FileExistsError(f"expected an absent or empty directory for a new chunk dataset, got non-empty {root}")
-        shutil.rmtree(root)
-    root.mkdir(parents=True, exist_ok=True)
+    chunk_rows = optional_positive_int("chunk_rows", chunk_rows)
+    root = new_dataset_root(Path(root).resolve(), overwrite)
     written = dataset.map_batches(_write_block, batch_format="pyarrow", batch_size=chunk_rows,
                                   fn_kwargs={"root": str(root)}, zero_copy_batch=True)
     options = written.context.execution_options  # shared with `dataset`: set only while this runs
