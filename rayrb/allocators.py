@@ -64,6 +64,10 @@ class Allocator:
         """Extra keyword arguments for shard ``shard``'s next read (its place in the epoch)."""
         return {}
 
+    def room(self, side: str) -> int | None:
+        """Rows ``side`` can give before its epoch ends (None: no limit, or a fresh epoch begins)."""
+        return None
+
     def weights(self) -> ImportanceWeights | None:
         return None
 
@@ -81,19 +85,38 @@ class UniformAllocator(Allocator):
     """Uniform with replacement: counts ~ Multinomial(n, size_i / sum(size))."""
 
 
+EPOCH_ENDS = ("short", "drop", "raise")
+
+
+def epoch_end_option(epoch_end: str | None, drop_last: bool | None) -> str:
+    """``epoch_end`` from it and TorchRL's ``drop_last`` (True: ``"drop"``, False: ``"short"``); default ``"short"``."""
+    from rayrb.validation import one_of
+
+    if drop_last is not None:
+        implied = "drop" if drop_last else "short"
+        if epoch_end is not None and epoch_end != implied:
+            raise ValueError(f"drop_last={drop_last!r} means epoch_end={implied!r}, got epoch_end={epoch_end!r}")
+        return implied
+    return one_of("epoch_end", "short" if epoch_end is None else epoch_end, EPOCH_ENDS)
+
+
 class WithoutReplacementAllocator(Allocator):
     """Epochs over the union of shards: counts ~ multivariate hypergeometric over the rows left per shard.
 
     An epoch of a side begins with that side's first draw, and again when its rows
-    run out. A draw needing more rows than are left in the epoch raises, or, with
-    ``drop_last``, drops them and begins the next epoch.
+    run out. When a side has fewer rows left than a batch needs, ``epoch_end`` says
+    what happens: ``"short"`` (TorchRL's default) serves a short final batch with
+    what is left, split exactly (the planner shrinks it, see :meth:`room`);
+    ``"drop"`` (TorchRL's ``drop_last=True``) drops the rows left and begins the next
+    epoch; ``"raise"`` refuses the call.
     """
 
     groups_batches = False  # a refused draw must never follow one already taken
 
-    def __init__(self, num_shards: Mapping[str, int], *, drop_last: bool = False, **options: Any):
+    def __init__(self, num_shards: Mapping[str, int], *, epoch_end: str | None = None, drop_last: bool | None = None,
+                 **options: Any):
         super().__init__(num_shards)
-        self.drop_last = bool(drop_last)
+        self.epoch_end = epoch_end_option(epoch_end, drop_last)
         self._left: dict[str, np.ndarray | None] = {side: None for side in SIDES}
         self._epoch: dict[str, dict[str, Any] | None] = {side: None for side in SIDES}
         self.epochs = {side: 0 for side in SIDES}
@@ -111,12 +134,17 @@ class WithoutReplacementAllocator(Allocator):
         if left is None or left.sum() == 0:
             return True
         if n > left.sum():
-            if not self.drop_last:
+            if self.epoch_end != "drop":
                 raise ValueError(
                     f"cannot draw {n} {side} rows without replacement: {int(left.sum())} left in the epoch; "
-                    f"pass drop_last=True to drop them and start the next epoch")
+                    f"pass drop_last=True (epoch_end='drop') to drop them and start the next epoch, or "
+                    f"epoch_end='short' for a short final batch")
             return True
         return False
+
+    def room(self, side: str) -> int | None:
+        left = self._left[side]
+        return None if left is None or left.sum() == 0 else int(left.sum())
 
     def check(self, need: Mapping[str, int], sizes: Sizes) -> dict[str, bool]:
         return {side: need[side] > 0 and self._needs_epoch(side, need[side], sizes[side]) for side in SIDES}
@@ -193,8 +221,61 @@ class PrioritizedAllocator(Allocator):
         return ImportanceWeights(self.beta, {OFFLINE: self._min_p[OFFLINE], ONLINE: self._min_p[ONLINE]})
 
 
-def make_allocator(sampler: str, num_shards: Mapping[str, int], **options: Any) -> Allocator:
-    """The allocator registered with sampler ``sampler`` (see :data:`rayrb.samplers.SAMPLERS`)."""
+class PerSide(Allocator):
+    """Each side allocated by its own kind (TorchRL's O2O samples its online side with replacement,
+    whatever the offline side does)."""
+
+    def __init__(self, kinds: Mapping[str, str], num_shards: Mapping[str, int], **options: Any):
+        super().__init__(num_shards)
+        self.parts = {side: make_allocator(kinds[side], num_shards, **options) for side in SIDES}
+        self.uses_masses = any(a.uses_masses for a in self.parts.values())
+        self.groups_batches = all(a.groups_batches for a in self.parts.values())
+        self.epoch_end = next((a.epoch_end for a in self.parts.values() if hasattr(a, "epoch_end")), None)
+
+    def check(self, need: Mapping[str, int], sizes: Sizes) -> dict[str, bool]:
+        return {side: self.parts[side].check(need, sizes)[side] for side in SIDES}
+
+    def begin_epoch(self, side: str, sizes: np.ndarray, rng: np.random.Generator) -> None:
+        self.parts[side].begin_epoch(side, sizes, rng)
+
+    def counts(self, side: str, n: int, sizes: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        return self.parts[side].counts(side, n, sizes, rng)
+
+    def read_args(self, side: str, shard: int) -> dict[str, Any]:
+        return self.parts[side].read_args(side, shard)
+
+    def room(self, side: str) -> int | None:
+        return self.parts[side].room(side)
+
+    def set_masses(self, side: str, stats: list[tuple[float, float]], sizes: np.ndarray) -> None:
+        if self.parts[side].uses_masses:
+            self.parts[side].set_masses(side, stats, sizes)
+
+    def weights(self) -> ImportanceWeights | None:
+        found = [a.weights() for a in self.parts.values() if a.weights() is not None]
+        if not found:
+            return None
+        min_p = {side: a.weights().min_p[side] for side, a in self.parts.items() if a.weights() is not None}
+        return ImportanceWeights(found[0].beta, min_p)
+
+    def stats(self) -> dict[str, Any]:
+        return {"epochs": {side: a.stats().get("epochs", {}).get(side, 0) for side, a in self.parts.items()}}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {side: a.state_dict() for side, a in self.parts.items()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        for side, a in self.parts.items():
+            a.load_state_dict(state[side])
+
+
+def make_allocator(sampler: str | Mapping[str, str], num_shards: Mapping[str, int], **options: Any) -> Allocator:
+    """The allocator registered with sampler ``sampler`` (see :data:`rayrb.samplers.SAMPLERS`), or with
+    ``{"offline": kind, "online": kind}``, one per side."""
     from rayrb.samplers import sampler_class
 
+    if isinstance(sampler, Mapping):
+        if sampler[OFFLINE] != sampler[ONLINE]:
+            return PerSide(sampler, num_shards, **options)
+        sampler = sampler[OFFLINE]
     return sampler_class(sampler).allocator(num_shards, **options)

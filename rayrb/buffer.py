@@ -20,6 +20,8 @@ import numpy as np
 from rayrb.allocation import row_ranges, split_evenly
 from rayrb.chunks import ChunkDataset
 from rayrb.client import BufferClient, BufferUnavailableError
+from rayrb.allocators import epoch_end_option
+from rayrb.plans import OFFLINE, ONLINE
 from rayrb.samplers import sampler_class
 from rayrb.schedules import Schedule, make_schedule
 from rayrb.transport import check_transport, from_numpy_dict
@@ -55,14 +57,20 @@ class OfflineToOnlineReplayBuffer(BufferClient):
         batch_size (int): default for :meth:`sample`.
         transform (callable): applied to each sampled TensorDict in the caller.
         num_offline_shards (int), num_online_shards (int): actors per side. Default 1.
-        sampler (str): ``"uniform"`` (with replacement), ``"without_replacement"``
-            (epochs that visit each row once) or ``"prioritized"`` (``p_i = (|priority| + eps)^alpha``,
-            per-shard sum trees, counts ~ Multinomial over shard masses; ``info["weight"]`` holds the
-            importance weights ``(p_i / min p)^-beta`` over each side's union of shards).
+        sampler (str): both sides' sampler, unless ``offline_sampler`` / ``online_sampler``
+            name one: ``"uniform"`` (with replacement), ``"without_replacement"`` (epochs that
+            visit each row once) or ``"prioritized"`` (``p_i = (|priority| + eps)^alpha``, per-shard
+            sum trees, counts ~ Multinomial over shard masses; ``info["weight"]`` holds the importance
+            weights ``(p_i / min p)^-beta`` over each side's union of shards). By default, as in
+            TorchRL, an OpenML dataset id is sampled without replacement and anything else
+            uniformly, and the online side uniformly.
+        offline_sampler (str), online_sampler (str): one side's sampler.
         alpha, beta, eps (float): prioritized sampling's exponents and floor (TorchRL's names).
-        drop_last (bool): without replacement, when a side has fewer rows left in its
-            epoch than a batch needs, drop them and start the next epoch; when False
-            such a call raises.
+        epoch_end (str): without replacement, what a batch does when a side has fewer rows
+            left in its epoch than it needs: ``"short"`` (default, TorchRL's) returns a short
+            final batch, split exactly, and the next call begins the next epoch; ``"drop"``
+            drops those rows and begins the next epoch at once; ``"raise"`` refuses the call.
+        drop_last (bool): TorchRL's name: ``True`` is ``epoch_end="drop"``, ``False`` is ``"short"``.
         seed (int): with a fixed shard layout, the same seed gives the same batches.
         name (str): the coordinator's actor name (default: a unique one).
         dataset_root: where in-memory offline data is written as a chunk dataset.
@@ -112,8 +120,11 @@ class OfflineToOnlineReplayBuffer(BufferClient):
         transform: Callable | None = None,
         num_offline_shards: int = 1,
         num_online_shards: int = 1,
-        sampler: str = "uniform",
-        drop_last: bool = False,
+        sampler: str | None = None,
+        offline_sampler: str | None = None,
+        online_sampler: str | None = None,
+        epoch_end: str | None = None,
+        drop_last: bool | None = None,
         seed: int | None = None,
         name: str | None = None,
         dataset_root: str | os.PathLike | None = None,
@@ -145,7 +156,8 @@ class OfflineToOnlineReplayBuffer(BufferClient):
             fraction("offline_fraction", offline_fraction)
         schedule = make_schedule(offline_fraction)
         batch_size = None if batch_size is None else positive_int("batch_size", batch_size)
-        sampler_class(sampler)
+        kinds = _sampler_kinds(offline_dataset, sampler, offline_sampler, online_sampler)
+        epoch_end = epoch_end_option(epoch_end, drop_last)
         prio = priority_options(alpha, beta, eps)
         transport = check_transport(transport)
         from rayrb.rate_limiter import make_rate_limiter
@@ -167,11 +179,11 @@ class OfflineToOnlineReplayBuffer(BufferClient):
             raise ValueError(f"num_offline_shards ({num_offline_shards}) exceeds the dataset's {len(dataset)} rows")
 
         self._dataset_root, self._offline_rows = str(dataset.root), len(dataset)
-        self._sampler_name = sampler
+        self._sampler_name = kinds[OFFLINE] if kinds[OFFLINE] == kinds[ONLINE] else kinds
         name = name or f"rayrb-{uuid.uuid4().hex[:12]}"
         try:
             coord, shards = _start_actors(dataset, name, online_capacity, num_offline_shards, num_online_shards,
-                                          schedule=schedule, sampler=sampler, drop_last=drop_last, seed=seed,
+                                          schedule=schedule, kinds=kinds, epoch_end=epoch_end, seed=seed,
                                           actor_options=actor_options or {}, transport=transport, prio=prio,
                                           storage_dir=None if storage_dir is None else str(storage_dir),
                                           rate_limiter=limiter.config())
@@ -263,7 +275,7 @@ class OfflineToOnlineReplayBuffer(BufferClient):
 
 
 def _start_actors(dataset: ChunkDataset, name: str, capacity: int, m: int, k: int, *, schedule: Schedule,
-                  sampler: str, drop_last: bool, seed: int | None, actor_options: dict, transport: str,
+                  kinds: dict[str, str], epoch_end: str, seed: int | None, actor_options: dict, transport: str,
                   prio: dict[str, float], storage_dir: str | None, rate_limiter: dict) -> tuple[Any, list]:
     """Start ``m`` offline shards, ``k`` online shards and the coordinator; kill them all if one fails to start."""
     import ray
@@ -287,21 +299,31 @@ def _start_actors(dataset: ChunkDataset, name: str, capacity: int, m: int, k: in
     try:
         for i, (a, b) in enumerate(ranges):
             started.append(ray.remote(**cls_opts)(OfflineShard).options(**shard_placement(dataset, a, b, off_opts))
-                           .remote(str(dataset.root), a, b, f"{name}/off-{i}", sampler, sampler_options=so,
+                           .remote(str(dataset.root), a, b, f"{name}/off-{i}", kinds[OFFLINE], sampler_options=so,
                                    state_dir=shard_directory(storage_dir, instance, f"off-{i}")))
         for i, c in enumerate(capacities):
             started.append(ray.remote(**cls_opts)(OnlineShard).options(**on_opts).remote(
-                dataset.spec.to_json(), c, f"{name}/on-{i}", sampler, sampler_options=so,
+                dataset.spec.to_json(), c, f"{name}/on-{i}", kinds[ONLINE], sampler_options=so,
                 state_dir=shard_directory(storage_dir, instance, f"on-{i}")))
         coord = ray.remote(Coordinator).options(name=name, **opts).remote(
             started[:m], [b - a for a, b in ranges], started[m:], capacities, offline_fraction=schedule,
-            sampler=sampler, drop_last=drop_last, seed=seed, name=name, transport=transport, device=device,
+            sampler=dict(kinds), epoch_end=epoch_end, seed=seed, name=name, transport=transport, device=device,
             beta=prio["beta"], rate_limiter=rate_limiter)
     except BaseException:
         for actor in started:
             ray.kill(actor)
         raise
     return coord, started
+
+
+def _sampler_kinds(dataset: Any, sampler: str | None, offline: str | None, online: str | None) -> dict[str, str]:
+    """Each side's sampler: its own option, else ``sampler``, else TorchRL's default for that side."""
+    openml = isinstance(dataset, str) and dataset.startswith("openml:")  # OpenMLExperienceReplay's default
+    kinds = {OFFLINE: offline or sampler or ("without_replacement" if openml else "uniform"),
+             ONLINE: online or sampler or "uniform"}
+    for side, kind in kinds.items():
+        sampler_class(kind)
+    return kinds
 
 
 def prefill_replay_buffer(rb: Any, dataset: Any, n_samples: int | None = None, chunk_size: int = 1000,

@@ -164,7 +164,8 @@ def reshard(states: list[dict[str, np.ndarray]], offline_sizes: tuple[list[int],
     keys = [k for k in online[0] if k.startswith("rows/")]
     live = [_live_slots(int(s["written"]), c) for s, c in zip(online, old_cap)]
     rows = {k: np.concatenate([s[k][i] for s, i in zip(online, live)]) for k in keys}
-    p_on = np.concatenate([s["sampler/priority"][i] for s, i in zip(online, live)]) if prio[0] is not None else None
+    p_on = np.concatenate([s["sampler/priority"][i] for s, i in zip(online, live)]) \
+        if "sampler/priority" in online[0] else None
     total = min(len(next(iter(rows.values()))), int(sum(new_cap)))
     first = len(next(iter(rows.values()))) - total  # drop the oldest rows that no longer fit
     counts = np.minimum(split_evenly(total, len(new_cap)), new_cap)

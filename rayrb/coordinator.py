@@ -40,8 +40,9 @@ class Coordinator:
         online_capacities: Sequence[int],
         *,
         offline_fraction: Any = 0.5,
-        sampler: str = "uniform",
-        drop_last: bool = False,
+        sampler: str | dict[str, str] = "uniform",
+        drop_last: bool | None = None,
+        epoch_end: str | None = None,
         seed: int | None = None,
         name: str = "rayrb",
         transport: str = "object_store",
@@ -53,7 +54,7 @@ class Coordinator:
         self._offline_sizes = np.asarray(offline_sizes, np.int64)
         self._log = WriteLog(online_capacities) if online_shards else None
         self._planner = Planner({s: len(self._shards[s]) for s in SIDES}, offline_fraction=offline_fraction,
-                                sampler=sampler, drop_last=drop_last, seed=seed, beta=beta, rate_limiter=rate_limiter,
+                                sampler=sampler, drop_last=drop_last, epoch_end=epoch_end, seed=seed, beta=beta, rate_limiter=rate_limiter,
                                 online_capacity=int(sum(online_capacities)) or None)
         self._masses = {side: [None] * len(self._shards[side]) for side in SIDES}
         self._masses_stale = False
@@ -111,7 +112,7 @@ class Coordinator:
             self._masses_stale = False
         out = self._planner.draw(batch_size, num_slices, sizes=sizes)
         self._metrics.count("batches")
-        self._metrics.count("rows_sampled", int(batch_size))
+        self._metrics.count("rows_sampled", sum(plan.batch_size for plan, _ in out))
         return out
 
     def _submit(self, plan: BatchPlan, reads: list[tuple[int, dict]], tensors: bool = False) -> list[Any]:

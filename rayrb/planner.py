@@ -18,6 +18,10 @@ A draw that raises, :class:`Refused` included, leaves the step, the RNG, the
 allocator and the limiter as they were, so the seeded stream goes on as if it
 had not been asked.
 
+At the end of a without-replacement epoch the batch may come back short (TorchRL's
+default, ``epoch_end="short"``): step 2 above uses the largest batch size whose
+exact split fits in the rows each side has left.
+
 Examples:
     >>> import numpy as np
     >>> p = Planner({"offline": 2, "online": 1}, offline_fraction=0.25, seed=0)
@@ -55,12 +59,15 @@ class Refused(Exception):
 class Planner:
     """Sampling state and batch plans for one buffer (see the module)."""
 
-    def __init__(self, num_shards: Mapping[str, int], *, offline_fraction: Any = 0.5, sampler: str = "uniform",
-                 drop_last: bool = False, seed: int | None = None, beta: float = BETA, rate_limiter: Any = None,
-                 online_capacity: int | None = None):
+    def __init__(self, num_shards: Mapping[str, int], *, offline_fraction: Any = 0.5,
+                 sampler: str | Mapping[str, str] = "uniform",
+                 drop_last: bool | None = None, epoch_end: str | None = None, seed: int | None = None,
+                 beta: float = BETA, rate_limiter: Any = None, online_capacity: int | None = None):
         self.num_shards = {side: int(num_shards[side]) for side in SIDES}
-        self.sampler = sampler
-        self._alloc_options = {"drop_last": drop_last, "beta": beta}
+        if isinstance(sampler, Mapping) and sampler[OFFLINE] == sampler[ONLINE]:
+            sampler = sampler[OFFLINE]
+        self.sampler = dict(sampler) if isinstance(sampler, Mapping) else sampler
+        self._alloc_options = {"drop_last": drop_last, "epoch_end": epoch_end, "beta": beta}
         self.alloc = make_allocator(sampler, self.num_shards, **self._alloc_options)
         self._online_capacity = online_capacity
         self.limiter = make_rate_limiter(rate_limiter)
@@ -117,7 +124,7 @@ class Planner:
         with self._unchanged_on_error():
             fraction = self.fraction(sizes)
             online = int(sizes[ONLINE].sum())
-            need = dict(zip(SIDES, split_batch(batch_size, fraction, online)))
+            need = self._shorten(batch_size, fraction, online)
             decision = self.limiter.decide(need[ONLINE], online)
             if decision == WAIT:
                 raise Refused(Blocked("sample", f"the rate limiter holds back {need[ONLINE]} online rows "
@@ -132,6 +139,20 @@ class Planner:
             self.limiter.record_sample(need[ONLINE])
             self.step += 1
         return out
+
+    def _shorten(self, batch_size: int, fraction: float, online: int) -> dict[str, int]:
+        """The split of this batch, or, at the end of an epoch that serves short batches, of the largest
+        shorter batch whose exact split fits in what each side has left."""
+        need = dict(zip(SIDES, split_batch(batch_size, fraction, online)))
+        if getattr(self.alloc, "epoch_end", None) != "short":
+            return need
+        room = {side: self.alloc.room(side) for side in SIDES}
+        for b in range(batch_size, 0, -1):
+            if b < batch_size:
+                need = dict(zip(SIDES, split_batch(b, fraction, online)))
+            if all(room[s] is None or need[s] <= room[s] for s in SIDES):
+                return need
+        return need
 
     def _slice(self, n_off: int, n_on: int, fraction: float, sizes: Sizes) -> tuple[BatchPlan, Reads]:
         parts, reads = [], []

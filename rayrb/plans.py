@@ -54,10 +54,13 @@ class ImportanceWeights:
     """Prioritized importance weights ``(p_i / min_p[side]) ** -beta`` over each side's union of shards."""
 
     beta: float
-    min_p: Mapping[str, float]
+    min_p: Mapping[str, float]  # the prioritized sides only
 
-    def __call__(self, side: str, p: Any) -> Any:
-        return (p / self.min_p[side]) ** -self.beta
+    def __call__(self, side: str, info: Mapping[str, Any]) -> Any:
+        """Each row's weight from its shard's info; 1 for the rows of a side sampled without priorities."""
+        if side not in self.min_p:
+            return info["index"] * 0 + 1.0
+        return (info["priority"] / self.min_p[side]) ** -self.beta
 
 
 @dataclass
@@ -142,7 +145,7 @@ def provenance(plan: BatchPlan, infos: Sequence[Mapping[str, Any]], cat: Callabl
         "generation": cat([i["generation"] for i in infos]),
     }
     if plan.weights is not None:
-        info["weight"] = cat([plan.weights(p.side, i["priority"]) for p, i in zip(plan.parts, infos)])
+        info["weight"] = cat([plan.weights(p.side, i) for p, i in zip(plan.parts, infos)])
     return info
 
 

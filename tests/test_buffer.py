@@ -195,7 +195,7 @@ def test_without_replacement_epoch_visits_each_offline_row_once(make_buffer):
 
 def test_without_replacement_refuses_a_batch_larger_than_what_is_left(make_buffer):
     rb = make_buffer(offline_rows(50), online_capacity=10, sampler="without_replacement", offline_fraction=1.0,
-                     seed=0, drop_last=False)
+                     seed=0, epoch_end="raise")
     rb.sample(40)
     state = rb.state_dict()
     with pytest.raises(ValueError, match="10 left in the epoch; pass drop_last=True"):
@@ -204,6 +204,24 @@ def test_without_replacement_refuses_a_batch_larger_than_what_is_left(make_buffe
     assert len(rb.sample(10)) == 10  # the rest of the epoch is still there
     with pytest.raises(ValueError, match="holds 50 rows"):
         rb.sample(51)
+
+
+def test_the_end_of_an_epoch_gives_a_short_batch_as_torchrl_does(make_buffer):
+    rb = make_buffer(offline_rows(10), online_capacity=10, sampler="without_replacement", offline_fraction=1.0,
+                     seed=0)
+    batches = [rb.sample(4)["id"].tolist() for _ in range(4)]
+    assert [len(b) for b in batches] == [4, 4, 2, 4]  # then the next epoch begins
+    assert sorted(sum(batches[:3], [])) == list(range(10))
+    both = make_buffer(offline_rows(11), online_capacity=20, sampler="without_replacement", offline_fraction=0.5,
+                       seed=1)
+    both.extend(online_rows(0, 20))
+    sizes = []
+    for _ in range(3):
+        _, info = both.sample(8, return_info=True)
+        n = len(info["offline"])
+        sizes.append(n)
+        assert int(info["offline"].sum()) == offline_count(n, 0.5)  # exact, short batches included
+    assert sizes == [8, 8, 6]  # 11 offline rows: 4 + 4 + 3, the last in a batch of 6 split 3/3
 
 
 def test_drop_last_starts_the_next_epoch(make_buffer):

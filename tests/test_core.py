@@ -92,12 +92,13 @@ def written_online(coord: Coordinator, rows: list[int]) -> None:
 class Layout:
     """A Coordinator over stand-in shards of these sizes, and one sampler per shard reading as a shard reads."""
 
-    def __init__(self, kind: str, sizes: dict, *, fraction: float = 0.5, seed: int = 0, drop_last: bool = False):
+    def __init__(self, kind: str, sizes: dict, *, fraction: float = 0.5, seed: int = 0, drop_last: bool | None = None,
+                 epoch_end: str | None = None):
         self.kind = kind
         self.sizes = {side: np.asarray(sizes[side], np.int64) for side in SIDES}
         self.coord = Coordinator([StandInShard() for _ in sizes[OFFLINE]], sizes[OFFLINE],
                                  [StandInShard() for _ in sizes[ONLINE]], sizes[ONLINE], offline_fraction=fraction,
-                                 sampler=kind, drop_last=drop_last, seed=seed)
+                                 sampler=kind, drop_last=drop_last, epoch_end=epoch_end, seed=seed)
         written_online(self.coord, sizes[ONLINE])
         self.samplers = {side: self.fresh_samplers(side) for side in SIDES}
 
@@ -151,11 +152,11 @@ def test_without_replacement_epoch_visits_every_row_once_across_shards_and_slice
 
 
 def test_without_replacement_refuses_a_batch_larger_than_the_epoch_has_left_and_changes_nothing():
-    layout = Layout("without_replacement", {OFFLINE: [5, 6], ONLINE: [4]}, fraction=1.0, seed=1)
+    layout = Layout("without_replacement", {OFFLINE: [5, 6], ONLINE: [4]}, fraction=1.0, seed=1, epoch_end="raise")
     layout.batch(4)
     layout.batch(4)  # 3 offline rows left
     before = layout.coord.state_dict()  # step, RNG and allocator
-    alloc = WithoutReplacementAllocator({OFFLINE: 2, ONLINE: 1})
+    alloc = WithoutReplacementAllocator({OFFLINE: 2, ONLINE: 1}, epoch_end="raise")
     alloc.load_state_dict(before["allocator"])
     with pytest.raises(ValueError, match="cannot draw 4 offline rows without replacement: 3 left in the epoch; "
                                          "pass drop_last=True"):
@@ -346,14 +347,19 @@ def test_prioritized_min_p_ignores_empty_shards_and_weights_use_each_sides_globa
     # (p / min p) ** -beta is (N P(i)) ** -beta over the side's union of rows, normalized by its largest value
     p = np.concatenate([partly.info(np.arange(3))["priority"], full.info(np.arange(3))["priority"]])
     union = (p.size * p / p.sum()) ** -0.5
-    np.testing.assert_allclose(w(OFFLINE, p), union / union.max())
+    np.testing.assert_allclose(w(OFFLINE, {"index": np.arange(p.size), "priority": p}), union / union.max())
 
 
 def test_importance_weights_values():
     w = ImportanceWeights(beta=0.5, min_p={OFFLINE: 0.25, ONLINE: 2.0})
-    np.testing.assert_allclose(w(OFFLINE, np.array([0.25, 1.0, 4.0])), [1.0, 0.5, 0.25])
-    np.testing.assert_allclose(w(ONLINE, np.array([2.0, 8.0])), [1.0, 0.5])
-    assert ImportanceWeights(0.0, {OFFLINE: 3.0, ONLINE: 1.0})(OFFLINE, np.array([7.0]))[0] == 1.0
+    def info(p):
+        return {"index": np.arange(len(p)), "priority": np.array(p)}
+
+    np.testing.assert_allclose(w(OFFLINE, info([0.25, 1.0, 4.0])), [1.0, 0.5, 0.25])
+    np.testing.assert_allclose(w(ONLINE, info([2.0, 8.0])), [1.0, 0.5])
+    assert ImportanceWeights(0.0, {OFFLINE: 3.0, ONLINE: 1.0})(OFFLINE, info([7.0]))[0] == 1.0
+    only_offline = ImportanceWeights(0.5, {OFFLINE: 1.0})  # the online side samples without priorities
+    np.testing.assert_allclose(only_offline(ONLINE, {"index": np.array([4, 9])}), [1.0, 1.0])
 
 
 def test_provenance_weighs_each_row_against_its_own_sides_min_p():
