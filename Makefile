@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rayrb-installed
 # The offline scikit-learn OpenML cache, when this checkout sits beside ../shared.
 DATA_HOME ?= $(if $(wildcard ../shared/data/openml),../shared/data,)
-DATASET ?= openml:shuttle
+DATASET ?= openml:mushroom_onehot
 export RAY_AUTH_MODE ?= disabled
 export RAY_USAGE_STATS_ENABLED ?= 0
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER ?= 0
@@ -26,7 +26,7 @@ test: install
 	$(PY) -m pytest -q
 
 demo: install
-	$(PY) pipelines/demo.py --dataset $(DATASET) $(if $(DATA_HOME),--data-home $(DATA_HOME),)
+	$(PY) pipelines/train_bandit.py --dataset $(DATASET) $(if $(DATA_HOME),--data-home $(DATA_HOME),)
 
 bench: install
 	$(PY) -m pip install -q -e '.[bench]'

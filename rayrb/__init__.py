@@ -23,6 +23,8 @@ _EXPORTS = {
     "export_parquet": "rayrb.preprocess",
     "PreprocessError": "rayrb.preprocess",
     "ChunkDataset": "rayrb.chunks",
+    "to_ray_dataset": "rayrb.raydata",
+    "write_ray_dataset": "rayrb.raydata",
     "write_dataset": "rayrb.chunks",
     "RowSpec": "rayrb.schema",
     "SchemaError": "rayrb.schema",
