@@ -233,7 +233,8 @@ class PerSide(Allocator):
         self.epoch_end = next((a.epoch_end for a in self.parts.values() if hasattr(a, "epoch_end")), None)
 
     def check(self, need: Mapping[str, int], sizes: Sizes) -> dict[str, bool]:
-        return {side: self.parts[side].check(need, sizes)[side] for side in SIDES}
+        return {side: self.parts[side].check({s: need[s] if s == side else 0 for s in SIDES}, sizes)[side]
+                for side in SIDES}
 
     def begin_epoch(self, side: str, sizes: np.ndarray, rng: np.random.Generator) -> None:
         self.parts[side].begin_epoch(side, sizes, rng)

@@ -283,7 +283,7 @@ for _cls in (UniformSampler, WithoutReplacementSampler, PrioritizedSampler):
 
 
 def sampler_class(name: str) -> type[Sampler]:
-    if name not in SAMPLERS:
+    if not isinstance(name, str) or name not in SAMPLERS:
         raise ValueError(f"sampler must be one of {tuple(SAMPLERS)}, got {name!r}")
     return SAMPLERS[name]
 

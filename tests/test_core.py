@@ -103,7 +103,8 @@ class Layout:
         self.samplers = {side: self.fresh_samplers(side) for side in SIDES}
 
     def fresh_samplers(self, side: str) -> list[Sampler]:
-        return [make_sampler(self.kind, max(1, int(n))) for n in self.sizes[side]]
+        kind = self.kind[side] if isinstance(self.kind, dict) else self.kind
+        return [make_sampler(kind, max(1, int(n))) for n in self.sizes[side]]
 
     def draw(self, batch_size: int, num_slices: int = 1) -> list[tuple[BatchPlan, list]]:
         """The plans and reads that ``sample``, ``sample_slices`` and ``feed`` submit."""
@@ -797,3 +798,46 @@ def test_a_registered_sampler_brings_its_allocator():
         make_sampler("uniform").update_priority(np.arange(1), np.ones(1))
     with pytest.raises(ValueError, match="cannot draw 2 rows from an empty shard"):
         make_sampler("uniform").sample(2, 0, np.random.default_rng(0))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The end of an epoch, and a sampler per side
+# ---------------------------------------------------------------------------------------------------------------
+def test_short_final_batches_keep_the_split_exact_and_cover_the_epoch():
+    layout = Layout("without_replacement", {OFFLINE: [6, 5], ONLINE: [9]}, fraction=0.5, seed=4)
+    sizes, seen = [], []
+    for _ in range(4):
+        (plan, reads), = layout.draw(6)
+        sizes.append((plan.n_offline, plan.n_online))
+        seen += [r for r in layout.rows(plan, reads) if r[0] == OFFLINE]
+    # 11 offline rows at 3 a batch: 3, 3, 3, then 2 (a batch of 4 splits 2/2, exact); then a new epoch
+    assert sizes[:3] == [(3, 3)] * 3 and sizes[3] == (2, 2)
+    assert sorted(seen) == every_row([6, 5], OFFLINE)
+    (plan, _), = layout.draw(6)
+    assert (plan.n_offline, plan.n_online) == (3, 3) and layout.epochs(OFFLINE) == 2
+
+
+def test_drop_last_is_torchrls_name_for_dropping_and_conflicts_are_refused():
+    from rayrb.allocators import epoch_end_option
+
+    assert epoch_end_option(None, True) == "drop" and epoch_end_option(None, False) == "short"
+    assert epoch_end_option(None, None) == "short" and epoch_end_option("raise", None) == "raise"
+    with pytest.raises(ValueError, match="drop_last=True means epoch_end='drop', got epoch_end='short'"):
+        epoch_end_option("short", True)
+    with pytest.raises(ValueError, match="epoch_end must be one of"):
+        epoch_end_option("wrap", None)
+
+
+def test_each_side_is_allocated_by_its_own_kind():
+    layout = Layout({OFFLINE: "without_replacement", ONLINE: "uniform"}, {OFFLINE: [4, 4], ONLINE: [2]},
+                    fraction=0.5, seed=0)
+    offline, online = [], []
+    for _ in range(2):
+        for plan, reads in layout.draw(8):
+            for side, shard, i in layout.rows(plan, reads):
+                (offline if side == OFFLINE else online).append((shard, i))
+    assert sorted(offline) == sorted((s, i) for s in range(2) for i in range(4))  # one epoch, each row once
+    assert len(online) == 8 and set(online) <= {(0, 0), (0, 1)}  # with replacement from 2 rows
+    state = layout.coord.state_dict()
+    assert state["sampler"] == {OFFLINE: "without_replacement", ONLINE: "uniform"}
+    assert set(state["allocator"]) == {OFFLINE, ONLINE}
