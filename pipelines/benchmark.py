@@ -159,6 +159,13 @@ def bench_sampling(cfg, offline, online, root, results):
     prio = OfflineToOnlineReplayBuffer(str(ds_root), online_capacity=len(online), num_offline_shards=1,
                                        num_online_shards=2, offline_fraction=0.5, seed=1, sampler="prioritized")
     prio.extend(online)
+    # The same buffer with a rate limiter whose window is never reached: what flow control costs when idle.
+    from rayrb.rate_limiter import SampleToInsertRatio
+
+    limited = OfflineToOnlineReplayBuffer(str(ds_root), online_capacity=len(online), num_offline_shards=1,
+                                          num_online_shards=2, offline_fraction=0.5, seed=1,
+                                          rate_limiter=SampleToInsertRatio(1.0, 1, 1e15))
+    limited.extend(online)
     start_mem = {s["shard"]: s for s in buffers[cfg["shards"][-1]].stats()["shards"] if s["kind"] == "offline"}
     for B in B_list:
         row = {}
@@ -179,6 +186,9 @@ def bench_sampling(cfg, offline, online, root, results):
             it = prio.iter_batches(B, prefetch=cfg["prefetch"])
             entries["rayrb_1shard_prefetch_prioritized"] = summarize(timed(lambda: next(it), cfg["min_time"],
                                                                            cfg["min_iters"]), B)
+            it = limited.iter_batches(B, prefetch=cfg["prefetch"])
+            entries["rayrb_1shard_prefetch_limited"] = summarize(timed(lambda: next(it), cfg["min_time"],
+                                                                       cfg["min_iters"]), B)
             for k, v in entries.items():
                 row.setdefault(k, []).append(v)
             print(f"  B={B} rep {rep}: " + ", ".join(f"{k} {v['rows_per_s']:,.0f}" for k, v in entries.items()),
@@ -237,7 +247,7 @@ def bench_sampling(cfg, offline, online, root, results):
         "anon_growth_while_sampling_bytes": grow["rss_anon_bytes"],
         "file_growth_while_sampling_bytes": grow["rss_file_bytes"],
     }
-    for rb in [*buffers.values(), prio]:
+    for rb in [*buffers.values(), prio, limited]:
         rb.shutdown()
     rray.close() if hasattr(rray, "close") else None
     del o2o, rray
@@ -411,8 +421,11 @@ def ratios(results):
         r[f"B={B} prioritized cost / uniform (1 shard, prefetch)"] = (
             row["rayrb_1shard_prefetch"]["rows_per_s"]["median"]
             / row["rayrb_1shard_prefetch_prioritized"]["rows_per_s"]["median"])
+        r[f"B={B} rate limiter configured, never blocking / none (1 shard, prefetch)"] = (
+            row["rayrb_1shard_prefetch_limited"]["rows_per_s"]["median"]
+            / row["rayrb_1shard_prefetch"]["rows_per_s"]["median"])
         for k, v in row.items():
-            if k.startswith("rayrb") and "prioritized" not in k:
+            if k.startswith("rayrb") and "prioritized" not in k and "limited" not in k:
                 med = v["rows_per_s"]["median"]
                 r[f"B={B} {k} / torchrl_o2o"] = med / row["torchrl_o2o"]["rows_per_s"]["median"]
                 r[f"B={B} {k} / torchrl_ray"] = med / row["torchrl_ray"]["rows_per_s"]["median"]
