@@ -35,7 +35,6 @@ class Collector:
         self.rb, self.ds, self.rng = rb, ChunkDataset.open(root), np.random.default_rng(seed)
 
     def collect(self, steps: int, rows: int) -> int:
-        import numpy as np
 
         for _ in range(steps):
             batch = self.ds.gather(self.rng.integers(0, len(self.ds), rows))

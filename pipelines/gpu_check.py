@@ -16,7 +16,6 @@ import time
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
-import numpy as np  # noqa: E402
 import ray  # noqa: E402
 import torch  # noqa: E402
 from tensordict import TensorDict  # noqa: E402

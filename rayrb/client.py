@@ -258,6 +258,21 @@ class BufferClient:
         refs = self._call(self._coord.feed, method, self._batch(batch_size), args)
         return self._get(refs) if wait else refs
 
+    # TorchRL's sub-buffers --------------------------------------------------
+    @property
+    def offline_buffer(self):
+        """The offline side, buffer-like (``len``, ``sample``, ``state_dict``); see :mod:`rayrb.views`."""
+        from rayrb.views import SideView
+
+        return SideView(self, "offline")
+
+    @property
+    def online_buffer(self):
+        """The online side, buffer-like (``len``, ``sample``, ``extend``, ``state_dict``)."""
+        from rayrb.views import SideView
+
+        return SideView(self, "online")
+
     # settings ---------------------------------------------------------------
     @property
     def offline_fraction(self) -> float:

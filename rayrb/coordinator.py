@@ -61,6 +61,7 @@ class Coordinator:
         for side in SIDES:
             self._requery_masses(side, range(len(self._shards[side])))
         self._name = name
+        self._side_rng = np.random.default_rng(None if seed is None else [seed, 1])
         self._metrics = ActorMetrics("coordinator", {"buffer": name})
         self._transport, self._device = transport, device
         self._learners: list[Any] = []
@@ -178,6 +179,36 @@ class Coordinator:
             group.refs.append(self._shards[side][i].sample_many.remote(counts, seeds, epochs))
         self._metrics.observe("plan_ms", (time.perf_counter() - t0) * 1e3)
         return group
+
+    def sample_side(self, side: str, batch_size: int) -> Dispatch:
+        """``batch_size`` rows of one side, uniformly from the union of its shards, for buffer-like views.
+
+        Drawn from a stream of its own: the buffer's batches, epochs and rate limiter are untouched.
+        """
+        from rayrb.allocation import multinomial_counts
+        from rayrb.plans import Part
+        from rayrb.validation import one_of
+
+        side, batch_size = one_of("side", side, SIDES), positive_int("batch_size", batch_size)
+        sizes = self._sizes()[side]
+        if batch_size > 0 and sizes.sum() == 0:
+            raise ValueError(f"cannot sample {batch_size} rows from the {side} side: it holds no rows")
+        counts = multinomial_counts(batch_size, sizes, self._side_rng)
+        parts = [Part(side, i, int(c)) for i, c in enumerate(counts) if c > 0]
+        refs = [self._shards[side][p.shard].gather.remote(self._side_rng.integers(0, sizes[p.shard], p.count))
+                for p in parts]
+        n = (batch_size, 0) if side == OFFLINE else (0, batch_size)
+        return Dispatch(BatchPlan(parts, *n, fraction=float(side == OFFLINE), step=-1), refs)
+
+    def shard_states(self, side: str) -> list[Any]:
+        """Refs to each shard's state arrays, behind every write sent so far."""
+        return [s.state.remote() for s in self._shards[side]]
+
+    def load_shard_states(self, side: str, states: Sequence[dict]) -> list[Any]:
+        """Give each shard of ``side`` its state; the acks, then :meth:`resync`, complete it."""
+        if len(states) != len(self._shards[side]):
+            raise ValueError(f"expected {len(self._shards[side])} {side} shard states, got {len(states)}")
+        return [s.load_state.remote(st) for s, st in zip(self._shards[side], states)]
 
     def sample_slices(self, batch_size: int, *, num_slices: int = 1, return_info: bool = False,
                       node_ids: Sequence[str | None] | None = None, postprocess: Any = None,

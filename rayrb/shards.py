@@ -122,7 +122,7 @@ class _Shard:
         """Write this shard's mutable state (online rows, sampler state) to ``path``; return its name and digest."""
         from rayrb.checkpoint import file_digest
 
-        state = {**self._state(), **{f"sampler/{k}": v for k, v in self._sampler.state_dict().items()}}
+        state = self.state()
         with open(path, "wb") as f:
             np.savez(f, **state)
             f.flush()
@@ -136,6 +136,21 @@ class _Shard:
                 state = dict(f)
         except (OSError, ValueError) as e:
             raise ValueError(f"shard {self.shard_id}: cannot read saved state {path}: {e}") from None
+        self.load_state(state)
+
+    def state(self) -> dict[str, np.ndarray]:
+        """This shard's mutable state as arrays (what :meth:`dump` writes)."""
+        return {**self._state(), **{f"sampler/{k}": v for k, v in self._sampler.state_dict().items()}}
+
+    def gather(self, idx: np.ndarray) -> tuple[Rows, Info]:
+        """Rows at these local indices, with their provenance; no sampler state is touched."""
+        idx = np.asarray(idx, dtype=np.int64)
+        if idx.size and (idx.min() < 0 or idx.max() >= self.size()):
+            raise IndexError(f"shard {self.shard_id}: expected indices in [0, {self.size()})")
+        return self._gather(idx), self._info(idx)
+
+    def load_state(self, state: dict[str, np.ndarray]) -> None:
+        """Take :meth:`state`'s arrays; state that does not fit this shard changes nothing."""
         sampler_state = {k[len("sampler/"):]: v for k, v in state.items() if k.startswith("sampler/")}
         copy.deepcopy(self._sampler).load_state_dict(sampler_state)  # raises on a bad file, on a copy
         apply = self._set_state(state)

@@ -79,9 +79,17 @@ class WriteLog:
         """Piece sizes for a write of ``n`` rows: :func:`~rayrb.allocation.write_pieces`, in more pieces
         where one would overflow the smallest shard while the buffer as a whole has room.
 
+        A write larger than the whole buffer is cut so that the newest rows are the ones kept
+        (a shard keeps the tail of its piece): the first piece carries the rows evicted at once.
+
         >>> WriteLog([100] * 4).cut(300), WriteLog([100] * 4).cut(50), WriteLog([10_000] * 4).cut(4096)
         ([100, 100, 100], [50], [1024, 1024, 1024, 1024])
+        >>> WriteLog([25, 25]).cut(70)
+        [45, 25]
         """
+        total = int(self.capacity.sum())
+        if n > total:
+            return [n - total + int(self.capacity[0]), *map(int, self.capacity[1:])]
         pieces = len(write_pieces(n, self.capacity.size, min_piece))
         smallest = int(self.capacity.min())
         while pieces < self.capacity.size and -(-n // pieces) > smallest:

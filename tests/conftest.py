@@ -41,3 +41,38 @@ def ray_session():
         )
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture
+def make_buffer(tmp_path):
+    """Builds buffers whose files stay under this test's tmp_path; shuts every one down afterwards."""
+    from rayrb import OfflineToOnlineReplayBuffer
+
+    made = []
+
+    def make(*args, **kwargs):
+        kwargs.setdefault("dataset_root", tmp_path / f"ds{len(made)}")
+        kwargs.setdefault("storage_dir", tmp_path / "state")
+        rb = OfflineToOnlineReplayBuffer(*args, **kwargs)
+        made.append(rb)
+        return rb
+
+    yield make
+    for rb in made:
+        rb.shutdown()
+
+
+def run_marked(script: str, *args: str, timeout: float = 300) -> dict:
+    """Run ``tests/<script>`` in a fresh process (its own Ray); return the JSON of its ``RAYRB_RESULT`` line."""
+    import json
+    import subprocess
+    import sys
+
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+    env.pop("RAY_ADDRESS", None)
+    out = subprocess.run([sys.executable, str(REPO / "tests" / script), *args], capture_output=True, text=True,
+                         timeout=timeout, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    # Ray may print more (e.g. on shutdown): take the marked line
+    line = next(line for line in reversed(out.stdout.splitlines()) if line.startswith("RAYRB_RESULT "))
+    return json.loads(line[len("RAYRB_RESULT "):])

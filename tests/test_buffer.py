@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 import pytest
 import torch
 from tensordict import TensorDict
@@ -24,19 +23,6 @@ def online_rows(start, n, dim=3):
     return TensorDict({"obs": -ids.float()[:, None].expand(n, dim).contiguous(), "id": 1_000_000 + ids}, [n])
 
 
-@pytest.fixture
-def make_buffer(tmp_path):
-    made = []
-
-    def make(*args, **kwargs):
-        kwargs.setdefault("dataset_root", tmp_path / f"ds{len(made)}")
-        rb = OfflineToOnlineReplayBuffer(*args, **kwargs)
-        made.append(rb)
-        return rb
-
-    yield make
-    for rb in made:
-        rb.shutdown()
 
 
 def test_every_batch_has_exactly_n_off_offline_rows(make_buffer):

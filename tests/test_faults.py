@@ -24,20 +24,6 @@ def online_rows(start, n):
     return TensorDict({"obs": -ids.float()[:, None].expand(n, 2).contiguous(), "id": 1_000_000 + ids}, [n])
 
 
-@pytest.fixture
-def make_buffer(tmp_path):
-    made = []
-
-    def make(*args, **kwargs):
-        kwargs.setdefault("dataset_root", tmp_path / f"ds{len(made)}")
-        kwargs.setdefault("storage_dir", tmp_path / "state")
-        rb = OfflineToOnlineReplayBuffer(*args, **kwargs)
-        made.append(rb)
-        return rb
-
-    yield make
-    for rb in made:
-        rb.shutdown()
 
 
 def online_ids(rb, draws=20_000) -> set[int]:

@@ -1,7 +1,6 @@
 """Batches to learners: async refs, bounded prefetch, per-learner slices, device placement."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from tensordict import TensorDict

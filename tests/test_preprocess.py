@@ -2,9 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pyarrow as pa
@@ -12,7 +9,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from conftest import REPO
+from conftest import run_marked
 from rayrb import ChunkDataset, OfflineToOnlineReplayBuffer, PreprocessError, export_parquet, preprocess, write_dataset
 from rayrb.preprocess import arrow_to_arrays
 
@@ -201,14 +198,7 @@ def test_buffer_preprocess_result_is_an_offline_dataset(tmp_path):
 
 
 def test_two_node_cluster_records_where_chunks_were_written(tmp_path):
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
-    env.pop("RAY_ADDRESS", None)
-    out = subprocess.run([sys.executable, str(REPO / "tests" / "cluster_preprocess.py"), str(tmp_path)],
-                         capture_output=True, text=True, timeout=300, env=env)
-    assert out.returncode == 0, out.stderr[-3000:]
-    # Ray may print more (e.g. on shutdown): take the marked line
-    result = json.loads(next(line for line in reversed(out.stdout.splitlines())
-                             if line.startswith("RAYRB_RESULT "))[len("RAYRB_RESULT "):])
+    result = run_marked("cluster_preprocess.py", str(tmp_path))
     assert result["values_ok"] and result["sampled"] == 16
     assert len(set(result["nodes"])) == 2, result  # both nodes wrote chunks
     assert set(result["nodes"]) <= set(result["alive"])

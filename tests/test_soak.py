@@ -1,10 +1,7 @@
 """Bounded soak: writers and samplers run while shards are killed; nothing acknowledged is lost or doubled."""
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -12,7 +9,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from conftest import REPO
+from conftest import run_marked
 from rayrb import OfflineToOnlineReplayBuffer
 from rayrb.allocation import offline_count
 
@@ -93,13 +90,7 @@ def test_soak_with_killed_shards_loses_and_doubles_nothing(tmp_path, ray_session
 
 @pytest.mark.cluster
 def test_sampling_resumes_after_the_node_of_an_offline_shard_is_removed(tmp_path):
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
-    env.pop("RAY_ADDRESS", None)
-    out = subprocess.run([sys.executable, str(REPO / "tests" / "cluster_faults.py"), str(tmp_path)],
-                         capture_output=True, text=True, timeout=300, env=env)
-    assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(next(line for line in reversed(out.stdout.splitlines())
-                             if line.startswith("RAYRB_RESULT "))[len("RAYRB_RESULT "):])
+    result = run_marked("cluster_faults.py", str(tmp_path))
     assert result["was_on_doomed"] and not result["moved_to_doomed"] and not result["doomed_alive"], result
     assert result["sampled"] == 64 and result["rows_ok"], result
     print(f"\nnode removal: declared dead after {result['detected_s']:.2f} s, sampling resumed after "

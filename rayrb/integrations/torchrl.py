@@ -1,0 +1,104 @@
+"""TorchRL's trainer and hooks on a rayrb buffer, without making torchrl a dependency of rayrb.
+
+TorchRL's ``OfflineToOnlineTrainer`` checks ``isinstance(rb, torchrl...OfflineToOnlineReplayBuffer)``
+and its hooks read ``rb.offline_buffer``, ``rb.online_buffer.storage``,
+``rb._offline_fraction`` and ``rb._base_offline_fraction``. :func:`as_torchrl` wraps
+a rayrb buffer in a subclass of TorchRL's class, made when it is first asked for
+(torchrl is imported only then), that answers all of these from the rayrb buffer.
+
+Examples:
+    >>> from rayrb.integrations.torchrl import as_torchrl  # doctest: +SKIP
+    >>> trainer = OfflineToOnlineTrainer(collector=..., replay_buffer=as_torchrl(rb), ...)  # doctest: +SKIP
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+
+@functools.lru_cache(maxsize=1)
+def _adapter_class() -> type:
+    from torchrl.data.replay_buffers.offline_to_online import OfflineToOnlineReplayBuffer as TorchRLO2O
+
+    from rayrb.schedules import Linear
+
+    class TorchRLView(TorchRLO2O):
+        """A rayrb buffer seen as TorchRL's ``OfflineToOnlineReplayBuffer``; nothing is copied."""
+
+        def __init__(self, rb: Any):  # TorchRL's __init__ would build buffers of its own: not called
+            object.__setattr__(self, "_rayrb", rb)
+            object.__setattr__(self, "_base", float(rb.offline_fraction))
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(object.__getattribute__(self, "_rayrb"), name)
+
+        def __len__(self) -> int:
+            return len(self._rayrb)
+
+        def __repr__(self) -> str:
+            return f"TorchRLView({self._rayrb!r})"
+
+        @property
+        def offline_buffer(self):
+            return self._rayrb.offline_buffer
+
+        @property
+        def online_buffer(self):
+            return self._rayrb.online_buffer
+
+        @property
+        def _offline_fraction(self) -> float:
+            return float(self._rayrb.offline_fraction)
+
+        @_offline_fraction.setter
+        def _offline_fraction(self, value: float) -> None:
+            self._rayrb.offline_fraction = value
+
+        @property
+        def _base_offline_fraction(self) -> float:
+            return self._base
+
+        @_base_offline_fraction.setter
+        def _base_offline_fraction(self, value: float) -> None:
+            object.__setattr__(self, "_base", float(value))
+
+        @property
+        def offline_fraction(self) -> float:
+            return float(self._rayrb.offline_fraction)
+
+        @offline_fraction.setter
+        def offline_fraction(self, value: float) -> None:
+            self._rayrb.offline_fraction = value
+            object.__setattr__(self, "_base", float(value))
+
+        def anneal(self, step: int, total_steps: int) -> None:
+            self._rayrb.offline_fraction = Linear(self._base, 0.0, int(total_steps))(int(step), 0, 0)
+
+        def extend(self, data: Any, *args: Any, **kwargs: Any):
+            return self._rayrb.extend(data)
+
+        def add(self, data: Any) -> int:
+            return self._rayrb.add(data)
+
+        def sample(self, batch_size: int | None = None, return_info: bool = False, **kwargs: Any):
+            return self._rayrb.sample(batch_size, return_info=return_info)
+
+        def state_dict(self) -> dict:
+            return {"rayrb": self._rayrb.state_dict(), "base_offline_fraction": self._base}
+
+        def load_state_dict(self, state: dict) -> None:
+            self._rayrb.load_state_dict(state["rayrb"])
+            object.__setattr__(self, "_base", float(state.get("base_offline_fraction", self._base)))
+
+        def dumps(self, path: Any) -> None:
+            self._rayrb.dumps(path)
+
+        def loads(self, path: Any) -> None:
+            self._rayrb.loads(path)
+
+    return TorchRLView
+
+
+def as_torchrl(rb: Any) -> Any:
+    """``rb`` as an instance of TorchRL's ``OfflineToOnlineReplayBuffer``, for TorchRL's trainer and hooks."""
+    return _adapter_class()(rb)

@@ -1,0 +1,80 @@
+"""``offline_buffer`` / ``online_buffer`` views, and TorchRL's class around a rayrb buffer."""
+from __future__ import annotations
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from rayrb import OfflineToOnlineReplayBuffer
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+
+def rows(start, n):
+    ids = torch.arange(start, start + n, dtype=torch.int64)
+    return TensorDict({"obs": ids.float()[:, None].expand(n, 2).contiguous(), "id": ids}, [n])
+
+
+@pytest.fixture
+def make_buffer(tmp_path):
+    made = []
+
+    def make(**kwargs):
+        kwargs = {"online_capacity": 50, "num_offline_shards": 2, "num_online_shards": 2, "seed": 0,
+                  "dataset_root": tmp_path / f"ds{len(made)}", "storage_dir": tmp_path / "state", **kwargs}
+        rb = OfflineToOnlineReplayBuffer(rows(0, 100), **kwargs)
+        made.append(rb)
+        return rb
+
+    yield make
+    for rb in made:
+        rb.shutdown()
+
+
+def test_side_views_count_and_sample_without_touching_the_stream(make_buffer):
+    a, b = make_buffer(), make_buffer()
+    for rb in (a, b):
+        rb.extend(rows(1000, 30))
+    assert len(a.offline_buffer) == 100 and len(a.online_buffer) == 30 and len(a) == 130
+    assert a.online_buffer.storage.max_size == 50 and a.online_buffer.storage.device == "cpu"
+    off = a.offline_buffer.sample(500)
+    on, info = a.online_buffer.sample(200, return_info=True)
+    assert bool((off["id"] < 100).all()) and set(off["id"].tolist()) <= set(range(100))
+    assert bool((on["id"] >= 1000).all()) and not bool(info["offline"].any())
+    assert torch.equal(a.sample(64)["id"], b.sample(64)["id"])  # the buffer's own stream did not move
+    from rayrb.chunks import ReadOnlyError
+
+    with pytest.raises(ReadOnlyError):
+        a.offline_buffer.extend(rows(0, 1))
+
+
+def test_online_state_dict_moves_the_online_rows_between_buffers(make_buffer):
+    a, b = make_buffer(), make_buffer()
+    a.extend(rows(1000, 70))  # wraps around
+    state = a.online_buffer.state_dict()
+    b.online_buffer.load_state_dict(state)
+    assert b.sizes()["online"] == a.sizes()["online"] and b.write_count == 70
+    b.offline_fraction = 0.0
+    assert set(b.sample(2000)["id"].tolist()) == set(range(1020, 1070))
+    with pytest.raises(ValueError, match="of the online side, got one of .offline."):
+        b.online_buffer.load_state_dict({**state, "side": "offline"})
+
+
+def test_torchrl_sees_its_own_class(make_buffer):
+    from torchrl.data import OfflineToOnlineReplayBuffer as TorchRLO2O
+    from torchrl.trainers.algorithms.offline_to_online import OfflineToOnlineReplayBufferHook
+
+    from rayrb.integrations.torchrl import as_torchrl
+
+    rb = make_buffer(offline_fraction=0.8, batch_size=10)
+    view = as_torchrl(rb)
+    assert isinstance(view, TorchRLO2O) and len(view) == 100
+    hook = OfflineToOnlineReplayBufferHook(view, batch_size=10)
+    hook.extend(rows(2000, 5))  # aligned to the offline keys through offline_buffer.sample(1)
+    assert rb.write_count == 5 and hook.sample(None).batch_size[0] == 10
+    view.anneal(5, 10)
+    assert rb.offline_fraction == pytest.approx(0.4)
+    state = hook.state_dict()
+    assert state["offline_fraction"] == pytest.approx(0.4) and state["base_offline_fraction"] == pytest.approx(0.8)
+    hook.load_state_dict(state)
+    assert rb.offline_fraction == pytest.approx(0.4)
