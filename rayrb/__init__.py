@@ -14,6 +14,7 @@ _EXPORTS = {
     "OfflineToOnlineReplayBuffer": "rayrb.buffer",
     "BufferClient": "rayrb.client",
     "BufferUnavailableError": "rayrb.client",
+    "WriteTimeoutError": "rayrb.client",
     "prefill_replay_buffer": "rayrb.buffer",
     "schedules": "rayrb.schedules",
     "rate_limiter": "rayrb.rate_limiter",

@@ -13,6 +13,7 @@ by ``timeout`` and turns Ray's failures into ``TimeoutError``,
 from __future__ import annotations
 
 import time
+import uuid
 from typing import Any
 
 import numpy as np
@@ -27,6 +28,14 @@ from rayrb.validation import fraction, non_negative_int, positive_int
 
 class BufferUnavailableError(RuntimeError):
     """The buffer was shut down, or its coordinator actor died."""
+
+
+class WriteTimeoutError(TimeoutError):
+    """An ``extend`` that timed out; ``write_id`` names it, so that retrying with it applies the rows once."""
+
+    def __init__(self, message: str, write_id: str):
+        super().__init__(message)
+        self.write_id = write_id
 
 
 def _numpy(x: Any) -> np.ndarray:
@@ -126,8 +135,9 @@ class BufferClient:
         naming the key, and nothing is written. When this returns, the rows are in
         the buffer until capacity evicts them, whatever happens to the caller next.
 
-        ``write_id`` names the write: a retry with the same id (after a
-        ``TimeoutError``, say) is applied once and returns the same indices.
+        ``write_id`` names the write (one is made up when not given): a retry with the
+        same id is applied once and returns the same indices. A write that times out
+        raises :class:`WriteTimeoutError` carrying its ``write_id``.
 
         With a rate limiter, a write that runs ahead of the learners waits (up to
         ``timeout``); ``prefill=True`` writes past the limiter, to seed the online side.
@@ -138,10 +148,14 @@ class BufferClient:
         n = next(iter(arrays.values())).shape[0]
         if n == 0:
             return torch.empty(0, dtype=torch.int64)
+        write_id = write_id if write_id is not None else uuid.uuid4().hex
         ref = ray.put(arrays)  # one object; each shard copies its own contiguous piece out of it
-        indices, acks = self._call(self._coord.extend, [ref], n, write_id=write_id, prefill=bool(prefill))
         try:
+            indices, acks = self._call(self._coord.extend, [ref], n, write_id=write_id, prefill=bool(prefill))
             self._get(acks)
+        except TimeoutError as e:  # the write may still land: name it, so that a retry lands it once
+            raise WriteTimeoutError(f"{e}; the write may still be applied: retry it with write_id={write_id!r} "
+                                    "to apply it once", write_id) from e
         except (BufferUnavailableError, RuntimeError):
             try:  # the shards' own counts, so the next write goes where the rows really are
                 self._get(self._coord.resync.remote())

@@ -298,3 +298,18 @@ def test_a_checkpoint_restores_onto_another_shard_layout(make_buffer, tmp_path):
     assert set(on.tolist()) == set(range(1000, 1300))  # the same rows
     assert abs(float((on == 1005).float().mean()) - 40 / 339) < 0.02  # with their priorities
     assert abs(float((off == 3).float().mean()) - 40 / 139) < 0.02
+
+
+def test_a_write_that_timed_out_names_itself_and_its_retry_lands_once(make_buffer, ray_session):
+    from rayrb import WriteTimeoutError
+
+    ray = ray_session
+    rb = make_buffer(offline_rows(), online_capacity=100, seed=0, timeout=1.0)
+    stall = rb._coord.__ray_call__.remote(lambda self: time.sleep(3))  # the coordinator is busy for 3 s
+    with pytest.raises(WriteTimeoutError) as e:
+        rb.extend(online_rows(0, 10))
+    ray.get(stall)
+    assert e.value.write_id
+    retried = rb.extend(online_rows(0, 10), write_id=e.value.write_id)  # the first try landed meanwhile
+    assert rb.write_count == 10 and len(retried) == 10
+    assert online_ids(rb) == set(range(10))

@@ -155,3 +155,14 @@ def test_the_pandas3_trap_is_real(tmp_path, monkeypatch):
     with pytest.raises(Exception):  # TypeError from the parser, then URLError from the re-download
         fetch_openml(data_id=40945, data_home=tmp_path, parser="pandas", return_X_y=True, n_retries=1)
     assert not arff.exists(), "scikit-learn deletes the cached file after the parser crash"
+
+
+def test_a_prepared_dataset_with_a_broken_manifest_is_prepared_again(data_home, tmp_path):
+    from rayrb import load_dataset
+
+    first = load_dataset("openml:mushroom_num", data_home=data_home, root=tmp_path, pbar=False)
+    manifest = first.root / "manifest.json"
+    manifest.write_text(manifest.read_text()[:40])  # truncated
+    again = load_dataset("openml:mushroom_num", data_home=data_home, root=tmp_path, pbar=False)
+    assert len(again) == len(first) == 8124
+    assert again.read()["y"].tolist() == first.read()["y"].tolist()
