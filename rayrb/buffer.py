@@ -142,8 +142,10 @@ class OfflineToOnlineReplayBuffer(BufferClient):
         self._closed, self._owned_dirs = True, []  # until the actors run, nothing is usable or owned
         # Validate everything before any actor exists.
         if (online_capacity is None) == (online_storage is None):
-            raise ValueError("provide exactly one of online_capacity or online_storage, got "
-                             f"online_capacity={online_capacity!r}, online_storage={type(online_storage).__name__}")
+            how = "not both" if online_capacity is not None else "one of them is needed"
+            raise ValueError(f"provide exactly one of online_capacity or online_storage ({how}): Provide "
+                             f"{'online_storage OR online_capacity, not both' if online_capacity is not None else 'one of online_storage or online_capacity'}; "
+                             f"got online_capacity={online_capacity!r}, online_storage={type(online_storage).__name__}")
         if online_storage is not None:
             online_capacity = getattr(online_storage, "max_size", None)
         online_capacity = positive_int("online_capacity", online_capacity)
@@ -157,6 +159,8 @@ class OfflineToOnlineReplayBuffer(BufferClient):
         schedule = make_schedule(offline_fraction)
         batch_size = None if batch_size is None else positive_int("batch_size", batch_size)
         kinds = _sampler_kinds(offline_dataset, sampler, offline_sampler, online_sampler)
+        if drop_last is None and epoch_end is None:  # a TorchRL buffer's SamplerWithoutReplacement(drop_last=...)
+            drop_last = getattr(getattr(offline_dataset, "_sampler", None), "drop_last", None)
         epoch_end = epoch_end_option(epoch_end, drop_last)
         prio = priority_options(alpha, beta, eps)
         transport = check_transport(transport)
@@ -169,7 +173,10 @@ class OfflineToOnlineReplayBuffer(BufferClient):
 
         from rayrb.datasets.registry import as_chunk_dataset
 
-        dataset, owned = as_chunk_dataset(offline_dataset, root=dataset_root, **dataset_kwargs)
+        if isinstance(offline_dataset, (str, os.PathLike)):  # options such as root= go to the dataset's loader
+            dataset, owned = as_chunk_dataset(offline_dataset, **dataset_kwargs)
+        else:
+            dataset, owned = as_chunk_dataset(offline_dataset, root=dataset_root, **dataset_kwargs)
         self._owned_dirs = [dataset.root.parent] if owned and dataset_root is None else []
         if len(dataset) == 0:
             self._remove_owned()
@@ -318,12 +325,18 @@ def _start_actors(dataset: ChunkDataset, name: str, capacity: int, m: int, k: in
 
 def _sampler_kinds(dataset: Any, sampler: str | None, offline: str | None, online: str | None) -> dict[str, str]:
     """Each side's sampler: its own option, else ``sampler``, else TorchRL's default for that side."""
-    openml = isinstance(dataset, str) and dataset.startswith("openml:")  # OpenMLExperienceReplay's default
-    kinds = {OFFLINE: offline or sampler or ("without_replacement" if openml else "uniform"),
-             ONLINE: online or sampler or "uniform"}
+    kinds = {OFFLINE: offline or sampler or _default_offline_kind(dataset), ONLINE: online or sampler or "uniform"}
     for side, kind in kinds.items():
         sampler_class(kind)
     return kinds
+
+
+def _default_offline_kind(dataset: Any) -> str:
+    """TorchRL's: OpenMLExperienceReplay samples without replacement; a ReplayBuffer samples with its own sampler."""
+    if isinstance(dataset, str) and dataset.startswith("openml:"):
+        return "without_replacement"
+    own = type(getattr(dataset, "_sampler", None)).__name__  # a TorchRL ReplayBuffer's sampler, duck-typed
+    return {"SamplerWithoutReplacement": "without_replacement", "PrioritizedSampler": "prioritized"}.get(own, "uniform")
 
 
 def prefill_replay_buffer(rb: Any, dataset: Any, n_samples: int | None = None, chunk_size: int = 1000,

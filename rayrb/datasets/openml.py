@@ -57,9 +57,14 @@ def default_root() -> Path:
     return Path(os.environ.get("RAYRB_HOME") or Path.home() / ".cache" / "rayrb")
 
 
+class UnknownDatasetError(ValueError, RuntimeError):
+    """No such dataset (a ``RuntimeError`` as TorchRL raises for it, and a ``ValueError``)."""
+
+
 def check_name(name: str) -> str:
     if name not in OPENML_SOURCES:
-        raise ValueError(f"unknown OpenML dataset {name!r}; expected one of {', '.join(OPENML_DATASETS)}")
+        raise UnknownDatasetError(f"Dataset does not exist: unknown OpenML dataset {name!r}; expected one of "
+                                  f"{', '.join(OPENML_DATASETS)}")
     return name
 
 

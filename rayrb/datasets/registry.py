@@ -26,8 +26,16 @@ Factory = Callable[..., ChunkDataset]
 _REGISTRY: dict[str, Factory] = {}
 
 
-def register_dataset(prefix: str, factory: Factory, *, overwrite: bool = False) -> None:
-    """Make ``load_dataset("<prefix>:<name>", **kw)`` call ``factory(name, **kw)``."""
+class DatasetOptionError(TypeError, ValueError):
+    """Dataset options that do not apply to the source given (a ``ValueError``, as TorchRL raises, and a ``TypeError``)."""
+
+
+def register_dataset(prefix: str, factory: Factory, *, overwrite: bool = False, replace: bool = False) -> None:
+    """Make ``load_dataset("<prefix>:<name>", **kw)`` call ``factory(name, **kw)``.
+
+    ``replace`` is TorchRL's name for ``overwrite``.
+    """
+    overwrite = overwrite or replace
     if not prefix or ":" in prefix or not prefix.isidentifier():
         raise ValueError(f"expected a prefix like 'openml' (an identifier, no ':'), got {prefix!r}")
     if not callable(factory):
@@ -42,26 +50,34 @@ def registered_prefixes() -> list[str]:
 
 
 def load_dataset(dataset_id: str | os.PathLike, **kwargs: Any) -> ChunkDataset:
-    """Open a dataset by id (``"openml:shuttle"``, a registered prefix) or by chunk-dataset path."""
-    kwargs.pop("batch_size", None)
+    """Open a dataset by id (``"openml:shuttle"``, a registered prefix) or by chunk-dataset path.
+
+    Options go to the prefix's factory, as TorchRL forwards them; rayrb's own OpenML
+    factory ignores ``batch_size`` (a buffer's batch size is the buffer's).
+    """
     path = Path(dataset_id)
     if (path / MANIFEST).is_file():
+        kwargs.pop("batch_size", None)
         if kwargs:
-            raise TypeError(f"a chunk-dataset path takes no options, got {sorted(kwargs)}")
+            raise DatasetOptionError(f"a chunk-dataset path takes no options, got {sorted(kwargs)}")
         return ChunkDataset.open(path)
     dataset_id = str(dataset_id)
     prefix, sep, name = dataset_id.partition(":")
     if sep and prefix in _REGISTRY:
         return _REGISTRY[prefix](name, **kwargs)
-    raise ValueError(
-        f"expected a dataset id '<prefix>:<name>' with prefix in {registered_prefixes()} "
-        f"or a chunk-dataset directory holding {MANIFEST}, got {dataset_id!r}"
-    )
+    if not sep:
+        raise ValueError(f"dataset_id must be prefixed with a source identifier ('<prefix>:<name>', prefix in "
+                         f"{registered_prefixes()}) or be a chunk-dataset directory holding {MANIFEST}; "
+                         f"got {dataset_id!r}")
+    raise ValueError(f"Unknown dataset source {prefix!r} in {dataset_id!r}: expected a dataset id "
+                     f"'<prefix>:<name>' with prefix in {registered_prefixes()} (TorchRL's other loaders need the "
+                     f"network), or a chunk-dataset directory holding {MANIFEST}")
 
 
 def _openml(name: str, **kwargs: Any) -> ChunkDataset:
     from rayrb.datasets.openml import load_openml
 
+    kwargs.pop("batch_size", None)
     return load_openml(name, **kwargs)
 
 
@@ -102,7 +118,8 @@ def as_chunk_dataset(source: Any, *, root: str | os.PathLike | None = None, **kw
     if isinstance(source, (str, os.PathLike)):
         return load_dataset(source, **kwargs), False
     if kwargs:
-        raise TypeError(f"dataset options {sorted(kwargs)} apply only to dataset ids, got a {type(source).__name__}")
+        raise DatasetOptionError(f"dataset options {sorted(kwargs)} apply only to dataset ids (dataset_kwargs are "
+                                 f"only forwarded when offline_dataset is a string), got a {type(source).__name__}")
     if isinstance(source, ChunkDataset):
         return source, False
     if _is_ray_dataset(source):
