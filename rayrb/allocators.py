@@ -35,7 +35,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from rayrb.allocation import hypergeometric_counts, multinomial_counts
-from rayrb.plans import OFFLINE, ONLINE, SIDES, ImportanceWeights
+from rayrb.plans import OFFLINE, ONLINE, SIDES, Epoch, ImportanceWeights
 from rayrb.validation import BETA, finite_number
 
 Sizes = Mapping[str, np.ndarray]
@@ -163,8 +163,6 @@ class WithoutReplacementAllocator(Allocator):
 
     def read_args(self, side: str, shard: int) -> dict[str, Any]:
         """The epoch a read belongs to and where it starts, so a shard can rebuild its place exactly."""
-        from rayrb.samplers import Epoch
-
         e = self._epoch[side]
         if e is None:
             return {}
@@ -225,9 +223,9 @@ class PerSide(Allocator):
     """Each side allocated by its own kind (TorchRL's O2O samples its online side with replacement,
     whatever the offline side does)."""
 
-    def __init__(self, kinds: Mapping[str, str], num_shards: Mapping[str, int], **options: Any):
+    def __init__(self, parts: Mapping[str, Allocator], num_shards: Mapping[str, int]):
         super().__init__(num_shards)
-        self.parts = {side: make_allocator(kinds[side], num_shards, **options) for side in SIDES}
+        self.parts = {side: parts[side] for side in SIDES}
         self.uses_masses = any(a.uses_masses for a in self.parts.values())
         self.groups_batches = all(a.groups_batches for a in self.parts.values())
         self.epoch_end = next((a.epoch_end for a in self.parts.values() if hasattr(a, "epoch_end")), None)
@@ -268,15 +266,3 @@ class PerSide(Allocator):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         for side, a in self.parts.items():
             a.load_state_dict(state[side])
-
-
-def make_allocator(sampler: str | Mapping[str, str], num_shards: Mapping[str, int], **options: Any) -> Allocator:
-    """The allocator registered with sampler ``sampler`` (see :data:`rayrb.samplers.SAMPLERS`), or with
-    ``{"offline": kind, "online": kind}``, one per side."""
-    from rayrb.samplers import sampler_class
-
-    if isinstance(sampler, Mapping):
-        if sampler[OFFLINE] != sampler[ONLINE]:
-            return PerSide(sampler, num_shards, **options)
-        sampler = sampler[OFFLINE]
-    return sampler_class(sampler).allocator(num_shards, **options)

@@ -38,7 +38,7 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 
 from rayrb.allocation import split_batch, split_slices
-from rayrb.allocators import make_allocator
+from rayrb.samplers import make_allocator
 from rayrb.plans import OFFLINE, ONLINE, SIDES, BatchPlan, Blocked, Part
 from rayrb.rate_limiter import ALL_OFFLINE, WAIT, make_rate_limiter
 from rayrb.schedules import Constant, Linear, make_schedule

@@ -41,6 +41,15 @@ Rows = dict[str, np.ndarray]
 Info = dict[str, np.ndarray]
 
 
+class Epoch(NamedTuple):
+    """Without replacement: epoch ``number`` is ``permutation(size)`` drawn from ``seed``; a read starts at ``start``."""
+
+    number: int
+    seed: int
+    size: int
+    start: int
+
+
 class Part(NamedTuple):
     """``count`` rows that shard ``shard`` of side ``side`` contributes to a batch."""
 

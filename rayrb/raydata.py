@@ -93,7 +93,7 @@ def block_arrays(table: Any) -> dict[str, np.ndarray]:
     """
     import pyarrow as pa
 
-    from rayrb.preprocess import arrow_to_arrays
+    from rayrb.arrow import arrow_to_arrays
 
     out: dict[str, np.ndarray] = {}
     plain = []

@@ -34,21 +34,13 @@ Examples:
 """
 from __future__ import annotations
 
-from typing import Any, ClassVar, Mapping, NamedTuple
+from typing import Any, ClassVar, Mapping
 
 import numpy as np
 
-from rayrb.allocators import Allocator, PrioritizedAllocator, UniformAllocator, WithoutReplacementAllocator
+from rayrb.allocators import Allocator, PerSide, PrioritizedAllocator, UniformAllocator, WithoutReplacementAllocator
+from rayrb.plans import OFFLINE, ONLINE, Epoch
 from rayrb.validation import ALPHA, EPS, positive_int, priority_options
-
-
-class Epoch(NamedTuple):
-    """Without replacement: epoch ``number`` is ``permutation(size)`` drawn from ``seed``; a read starts at ``start``."""
-
-    number: int
-    seed: int
-    size: int
-    start: int
 
 
 class Sampler:
@@ -290,3 +282,13 @@ def sampler_class(name: str) -> type[Sampler]:
 
 def make_sampler(name: str, capacity: int = 0, alpha: float = ALPHA, eps: float = EPS) -> Sampler:
     return sampler_class(name)(capacity=capacity, alpha=alpha, eps=eps)
+
+
+def make_allocator(sampler: str | Mapping[str, str], num_shards: Mapping[str, int], **options: Any) -> Allocator:
+    """The allocator registered with sampler ``sampler``, or with ``{"offline": kind, "online": kind}``, one per side."""
+    if isinstance(sampler, Mapping):
+        if sampler[OFFLINE] != sampler[ONLINE]:
+            return PerSide({side: sampler_class(kind).allocator(num_shards, **options) for side, kind in sampler.items()},
+                           num_shards)
+        sampler = sampler[OFFLINE]
+    return sampler_class(sampler).allocator(num_shards, **options)

@@ -24,7 +24,8 @@ import numpy as np
 
 from rayrb.chunks import ChunkDataset, ReadOnlyError
 from rayrb.metrics import ActorMetrics, process_memory
-from rayrb.samplers import Epoch, make_sampler
+from rayrb.plans import Epoch
+from rayrb.samplers import make_sampler
 from rayrb.schema import RowSpec
 from rayrb.storage import OnlineStorage, PriorityStore
 from rayrb.validation import ALPHA, EPS, positive_int

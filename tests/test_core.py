@@ -18,7 +18,7 @@ from scipy import stats
 
 import rayrb.coordinator
 from rayrb.allocation import offline_count, split_batch, split_slices, write_pieces
-from rayrb.allocators import PrioritizedAllocator, UniformAllocator, WithoutReplacementAllocator, make_allocator
+from rayrb.allocators import PrioritizedAllocator, UniformAllocator, WithoutReplacementAllocator
 from rayrb.coordinator import Coordinator
 from rayrb.metrics import ActorMetrics
 from rayrb.plans import (
@@ -42,6 +42,7 @@ from rayrb.samplers import (
     PrioritizedSampler,
     Sampler,
     WithoutReplacementSampler,
+    make_allocator,
     make_sampler,
     register_sampler,
     sampler_class,
