@@ -68,6 +68,10 @@ class Allocator:
         """Rows ``side`` can give before its epoch ends (None: no limit, or a fresh epoch begins)."""
         return None
 
+    def epoch_over(self, side: str) -> bool:
+        """Whether ``side``'s epoch has just served its last row."""
+        return False
+
     def weights(self) -> ImportanceWeights | None:
         return None
 
@@ -145,6 +149,10 @@ class WithoutReplacementAllocator(Allocator):
     def room(self, side: str) -> int | None:
         left = self._left[side]
         return None if left is None or left.sum() == 0 else int(left.sum())
+
+    def epoch_over(self, side: str) -> bool:
+        left = self._left[side]
+        return left is not None and left.sum() == 0
 
     def check(self, need: Mapping[str, int], sizes: Sizes) -> dict[str, bool]:
         return {side: need[side] > 0 and self._needs_epoch(side, need[side], sizes[side]) for side in SIDES}
@@ -245,6 +253,9 @@ class PerSide(Allocator):
 
     def room(self, side: str) -> int | None:
         return self.parts[side].room(side)
+
+    def epoch_over(self, side: str) -> bool:
+        return self.parts[side].epoch_over(side)
 
     def set_masses(self, side: str, stats: list[tuple[float, float]], sizes: np.ndarray) -> None:
         if self.parts[side].uses_masses:

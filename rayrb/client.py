@@ -197,6 +197,16 @@ class BufferClient:
         dispatch = self._call(self._coord.sample, self._batch(batch_size))
         return self._finish(assemble(dispatch.plan, self._get(dispatch.refs), return_info), return_info)
 
+    def __iter__(self):
+        """Batches of ``batch_size``, as TorchRL's datasets iterate: until the offline side's epoch without
+        replacement ends (its last batch short, by default), or without end when it samples with replacement."""
+        batch_size = self._batch(None)
+        while True:
+            dispatch = self._call(self._coord.sample, batch_size)
+            yield self._finish(assemble(dispatch.plan, self._get(dispatch.refs)), False)
+            if dispatch.plan.last_of_epoch:
+                return
+
     def sample_async(self, batch_size: int | None = None, return_info: bool = False):
         """An ObjectRef to the next batch as a flat dict of numpy arrays (``(rows, info)`` with info).
 

@@ -136,6 +136,8 @@ class Planner:
                     self.alloc.begin_epoch(side, sizes[side], self.rng)
             out = [self._slice(n_off, n_on, fraction, sizes)
                    for n_off, n_on in split_slices(need[OFFLINE], need[ONLINE], num_slices)]
+            if need[OFFLINE] and self.alloc.epoch_over(OFFLINE):
+                out[-1][0].last_of_epoch = True
             self.limiter.record_sample(need[ONLINE])
             self.step += 1
         return out

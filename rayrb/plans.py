@@ -82,6 +82,7 @@ class BatchPlan:
     fraction: float
     step: int
     weights: ImportanceWeights | None = None
+    last_of_epoch: bool = False  # the offline side's epoch without replacement ended with this batch
 
     @property
     def batch_size(self) -> int:

@@ -957,10 +957,6 @@ class TestOpenML:
         assert "index" not in td.keys()
         check_env_specs(env)
 
-    @pytest.mark.xfail(strict=True, raises=TypeError, reason=(
-        "TorchRL's OpenMLExperienceReplay is iterable: `for batch in data` yields one epoch without replacement "
-        "(the last batch short) and stops; rayrb's buffer defines no __iter__ (TypeError: "
-        "'OfflineToOnlineReplayBuffer' object is not iterable), and rb.iter_batches() has no end of epoch"))
     def test_data(self, dataset, data_home, make_buffer):
         # OpenMLExperienceReplay(dataset, batch_size=2048, transform=...) is rayrb's buffer over the dataset id,
         # with an online side that stays empty.
@@ -1064,12 +1060,6 @@ class TestTorchRLDefaultStreams:
         rb = make_buffer("openml:magic", online_capacity=1, batch_size=8, data_home=data_home)
         assert rb.sample()["X"].dtype == torch.float64
 
-    @pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-        "TorchRL forwards the dataset kwargs of a string id to the dataset constructor, and OpenMLExperienceReplay "
-        "writes the prepared dataset under root= (root/magic); rayrb's buffer hands root= to "
-        "rayrb.datasets.registry.as_chunk_dataset, whose own `root` parameter takes it and does not pass it on to "
-        "load_dataset, so the dataset is prepared under $RAYRB_HOME/openml/magic-float32 and nothing is written "
-        "under root"))
     def test_openml_root_is_forwarded(self, data_home, make_buffer, tmp_path):
         root = tmp_path / "openml-root"
         make_buffer("openml:magic", online_capacity=1, batch_size=8, root=root, data_home=data_home)

@@ -115,8 +115,8 @@ def as_chunk_dataset(source: Any, *, root: str | os.PathLike | None = None, **kw
 
     from rayrb.chunks import write_dataset
 
-    if isinstance(source, (str, os.PathLike)):
-        return load_dataset(source, **kwargs), False
+    if isinstance(source, (str, os.PathLike)):  # root= is the dataset's own option here: where it is prepared
+        return load_dataset(source, **({"root": root} if root is not None else {}), **kwargs), False
     if kwargs:
         raise DatasetOptionError(f"dataset options {sorted(kwargs)} apply only to dataset ids (dataset_kwargs are "
                                  f"only forwarded when offline_dataset is a string), got a {type(source).__name__}")
