@@ -19,19 +19,13 @@ def rows(start, n, online=True):
 
 
 @pytest.fixture
-def make_buffer(tmp_path):
-    made = []
+def make_buffer(make_buffer):
+    """conftest's make_buffer over this file's offline rows and defaults."""
 
     def make(**kwargs):
-        kwargs = {"online_capacity": 100_000, "seed": 0, "dataset_root": tmp_path / f"ds{len(made)}",
-                  "storage_dir": tmp_path / "state", **kwargs}
-        rb = OfflineToOnlineReplayBuffer(rows(0, 500, online=False), **kwargs)
-        made.append(rb)
-        return rb
+        return make_buffer(rows(0, 500, online=False), **{"online_capacity": 100_000, "seed": 0, **kwargs})
 
-    yield make
-    for rb in made:
-        rb.shutdown()
+    return make
 
 
 def limiter_stats(rb):

@@ -5,8 +5,6 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from rayrb import OfflineToOnlineReplayBuffer
-
 pytestmark = pytest.mark.usefixtures("ray_session")
 
 
@@ -16,19 +14,14 @@ def rows(start, n):
 
 
 @pytest.fixture
-def make_buffer(tmp_path):
-    made = []
+def make_buffer(make_buffer):
+    """conftest's make_buffer over this file's offline rows and defaults."""
 
     def make(**kwargs):
-        kwargs = {"online_capacity": 50, "num_offline_shards": 2, "num_online_shards": 2, "seed": 0,
-                  "dataset_root": tmp_path / f"ds{len(made)}", "storage_dir": tmp_path / "state", **kwargs}
-        rb = OfflineToOnlineReplayBuffer(rows(0, 100), **kwargs)
-        made.append(rb)
-        return rb
+        return make_buffer(rows(0, 100), **{"online_capacity": 50, "num_offline_shards": 2, "num_online_shards": 2,
+                                            "seed": 0, **kwargs})
 
-    yield make
-    for rb in made:
-        rb.shutdown()
+    return make
 
 
 def test_side_views_count_and_sample_without_touching_the_stream(make_buffer):
