@@ -309,6 +309,23 @@ class BufferClient:
             fraction("offline_fraction", value)
         self._get(self._coord.set_offline_fraction.remote(make_schedule(value)))
 
+    # TorchRL's private names, which its trainer hooks read and assign
+    @property
+    def _offline_fraction(self) -> float:
+        return self.offline_fraction
+
+    @_offline_fraction.setter
+    def _offline_fraction(self, value: float) -> None:
+        self.offline_fraction = value
+
+    @property
+    def _base_offline_fraction(self) -> float:
+        return float(self._get(self._coord.base_fraction.remote()))
+
+    @_base_offline_fraction.setter
+    def _base_offline_fraction(self, value: float) -> None:
+        self._get(self._coord.base_fraction.remote(fraction("base_offline_fraction", value)))
+
     def anneal(self, step: int, total_steps: int) -> None:
         """Linearly decay ``offline_fraction`` from its base value to 0 over ``total_steps`` (TorchRL's)."""
         step, total_steps = non_negative_int("step", step), positive_int("total_steps", total_steps)

@@ -95,6 +95,12 @@ class Coordinator:
     def set_step(self, step: int) -> None:
         self._planner.set_step(step)
 
+    def base_fraction(self, value: float | None = None) -> float:
+        """The fraction ``anneal`` decays from; set it with ``value``."""
+        if value is not None:
+            self._planner.set_base_fraction(value)
+        return self._planner.base_fraction(self._sizes())
+
     # drawing ----------------------------------------------------------------
     def _requery_masses(self, side: str, shards: Any) -> None:
         """Ask these shards for their mass now, behind every write and update sent to them."""

@@ -85,13 +85,22 @@ class Planner:
         self.schedule = make_schedule(value)
         self._base = self.schedule.value if isinstance(self.schedule, Constant) else None
 
+    def base_fraction(self, sizes: Sizes) -> float:
+        """The fraction :meth:`anneal` decays from."""
+        return self._base if self._base is not None else self.fraction(sizes)
+
+    def set_base_fraction(self, value: Any) -> None:
+        from rayrb.validation import fraction
+
+        self._base = fraction("base_offline_fraction", value)
+
     def anneal(self, step: int, total_steps: int, sizes: Sizes) -> float:
         """TorchRL's ``anneal``: linear from the base fraction to 0 over ``total_steps``.
 
         The base is the last constant fraction set; after a schedule, the fraction it gives now.
         """
         step, total_steps = non_negative_int("step", step), positive_int("total_steps", total_steps)
-        base = self._base if self._base is not None else self.fraction(sizes)
+        base = self.base_fraction(sizes)
         value = Linear(base, 0.0, total_steps)(step, 0, 0)
         self.schedule, self._base = Constant(value), base
         return value

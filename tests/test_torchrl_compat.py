@@ -55,13 +55,6 @@ ONLINE_ROWS_NEED_THE_OFFLINE_SCHEMA = (
     "online write against the offline row spec and raises rayrb.SchemaError \"online data keys do not match the "
     "buffer's row spec: missing ['action', 'next/reward']\""
 )
-HOOK_STATE = (
-    "OfflineToOnlineReplayBufferHook.state_dict() reads replay_buffer._offline_fraction and "
-    "replay_buffer._base_offline_fraction (TorchRL's private attributes; the anneal base) next to "
-    "replay_buffer.online_buffer.state_dict(), and load_state_dict() assigns both attributes; rayrb's buffer has "
-    "neither (AttributeError: 'OfflineToOnlineReplayBuffer' object has no attribute '_offline_fraction'); "
-    "rayrb.integrations.torchrl.as_torchrl(rb) provides them"
-)
 ONLY_OPENML_PREFIX = (
     "on purpose (README): rayrb's load_dataset knows only the 'openml' prefix and raises ValueError \"Unknown "
     "dataset source '{prefix}' in ...: expected a dataset id '<prefix>:<name>' with prefix in ['openml'] ...\"; "
@@ -581,7 +574,6 @@ class TestOfflineToOnlineReplayBufferHook:
         # collector bookkeeping is not stored
         assert "collector" not in rb.online_buffer.sample(4).keys()
 
-    @pytest.mark.xfail(strict=True, raises=AttributeError, reason=HOOK_STATE)
     def test_state_dict_roundtrip(self, make_buffer):
         from torchrl.trainers.algorithms.offline_to_online import (
             OfflineToOnlineReplayBufferHook,
