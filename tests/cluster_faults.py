@@ -34,7 +34,10 @@ def main(tmp: str) -> None:
         src = write_dataset({"x": np.arange(1000, dtype=np.int64)}, os.path.join(tmp, "src"), chunk_rows=100)
         soft = NodeAffinitySchedulingStrategy(doomed.node_id, soft=True)
         head = ray.get_runtime_context().get_node_id()
-        for attempt in range(3):  # soft affinity is a preference: try again if the shard landed on the head
+        t0 = time.monotonic()
+        while sum(n["Alive"] for n in ray.nodes()) < 3 and time.monotonic() - t0 < 30:
+            time.sleep(0.2)  # the scheduler may not place on a node it has not heard from yet
+        for attempt in range(6):  # soft affinity is a preference: try again if the shard landed on the head
             rb = OfflineToOnlineReplayBuffer(src, online_capacity=100, num_offline_shards=1, seed=0, timeout=60,
                                              offline_fraction=1.0, actor_options={"scheduling_strategy": soft},
                                              storage_dir=os.path.join(tmp, "state"))
@@ -42,6 +45,9 @@ def main(tmp: str) -> None:
             if node_of != head:
                 break
             rb.shutdown()
+            time.sleep(1.0)
+        else:
+            raise RuntimeError("the offline shard was placed on the head node six times; no worker node to remove")
         before = rb.sample(64)["x"]
         shard = rb._shards[0]
         where = ray.get(shard.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()))
