@@ -91,6 +91,8 @@ def test_soak_with_killed_shards_loses_and_doubles_nothing(tmp_path, ray_session
 @pytest.mark.cluster
 def test_sampling_resumes_after_the_node_of_an_offline_shard_is_removed(tmp_path):
     result = run_marked("cluster_faults.py", str(tmp_path))
+    if not result["placed"]:
+        pytest.skip("the scheduler kept the offline shard on the head node six times: no worker node to remove")
     assert result["was_on_doomed"] and not result["moved_to_doomed"] and not result["doomed_alive"], result
     assert result["sampled"] == 64 and result["rows_ok"], result
     print(f"\nnode removal: declared dead after {result['detected_s']:.2f} s, sampling resumed after "
