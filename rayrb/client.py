@@ -127,7 +127,8 @@ class BufferClient:
         return td, {k: torch.from_numpy(v) for k, v in info.items()}
 
     # writing ----------------------------------------------------------------
-    def extend(self, data: Any, *, write_id: str | None = None, prefill: bool = False) -> torch.Tensor:
+    def extend(self, data: Any, *, write_id: str | None = None, prefill: bool = False, wait: bool = True
+               ) -> torch.Tensor:
         """Copy rows into the online buffer; return their online indices once the shards hold them.
 
         ``data`` (a TensorDict or dict of arrays) is checked against the offline row
@@ -141,6 +142,7 @@ class BufferClient:
 
         With a rate limiter, a write that runs ahead of the learners waits (up to
         ``timeout``); ``prefill=True`` writes past the limiter, to seed the online side.
+        ``wait`` is accepted for older callers: every write waits for the shards' copies.
         """
         import ray
 

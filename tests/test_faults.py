@@ -101,6 +101,8 @@ def test_a_retried_write_with_the_same_id_lands_once(make_buffer):
     assert torch.equal(first, again) and rb.write_count == 10
     rb.extend(online_rows(10, 10), write_id="collector-3/step-18")
     assert rb.write_count == 20
+    rb.extend(online_rows(20, 5), wait=True)  # older callers' keyword: every write waits anyway
+    assert rb.write_count == 25
 
 
 def test_killed_offline_shard_keeps_its_place_in_a_without_replacement_epoch(make_buffer, ray_session):
