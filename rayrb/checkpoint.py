@@ -209,7 +209,8 @@ def restore(rb: Any, path: Path) -> None:
             names.append(str(tmp / f"shard-{j}.npz"))
         state.pop("allocator", None)
     try:
-        # Each shard checks its file whole before it changes anything.
+        # Every shard checks its file before any shard loads one: a refused file changes no shard.
+        rb._get([s.check.remote(str(path / n)) for s, n in zip(rb._shards, names)])
         rb._get([s.load.remote(str(path / n)) for s, n in zip(rb._shards, names)])
     finally:
         if tmp is not None:

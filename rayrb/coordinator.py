@@ -211,9 +211,15 @@ class Coordinator:
         return [s.state.remote() for s in self._shards[side]]
 
     def load_shard_states(self, side: str, states: Sequence[dict]) -> list[Any]:
-        """Give each shard of ``side`` its state; the acks, then :meth:`resync`, complete it."""
+        """Give each shard of ``side`` its state; the acks, then :meth:`resync`, complete it.
+
+        Every shard checks its state before any shard takes one, so a refused call changes nothing.
+        """
+        import ray
+
         if len(states) != len(self._shards[side]):
             raise ValueError(f"expected {len(self._shards[side])} {side} shard states, got {len(states)}")
+        ray.get([s.check_state.remote(st) for s, st in zip(self._shards[side], states)])
         return [s.load_state.remote(st) for s, st in zip(self._shards[side], states)]
 
     def sample_slices(self, batch_size: int, *, num_slices: int = 1, return_info: bool = False,

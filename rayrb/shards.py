@@ -130,14 +130,20 @@ class _Shard:
             os.fsync(f.fileno())
         return os.path.basename(path), file_digest(path)
 
-    def load(self, path: str) -> None:
-        """Take the state :meth:`dump` wrote; a file that does not fit this shard changes nothing."""
+    def _read(self, path: str) -> dict[str, np.ndarray]:
         try:
             with np.load(path) as f:
-                state = dict(f)
+                return dict(f)
         except (OSError, ValueError) as e:
             raise ValueError(f"shard {self.shard_id}: cannot read saved state {path}: {e}") from None
-        self.load_state(state)
+
+    def load(self, path: str) -> None:
+        """Take the state :meth:`dump` wrote; a file that does not fit this shard changes nothing."""
+        self.load_state(self._read(path))
+
+    def check(self, path: str) -> None:
+        """Raise if :meth:`load` would refuse this file; change nothing (the first phase of a restore)."""
+        self._checked(self._read(path))
 
     def state(self) -> dict[str, np.ndarray]:
         """This shard's mutable state as arrays (what :meth:`dump` writes)."""
@@ -150,13 +156,25 @@ class _Shard:
             raise IndexError(f"shard {self.shard_id}: expected indices in [0, {self.size()})")
         return self._gather(idx), self._info(idx)
 
+    def check_state(self, state: dict[str, np.ndarray]) -> None:
+        """Raise if ``state`` does not fit this shard; change nothing (the first phase of a restore)."""
+        self._checked(state)
+
+    def _checked(self, state: dict[str, np.ndarray]) -> Callable[[], None]:
+        """Raise if ``state`` does not fit this shard; else return what applies it."""
+        sampler_state = {k[len("sampler/"):]: v for k, v in state.items() if k.startswith("sampler/")}
+        copy.deepcopy(self._sampler).load_state_dict(sampler_state)  # raises on bad state, on a copy
+        apply_rows = self._set_state(state)
+
+        def apply() -> None:
+            apply_rows()
+            self._sampler.load_state_dict(sampler_state)
+
+        return apply
+
     def load_state(self, state: dict[str, np.ndarray]) -> None:
         """Take :meth:`state`'s arrays; state that does not fit this shard changes nothing."""
-        sampler_state = {k[len("sampler/"):]: v for k, v in state.items() if k.startswith("sampler/")}
-        copy.deepcopy(self._sampler).load_state_dict(sampler_state)  # raises on a bad file, on a copy
-        apply = self._set_state(state)
-        apply()
-        self._sampler.load_state_dict(sampler_state)
+        self._checked(state)()
 
     def _state(self) -> dict[str, np.ndarray]:
         return {}

@@ -71,3 +71,17 @@ def test_torchrl_sees_its_own_class(make_buffer):
     assert state["offline_fraction"] == pytest.approx(0.4) and state["base_offline_fraction"] == pytest.approx(0.8)
     hook.load_state_dict(state)
     assert rb.offline_fraction == pytest.approx(0.4)
+
+
+def test_a_refused_online_state_changes_no_shard(make_buffer):
+    a, b = make_buffer(), make_buffer()
+    a.extend(rows(1000, 40))
+    b.extend(rows(2000, 30))
+    state = a.online_buffer.state_dict()
+    state["shards"][1] = {**state["shards"][1], "generation": state["shards"][1]["generation"][:3]}  # damaged
+    before = b.sizes()
+    with pytest.raises(ValueError, match="capacity"):
+        b.online_buffer.load_state_dict(state)
+    assert b.sizes() == before and b.write_count == 30
+    b.offline_fraction = 0.0
+    assert set(b.sample(2000)["id"].tolist()) == set(range(2000, 2030))  # shard 0 did not take a's rows either
