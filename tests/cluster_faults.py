@@ -2,19 +2,15 @@
 
 Prints one marked JSON line: how long sampling took to resume on the surviving nodes, and what was served.
 """
-import json
-import logging
 import os
 import sys
 import time
 
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+import numpy as np
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-import numpy as np  # noqa: E402
-import ray  # noqa: E402
-from ray.cluster_utils import Cluster  # noqa: E402
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
+from cluster_util import local_cluster, report
 
 FAST_HEALTH_CHECKS = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500,
                       "health_check_timeout_ms": 500, "health_check_failure_threshold": 3}
@@ -23,13 +19,8 @@ FAST_HEALTH_CHECKS = {"health_check_initial_delay_ms": 0, "health_check_period_m
 def main(tmp: str) -> None:
     from rayrb import OfflineToOnlineReplayBuffer, write_dataset
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False,
-                                                            "_system_config": FAST_HEALTH_CHECKS})
-    workers = [cluster.add_node(num_cpus=1), cluster.add_node(num_cpus=1)]
-    doomed = workers[0]
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, logging_level=logging.WARNING, log_to_driver=False)
-    try:
+    with local_cluster(workers=2, system_config=FAST_HEALTH_CHECKS) as (cluster, workers):
+        doomed = workers[0]
         # The chunks live on storage every node sees (one machine here); the shard prefers the doomed node.
         src = write_dataset({"x": np.arange(1000, dtype=np.int64)}, os.path.join(tmp, "src"), chunk_rows=100)
         soft = NodeAffinitySchedulingStrategy(doomed.node_id, soft=True)
@@ -48,7 +39,7 @@ def main(tmp: str) -> None:
             time.sleep(1.0)
         else:  # the scheduler kept it on the head, which cannot be removed: say so rather than test nothing
             rb.shutdown()
-            print("RAYRB_RESULT " + json.dumps({"placed": False}), flush=True)
+            report({"placed": False})
             return
         before = rb.sample(64)["x"]
         shard = rb._shards[0]
@@ -74,15 +65,13 @@ def main(tmp: str) -> None:
         recovery = time.monotonic() - t0
         alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
         moved_to = ray.get(shard.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()))
-        result = {"placed": True, "attempts": attempt + 1, "recovery_s": recovery, "detected_s": detected, "sampled": int(batch.batch_size[0]),
+        result = {"placed": True, "attempts": attempt + 1, "recovery_s": recovery, "detected_s": detected,
+                  "sampled": int(batch.batch_size[0]),
                   "was_on_doomed": where == doomed.node_id, "moved_to_doomed": moved_to == doomed.node_id,
                   "rows_ok": bool(((batch["x"] >= 0) & (batch["x"] < 1000)).all()) and len(before) == 64,
                   "doomed_alive": doomed.node_id in alive}
         rb.shutdown()
-        print("RAYRB_RESULT " + json.dumps(result), flush=True)  # marked: Ray may print more on shutdown
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
+        report(result)
 
 
 if __name__ == "__main__":

@@ -1,15 +1,11 @@
 """Run in a subprocess: a 2-node ray.cluster_utils.Cluster preprocesses a dataset; prints the manifest's nodes."""
-import json
-import logging
 import os
 import sys
 
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+import numpy as np
+import ray
 
-import numpy as np  # noqa: E402
-import ray  # noqa: E402
-from ray.cluster_utils import Cluster  # noqa: E402
+from cluster_util import local_cluster, report
 
 
 def slow_double(td):
@@ -23,11 +19,7 @@ def slow_double(td):
 def main(tmp: str) -> None:
     from rayrb import OfflineToOnlineReplayBuffer, preprocess, write_dataset
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    cluster.add_node(num_cpus=1)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, logging_level=logging.WARNING, log_to_driver=False)
-    try:
+    with local_cluster(workers=1):
         src = write_dataset({"x": np.arange(80, dtype=np.float32)}, os.path.join(tmp, "src"), chunk_rows=10)
         out = preprocess(src, slow_double, os.path.join(tmp, "out"), batched=True, num_workers=2, chunk_rows=10,
                          pbar=False)
@@ -39,10 +31,7 @@ def main(tmp: str) -> None:
         rb.shutdown()
         alive = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
         result = {"nodes": nodes, "alive": alive, "values_ok": ok, "sampled": int(batch.batch_size[0])}
-        print("RAYRB_RESULT " + json.dumps(result), flush=True)  # marked: Ray may print more on shutdown
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
+        report(result)
 
 
 if __name__ == "__main__":
