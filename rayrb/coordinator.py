@@ -197,7 +197,7 @@ class Coordinator:
 
         side, batch_size = one_of("side", side, SIDES), positive_int("batch_size", batch_size)
         sizes = self._sizes()[side]
-        if batch_size > 0 and sizes.sum() == 0:
+        if sizes.sum() == 0:
             raise ValueError(f"cannot sample {batch_size} rows from the {side} side: it holds no rows")
         counts = multinomial_counts(batch_size, sizes, self._side_rng)
         parts = [Part(side, i, int(c)) for i, c in enumerate(counts) if c > 0]
