@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -29,11 +30,32 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
+def free_port_range(n: int, avoid: set[int], low: int = 20000, high: int = 32000) -> int:
+    """First port of `n` consecutive free ports below the ephemeral range, so that none is one of `avoid`."""
+    rng = random.Random()
+    for _ in range(200):
+        start = rng.randrange(low, high - n)
+        block = range(start, start + n)
+        if avoid.isdisjoint(block) and all(_bindable(p) for p in block):
+            return start
+    raise RuntimeError(f"no {n} consecutive free ports in [{low}, {high})")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 @pytest.fixture
 def head(tmp_path):
     """A local head (`ray start --head --block`) with its own temp dir and ports; stopped by SIGTERM to its PID."""
-    gcs, dashboard, client, agent, agent_grpc, metrics, runtime_env, node_manager, object_manager, worker = \
-        free_ports(10)
+    ports = free_ports(9)
+    gcs, dashboard, client, agent, agent_grpc, metrics, runtime_env, node_manager, object_manager = ports
+    worker = free_port_range(41, set(ports))  # worker ports must not overlap the components' ports
     venv_bin = os.path.dirname(sys.executable)
     env = {**os.environ, "PATH": f"{venv_bin}{os.pathsep}{os.environ.get('PATH', '')}",  # the job's `python`
            "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
