@@ -19,13 +19,13 @@ import numpy as np
 
 from rayrb.allocation import row_ranges, split_evenly
 from rayrb.chunks import ChunkDataset
-from rayrb.client import BufferClient, BufferUnavailableError
+from rayrb.client import PREFETCH, BufferClient, BufferUnavailableError
 from rayrb.allocators import epoch_end_option
 from rayrb.plans import OFFLINE, ONLINE
 from rayrb.samplers import sampler_class
 from rayrb.schedules import Schedule, make_schedule
 from rayrb.transport import check_transport, from_numpy_dict
-from rayrb.validation import ALPHA, BETA, EPS, callable_or_none, fraction, positive_int, priority_options
+from rayrb.validation import ALPHA, BETA, EPS, callable_or_none, fraction, non_negative_int, positive_int, priority_options
 from rayrb.validation import timeout as check_timeout
 
 __all__ = ["OfflineToOnlineReplayBuffer", "BufferUnavailableError", "prefill_replay_buffer"]
@@ -88,6 +88,12 @@ class OfflineToOnlineReplayBuffer(BufferClient):
             priorities), so that a shard whose process dies restarts with every
             acknowledged write. Default: ``$TMPDIR/rayrb-state``. ``None`` keeps that state in
             process memory; online shards then do not restart.
+        prefetch (int): batches a plain :meth:`sample` loop may draw ahead of the calls,
+            one coordinator call per group (default 8, bounded by 64 MiB of rows;
+            ``0`` draws each batch when asked). They are given back before this handle
+            writes, steers or saves, so the stream is the one unprefetched calls give
+            (:mod:`rayrb.lookahead`). With a rate limiter that can hold calls back,
+            nothing is drawn ahead.
         **dataset_kwargs: forwarded to :func:`~rayrb.load_dataset` for dataset ids.
 
     Sampled batches are rebuilt from numpy arrays without copying where possible:
@@ -137,6 +143,7 @@ class OfflineToOnlineReplayBuffer(BufferClient):
         max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
         storage_dir: str | os.PathLike | None = DEFAULT_STORAGE,
         rate_limiter: Any = None,
+        prefetch: int = PREFETCH,
         **dataset_kwargs: Any,
     ):
         self._closed, self._owned_dirs = True, []  # until the actors run, nothing is usable or owned
@@ -168,8 +175,11 @@ class OfflineToOnlineReplayBuffer(BufferClient):
 
         limiter = make_rate_limiter(rate_limiter)
         limiter.validate(online_capacity=online_capacity)  # a configuration that can deadlock is refused here
+        self._limited = limiter.limits
         settings = {"timeout": check_timeout(timeout), "transform": callable_or_none("transform", transform),
-                    "max_batch_bytes": positive_int("max_batch_bytes", max_batch_bytes)}
+                    "max_batch_bytes": positive_int("max_batch_bytes", max_batch_bytes),
+                    # a limiter that can hold calls back decides per call: nothing is drawn ahead of it
+                    "prefetch": 0 if limiter.limits else non_negative_int("prefetch", prefetch)}
 
         from rayrb.datasets.registry import as_chunk_dataset
 
@@ -210,14 +220,17 @@ class OfflineToOnlineReplayBuffer(BufferClient):
             self.shutdown()
             raise
 
-    def client(self, *, timeout: float | None | str = "same") -> BufferClient:
+    def client(self, *, timeout: float | None | str = "same", prefetch: int | str = "same") -> BufferClient:
         """A handle for collectors and learners: it writes and samples, but cannot shut the buffer down.
 
-        ``timeout`` bounds this handle's waits (default: the buffer's).
+        ``timeout`` bounds this handle's waits and ``prefetch`` is how far its plain
+        ``sample()`` loop may draw ahead (defaults: the buffer's).
         """
         args = self._client_args()
         if timeout != "same":
             args["timeout"] = check_timeout(timeout)
+        if prefetch != "same":
+            args["prefetch"] = 0 if self._limited else non_negative_int("prefetch", prefetch)
         return BufferClient(**args)
 
     def preprocess(self, fn: Callable, dest: str | os.PathLike, **kwargs: Any) -> ChunkDataset:
@@ -239,6 +252,7 @@ class OfflineToOnlineReplayBuffer(BufferClient):
         """
         from rayrb.checkpoint import save
 
+        self._lookahead.give_back()
         save(self, Path(path))
 
     def loads(self, path: str | os.PathLike) -> None:
@@ -249,6 +263,7 @@ class OfflineToOnlineReplayBuffer(BufferClient):
         """
         from rayrb.checkpoint import restore
 
+        self._lookahead.give_back()
         restore(self, Path(path))
 
     dump, load = dumps, loads

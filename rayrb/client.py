@@ -38,6 +38,9 @@ class WriteTimeoutError(TimeoutError):
         self.write_id = write_id
 
 
+PREFETCH = 8  # batches a plain sample() loop may draw ahead (rayrb.lookahead)
+
+
 def _numpy(x: Any) -> np.ndarray:
     return x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
 
@@ -48,11 +51,14 @@ class BufferClient:
     _owner = False
 
     def __init__(self, coord: Any, shards: list, spec: RowSpec, *, name: str, batch_size: int | None,
-                 transform: Any, timeout: float | None, max_batch_bytes: int):
+                 transform: Any, timeout: float | None, max_batch_bytes: int, prefetch: int = PREFETCH):
+        from rayrb.lookahead import Lookahead
+
         self._coord, self._shards, self._spec, self._name = coord, shards, spec, name
         self._batch_size, self._transform, self._timeout = batch_size, transform, timeout
         self._max_batch_bytes = max_batch_bytes
         self._closed = False
+        self._lookahead = Lookahead(self, prefetch)
 
     # plumbing ---------------------------------------------------------------
     def _get(self, refs: Any, timeout: float | None | str = "call") -> Any:
@@ -146,6 +152,7 @@ class BufferClient:
         """
         import ray
 
+        self._lookahead.give_back()
         arrays = self._rows(data, "online data")
         n = next(iter(arrays.values())).shape[0]
         if n == 0:
@@ -179,6 +186,7 @@ class BufferClient:
         overwritten since (its generation changed). The whole call is checked before any
         shard applies it. Returns the number of rows sent.
         """
+        self._lookahead.give_back()
         missing = [k for k in ("offline", "shard", "index", "generation") if k not in info]
         if missing:
             raise ValueError(f"info must come from sample(return_info=True); missing keys {missing}")
@@ -196,17 +204,17 @@ class BufferClient:
         ``offline`` (bool), ``shard``, ``index`` (within the shard) and
         ``generation`` (times that slot was written), and ``weight`` when prioritized.
         """
-        dispatch = self._call(self._coord.sample, self._batch(batch_size))
-        return self._finish(assemble(dispatch.plan, self._get(dispatch.refs), return_info), return_info)
+        out, _ = self._lookahead.next(self._batch(batch_size), bool(return_info))
+        return self._finish(out, return_info)
 
     def __iter__(self):
         """Batches of ``batch_size``, as TorchRL's datasets iterate: until the offline side's epoch without
         replacement ends (its last batch short, by default), or without end when it samples with replacement."""
         batch_size = self._batch(None)
         while True:
-            dispatch = self._call(self._coord.sample, batch_size)
-            yield self._finish(assemble(dispatch.plan, self._get(dispatch.refs)), False)
-            if dispatch.plan.last_of_epoch:
+            out, last = self._lookahead.next(batch_size, False)
+            yield self._finish(out, False)
+            if last:
                 return
 
     def sample_async(self, batch_size: int | None = None, return_info: bool = False):
@@ -215,6 +223,7 @@ class BufferClient:
         Does not wait for the rows. ``rb.to_tensordict(ray.get(ref))`` rebuilds what
         :meth:`sample` returns; the same seed gives the same batches either way.
         """
+        self._lookahead.give_back()
         import ray
 
         node = ray.get_runtime_context().get_node_id()
@@ -232,6 +241,7 @@ class BufferClient:
 
         ``device`` moves each batch there (through pinned memory when CUDA is present).
         """
+        self._lookahead.give_back()
         from rayrb.iterator import BatchIterator
 
         return BatchIterator(self, self._batch(batch_size), prefetch=prefetch, device=device,
@@ -250,6 +260,7 @@ class BufferClient:
         ``postprocess(rows)`` (``postprocess(rows, info)`` with info) runs in that task;
         with ``split_info`` each slice is a pair of refs ``(rows, info)``.
         """
+        self._lookahead.give_back()
         from rayrb.placement import actor_nodes
 
         num_slices = positive_int("num_slices", num_slices)
@@ -281,6 +292,7 @@ class BufferClient:
         Slices follow :meth:`sample_slices`'s rules. Returns the learners' results
         (``wait=True``, bounded by ``timeout``) or their refs.
         """
+        self._lookahead.give_back()
         refs = self._call(self._coord.feed, method, self._batch(batch_size), args)
         return self._get(refs) if wait else refs
 
@@ -303,12 +315,14 @@ class BufferClient:
     @property
     def offline_fraction(self) -> float:
         """The fraction the next batch will use (after any schedule or annealing)."""
+        self._lookahead.give_back()
         return float(self._get(self._coord.offline_fraction.remote()))
 
     @offline_fraction.setter
     def offline_fraction(self, value: float | Schedule | str | dict) -> None:
         if isinstance(value, (int, float)):
             fraction("offline_fraction", value)
+        self._lookahead.give_back()
         self._get(self._coord.set_offline_fraction.remote(make_schedule(value)))
 
     # TorchRL's private names, which its trainer hooks read and assign
@@ -326,22 +340,27 @@ class BufferClient:
 
     @_base_offline_fraction.setter
     def _base_offline_fraction(self, value: float) -> None:
+        self._lookahead.give_back()
         self._get(self._coord.base_fraction.remote(fraction("base_offline_fraction", value)))
 
     def anneal(self, step: int, total_steps: int) -> None:
         """Linearly decay ``offline_fraction`` from its base value to 0 over ``total_steps`` (TorchRL's)."""
         step, total_steps = non_negative_int("step", step), positive_int("total_steps", total_steps)
+        self._lookahead.give_back()
         self._get(self._coord.anneal.remote(step, total_steps))
 
     def set_step(self, step: int) -> None:
         """Set the step that schedules read (by default, the number of sample calls so far)."""
+        self._lookahead.give_back()
         self._get(self._coord.set_step.remote(non_negative_int("step", step)))
 
     def state_dict(self) -> dict[str, Any]:
         """Sampling state (step, schedule, RNG, epochs) to resume the same batch stream."""
+        self._lookahead.give_back()
         return self._get(self._coord.state_dict.remote())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._lookahead.give_back()
         self._get(self._coord.load_state_dict.remote(state))
 
     # introspection ----------------------------------------------------------
@@ -390,7 +409,7 @@ class BufferClient:
     def _client_args(self) -> dict[str, Any]:
         return {"coord": self._coord, "shards": self._shards, "spec": self._spec, "name": self._name,
                 "batch_size": self._batch_size, "transform": self._transform, "timeout": self._timeout,
-                "max_batch_bytes": self._max_batch_bytes}
+                "max_batch_bytes": self._max_batch_bytes, "prefetch": self._lookahead.depth}
 
 
 def _client(args: dict[str, Any]) -> BufferClient:

@@ -19,6 +19,7 @@ A draw that raises leaves the planner's state as it was.
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import Any, Sequence
 
 import numpy as np
@@ -66,6 +67,9 @@ class Coordinator:
         self._transport, self._device = transport, device
         self._learners: list[Any] = []
         self._group = None
+        # The handle whose draws are the latest, with the planner's state before each of them: while
+        # no one else draws or steers, that handle can give back the batches it drew ahead (``undo``).
+        self._ahead: tuple[str, deque] | None = None
 
     # sizes ------------------------------------------------------------------
     def _sizes(self) -> dict[str, np.ndarray]:
@@ -85,19 +89,23 @@ class Coordinator:
         return self._planner.fraction(self._sizes())
 
     def set_offline_fraction(self, value: Any) -> float:
+        self._ahead = None  # a handle's draws ahead cannot be given back past a change of settings
         self._planner.set_fraction(value)
         return self.offline_fraction()
 
     def anneal(self, step: int, total_steps: int) -> float:
         """TorchRL's ``anneal``: linear from the base fraction to 0 over ``total_steps``."""
+        self._ahead = None  # a handle's draws ahead cannot be given back past a change of settings
         return self._planner.anneal(step, total_steps, self._sizes())
 
     def set_step(self, step: int) -> None:
+        self._ahead = None  # a handle's draws ahead cannot be given back past a change of settings
         self._planner.set_step(step)
 
     def base_fraction(self, value: float | None = None) -> float:
         """The fraction ``anneal`` decays from; set it with ``value``."""
         if value is not None:
+            self._ahead = None
             self._planner.set_base_fraction(value)
         return self._planner.base_fraction(self._sizes())
 
@@ -109,7 +117,7 @@ class Coordinator:
                 self._masses[side][i] = self._shards[side][i].mass_stats.remote()
             self._masses_stale = True
 
-    def _draw(self, batch_size: int, num_slices: int = 1) -> list[tuple[BatchPlan, Reads]]:
+    def _draw(self, batch_size: int, num_slices: int = 1, ahead: str | None = None) -> list[tuple[BatchPlan, Reads]]:
         sizes = self._sizes()
         if self._planner.alloc.uses_masses and self._masses_stale:
             import ray
@@ -118,6 +126,12 @@ class Coordinator:
                 self._planner.alloc.set_masses(side, ray.get(self._masses[side]), sizes[side])
             self._masses_stale = False
         out = self._planner.draw(batch_size, num_slices, sizes=sizes)
+        if ahead is None:
+            self._ahead = None
+        else:
+            if self._ahead is None or self._ahead[0] != ahead:
+                self._ahead = (ahead, deque(maxlen=_MAX_AHEAD))
+            self._ahead[1].append(self._planner.last_snapshot)
         self._metrics.count("batches")
         self._metrics.count("rows_sampled", sum(plan.batch_size for plan, _ in out))
         return out
@@ -143,8 +157,14 @@ class Coordinator:
             return self._blocked(b)
         self._waited("sample", waited)
         out = Dispatch(plan, self._submit(plan, reads))
-        self._metrics.observe("plan_ms", (time.perf_counter() - t0) * 1e3)
+        self._planned(t0)
         return out
+
+    def _planned(self, t0: float) -> None:
+        """Time one sampling call spent here: a latency, and a running total for the busy fraction."""
+        ms = (time.perf_counter() - t0) * 1e3
+        self._metrics.observe("plan_ms", ms)
+        self._metrics.count("plan_ms_total", ms)
 
     def _blocked(self, b: Refused) -> Blocked:
         self._metrics.count(f"{b.blocked.side}_blocked_calls")
@@ -155,7 +175,8 @@ class Coordinator:
             self._planner.limiter.record_blocked(side, float(seconds))
             self._metrics.observe(f"{side}_blocked_ms", float(seconds) * 1e3)
 
-    def sample_group(self, batch_size: int, num_batches: int, waited: float = 0.0) -> GroupDispatch | Blocked:
+    def sample_group(self, batch_size: int, num_batches: int, waited: float = 0.0,
+                     ahead: str | None = None) -> GroupDispatch | Blocked:
         """Plan ``num_batches`` consecutive batches with one read task per shard.
 
         The batches are exactly those of as many :meth:`sample` calls; each shard
@@ -163,16 +184,27 @@ class Coordinator:
         per-call costs by ``num_batches``. Without replacement a group is one batch,
         so that a refused draw never follows one that was already taken. A group the
         rate limiter cuts short holds the batches drawn before it.
+
+        ``ahead`` names a handle that draws batches before they are asked for (its
+        plain ``sample()`` loop) and can give back those it did not serve (:meth:`undo`).
+        Its group stops early, with what was drawn, where a draw would be refused; with
+        a rate limiter that can hold calls back it is one batch.
         """
         t0 = time.perf_counter()
-        num_batches = positive_int("num_batches", num_batches) if self._planner.alloc.groups_batches else 1
+        if ahead is not None:
+            num_batches = positive_int("num_batches", num_batches) if not self._planner.limiter.limits else 1
+        else:
+            num_batches = positive_int("num_batches", num_batches) if self._planner.alloc.groups_batches else 1
         drawn = []
         try:
             for _ in range(num_batches):
-                drawn.append(self._draw(batch_size)[0])
+                drawn.append(self._draw(batch_size, ahead=ahead)[0])
         except Refused as b:
             if not drawn:
                 return self._blocked(b)
+        except ValueError:
+            if not drawn or ahead is None:
+                raise
         self._waited("sample", waited)
         by_shard: dict[tuple[str, int], list[tuple[int, int, dict]]] = {}
         for plan, reads in drawn:
@@ -183,8 +215,30 @@ class Coordinator:
             counts, seeds, epochs = (list(x) for x in zip(*items))
             group.reads.append((side, i))
             group.refs.append(self._shards[side][i].sample_many.remote(counts, seeds, epochs))
-        self._metrics.observe("plan_ms", (time.perf_counter() - t0) * 1e3)
+        self._planned(t0)
         return group
+
+    def undo(self, ahead: str, count: int) -> str:
+        """Give back the last ``count`` batches that handle ``ahead`` drew and did not serve.
+
+        Returns ``"undone"`` when the stream is back where it was before them (no one
+        else drew or changed a setting since). Otherwise the draws stand, and the
+        answer says what the handle does with its batches: ``"keep"`` them without
+        replacement (each row of an epoch is served once), else ``"drop"`` them.
+        """
+        count = int(count)
+        if count <= 0:
+            return "undone"
+        a = self._ahead
+        if a is None or a[0] != ahead or count > len(a[1]):
+            self._metrics.count("undo_refused")
+            return "keep" if getattr(self._planner.alloc, "epoch_end", None) is not None else "drop"
+        saved = a[1][-count]
+        for _ in range(count):
+            a[1].pop()
+        self._planner.restore(saved)
+        self._metrics.count("batches_undone", count)
+        return "undone"
 
     def sample_side(self, side: str, batch_size: int) -> Dispatch:
         """``batch_size`` rows of one side, uniformly from the union of its shards, for buffer-like views.
@@ -242,7 +296,7 @@ class Coordinator:
         for j, (plan, reads) in enumerate(drawn):
             task = _assemble_task(node_ids[j] if node_ids else None, num_returns=2 if split_info else 1)
             out.append(task.remote(plan, return_info or split_info, postprocess, *self._submit(plan, reads)))
-        self._metrics.observe("plan_ms", (time.perf_counter() - t0) * 1e3)
+        self._planned(t0)
         return out
 
     # feeding learners ---------------------------------------------------------
@@ -280,7 +334,7 @@ class Coordinator:
         tensors = self._transport != "object_store"
         out = [getattr(learner, method).remote(plan, *self._submit(plan, reads, tensors), *args)
                for learner, (plan, reads) in zip(self._learners, drawn)]
-        self._metrics.observe("plan_ms", (time.perf_counter() - t0) * 1e3)
+        self._planned(t0)
         return out
 
     # writing ----------------------------------------------------------------
@@ -357,6 +411,7 @@ class Coordinator:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the sampling state; checked whole before anything changes."""
+        self._ahead = None  # a handle's draws ahead cannot be given back past a change of settings
         self._planner.load_state_dict(state)
         for side in SIDES:  # priorities may have changed under us: re-query every shard
             self._requery_masses(side, range(len(self._shards[side])))
@@ -383,6 +438,8 @@ def _failed(acks: list[Any]) -> bool:
             return True
     return False
 
+
+_MAX_AHEAD = 64  # draws a handle may give back; a handle draws at most this far ahead
 
 _TASKS: dict[Any, Any] = {}
 

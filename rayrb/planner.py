@@ -76,6 +76,7 @@ class Planner:
         self._base = self.schedule.value if isinstance(self.schedule, Constant) else None
         self.rng = np.random.default_rng(seed)
         self.step = 0
+        self.last_snapshot: tuple | None = None
 
     # the fraction -----------------------------------------------------------
     def fraction(self, sizes: Sizes) -> float:
@@ -109,16 +110,25 @@ class Planner:
         self.step = non_negative_int("step", step)
 
     # drawing ----------------------------------------------------------------
+    def snapshot(self) -> tuple:
+        """What :meth:`restore` needs to put the stream back here: RNG, step, allocator, limiter."""
+        return (self.rng.bit_generator.state, self.step, self.alloc.state_dict(), self.limiter.state_dict())
+
+    def restore(self, saved: tuple) -> None:
+        """Go back to a :meth:`snapshot`, as if no draw had been made since (settings are kept)."""
+        self.rng.bit_generator.state, self.step = saved[0], saved[1]
+        self.alloc.load_state_dict(saved[2])
+        self.limiter.load_state_dict(saved[3])
+
     @contextlib.contextmanager
     def _unchanged_on_error(self) -> Iterator[None]:
-        saved = (self.rng.bit_generator.state, self.step, self.alloc.state_dict(), self.limiter.state_dict())
+        saved = self.snapshot()
         try:
             yield
         except BaseException:
-            self.rng.bit_generator.state, self.step = saved[0], saved[1]
-            self.alloc.load_state_dict(saved[2])
-            self.limiter.load_state_dict(saved[3])
+            self.restore(saved)
             raise
+        self.last_snapshot = saved  # the state before the draw that just succeeded
 
     def draw(self, batch_size: int, num_slices: int = 1, *, sizes: Sizes) -> list[tuple[BatchPlan, Reads]]:
         """One global batch as ``num_slices`` slices: ``(plan, [(seed, read kwargs) per part])``.

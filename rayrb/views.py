@@ -78,6 +78,7 @@ class SideView:
         if state.get("side") != self.side:
             raise ValueError(f"expected a state_dict of the {self.side} side, got one of {state.get('side')!r}")
         states = [{k: np.asarray(v) for k, v in st.items()} for st in state["shards"]]
+        self._rb._lookahead.give_back()  # batches drawn ahead hold rows this replaces
         self._rb._get(self._rb._get(self._rb._coord.load_shard_states.remote(self.side, states)))
         self._rb._get(self._rb._coord.resync.remote())
 

@@ -842,3 +842,24 @@ def test_each_side_is_allocated_by_its_own_kind():
     state = layout.coord.state_dict()
     assert state["sampler"] == {OFFLINE: "without_replacement", ONLINE: "uniform"}
     assert set(state["allocator"]) == {OFFLINE, ONLINE}
+
+
+@pytest.mark.parametrize("sampler", ["uniform", "without_replacement"])
+def test_planner_restore_rewinds_draws_given_back(sampler):
+    """What the coordinator's undo relies on: restoring the snapshot before a draw gives that draw again."""
+    from rayrb.planner import Planner
+
+    p = Planner({"offline": 2, "online": 1}, offline_fraction=0.5, sampler=sampler, seed=1)
+    sizes = {"offline": np.array([30, 20]), "online": np.array([15])}
+    p.draw(10, sizes=sizes)
+    first = [p.draw(10, sizes=sizes) for _ in range(3)]
+    p.restore(p.last_snapshot)  # the state before the third draw
+    third = p.draw(10, sizes=sizes)
+    assert [(pl.parts, r) for pl, r in third] == [(pl.parts, r) for pl, r in first[2]]
+    assert p.step == 4
+    saved = p.snapshot()
+    later = [p.draw(10, sizes=sizes) for _ in range(2)]
+    p.set_fraction(0.5)  # settings are not part of the snapshot
+    p.restore(saved)
+    assert [[(pl.parts, r) for pl, r in p.draw(10, sizes=sizes)] for _ in range(2)] == \
+        [[(pl.parts, r) for pl, r in d] for d in later]
