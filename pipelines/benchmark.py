@@ -45,10 +45,10 @@ DEFAULT_OUT = REPO / "benchmarks" if (REPO / "pyproject.toml").is_file() else Pa
 SIZES = {
     "full": dict(n_off=581_012, dim=54, n_on=100_000, batch_sizes=[256, 4096, 65536], shards=[1, 2, 4],
                  repeats=3, min_time=1.0, min_iters=5, writer_batches=50, writer_rows=1000, per_row_frames=20_000,
-                 prefetch=16, prefetch_sweep=[1, 4, 8, 16, 32]),
+                 prefetch=16, prefetch_sweep=[1, 4, 8, 16, 32], consumers=[1, 2, 4, 8], consumer_batch=4096),
     "smoke": dict(n_off=4000, dim=8, n_on=1000, batch_sizes=[64, 512], shards=[1, 2], repeats=1, min_time=0.02,
                   min_iters=2, writer_batches=3, writer_rows=100, per_row_frames=300, prefetch=2,
-                  prefetch_sweep=[1, 2]),
+                  prefetch_sweep=[1, 2], consumers=[1, 2], consumer_batch=64),
 }
 
 
@@ -180,6 +180,10 @@ def bench_sampling(cfg, offline, online, root, results):
             for m, rb in buffers.items():
                 entries[f"rayrb_{m}shard"] = summarize(timed(lambda: rb.sample(B), cfg["min_time"],
                                                              cfg["min_iters"]), B)
+                if m == cfg["shards"][0]:  # the same loop drawing nothing ahead: two round trips per batch
+                    single = rb.client(prefetch=0)
+                    entries[f"rayrb_{m}shard_noahead"] = summarize(timed(lambda: single.sample(B), cfg["min_time"],
+                                                                         cfg["min_iters"]), B)
                 it = rb.iter_batches(B, prefetch=cfg["prefetch"])
                 entries[f"rayrb_{m}shard_prefetch"] = summarize(timed(lambda: next(it), cfg["min_time"],
                                                                       cfg["min_iters"]), B)
@@ -252,6 +256,63 @@ def bench_sampling(cfg, offline, online, root, results):
     rray.close() if hasattr(rray, "close") else None
     del o2o, rray
     gc.collect()
+
+
+@ray.remote(num_cpus=0)
+class Consumer:
+    """A learner-like actor that iterates over prefetched batches for a fixed time."""
+
+    def run(self, rb, batch_size: int, prefetch: int, seconds: float, start: float) -> dict:
+        while time.time() < start:  # all consumers begin together
+            time.sleep(0.001)
+        it = rb.iter_batches(batch_size, prefetch=prefetch)
+        t0, rows = time.perf_counter(), 0
+        while time.perf_counter() - t0 < seconds:
+            rows += len(next(it))
+        return {"rows": rows, "seconds": time.perf_counter() - t0}
+
+
+def bench_consumers(cfg, offline, online, root, results):
+    """1, 2, 4 and 8 consumer actors iterating at once over one buffer: total rows/s and the coordinator's load."""
+    import psutil
+
+    from rayrb import OfflineToOnlineReplayBuffer, write_dataset
+
+    ds_root = Path(root) / "offline-consumers"
+    write_dataset(offline, ds_root)
+    B, seconds = cfg["consumer_batch"], cfg["min_time"] * 3
+    rb = OfflineToOnlineReplayBuffer(str(ds_root), online_capacity=len(online), num_offline_shards=2,
+                                     num_online_shards=2, offline_fraction=0.5, seed=0)
+    rb.extend(online)
+    out = {}
+    for n in cfg["consumers"]:
+        row = []
+        for _ in range(cfg["repeats"]):
+            actors = [Consumer.remote() for _ in range(n)]
+            ray.get([a.__ray_ready__.remote() for a in actors])
+            before, cpu0 = ray.get(rb._coord.stats.remote(False))["coordinator"], psutil.cpu_times()
+            t0 = time.perf_counter()
+            got = ray.get([a.run.remote(rb.client(), B, cfg["prefetch"], seconds, time.time() + 0.5) for a in actors])
+            wall = time.perf_counter() - t0 - 0.5
+            after, cpu1 = ray.get(rb._coord.stats.remote(False))["coordinator"], psutil.cpu_times()
+            busy = sum(getattr(cpu1, f) - getattr(cpu0, f) for f in ("user", "system", "nice", "irq", "softirq"))
+            total = busy + (cpu1.idle - cpu0.idle) + (getattr(cpu1, "iowait", 0) - getattr(cpu0, "iowait", 0))
+            plans = after.get("batches", 0) - before.get("batches", 0)
+            plan_ms = after.get("plan_ms_total", 0.0) - before.get("plan_ms_total", 0.0)
+            row.append({"rows_per_s": sum(g["rows"] for g in got) / max(g["seconds"] for g in got),
+                        "plans_per_s": plans / wall, "coordinator_ms_per_plan": plan_ms / max(plans, 1),
+                        "coordinator_busy_fraction": plan_ms / 1e3 / wall, "machine_cpu_busy_fraction": busy / total})
+            for a in actors:
+                ray.kill(a)
+        out[str(n)] = {k: med_range([r[k] for r in row]) for k in row[0]}
+        print(f"  {n} consumer(s), B={B}: " + ", ".join(f"{k} {v['median']:,.3f}" for k, v in out[str(n)].items()),
+              flush=True)
+    one = out[str(cfg["consumers"][0])]["rows_per_s"]["median"]
+    for n in cfg["consumers"]:
+        out[str(n)]["speedup_vs_one"] = out[str(n)]["rows_per_s"]["median"] / one
+    out["batch_size"], out["prefetch"], out["seconds"] = B, cfg["prefetch"], seconds
+    results["consumers"] = out
+    rb.shutdown()
 
 
 def bench_real(cfg, data_home, root, results):
@@ -425,7 +486,7 @@ def ratios(results):
             row["rayrb_1shard_prefetch_limited"]["rows_per_s"]["median"]
             / row["rayrb_1shard_prefetch"]["rows_per_s"]["median"])
         for k, v in row.items():
-            if k.startswith("rayrb") and "prioritized" not in k and "limited" not in k:
+            if k.startswith("rayrb") and "prioritized" not in k and "limited" not in k and "noahead" not in k:
                 med = v["rows_per_s"]["median"]
                 r[f"B={B} {k} / torchrl_o2o"] = med / row["torchrl_o2o"]["rows_per_s"]["median"]
                 r[f"B={B} {k} / torchrl_ray"] = med / row["torchrl_ray"]["rows_per_s"]["median"]
@@ -482,7 +543,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--smoke", action="store_true", help="tiny sizes, one repeat (what the tests run)")
     p.add_argument("--data-home", default=os.environ.get("SCIKIT_LEARN_DATA"))
     p.add_argument("--out", default=str(DEFAULT_OUT))
-    p.add_argument("--sections", default="sampling,real,writing,preprocess,cluster")
+    p.add_argument("--sections", default="sampling,consumers,real,writing,preprocess,cluster")
     p.add_argument("--batch-sizes", default=None, help="comma-separated, overrides the mode's")
     p.add_argument("--repeats", type=int, default=None, help="overrides the mode's")
     args = p.parse_args(argv)
@@ -515,6 +576,9 @@ def main(argv: list[str] | None = None) -> dict:
         if "sampling" in sections:
             print("sampling...", flush=True)
             bench_sampling(cfg, offline, online, root, results)
+        if "consumers" in sections:
+            print("consumers...", flush=True)
+            bench_consumers(cfg, offline, online, root, results)
         if "real" in sections and args.data_home:
             print("real data...", flush=True)
             bench_real(cfg, args.data_home, root, results)

@@ -17,9 +17,12 @@ def test_benchmark_smoke_writes_results(tmp_path):
     assert out.returncode == 0, out.stderr[-4000:]
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["mode"] == "smoke" and results["command"]
-    for section in ("sampling", "prefetch_sweep", "writing", "preprocess", "memory", "object_store", "cluster"):
+    for section in ("sampling", "prefetch_sweep", "consumers", "writing", "preprocess", "memory", "object_store",
+                    "cluster"):
         assert section in results, section
-    for peer in ("index_select", "torchrl_o2o", "torchrl_ray", "rayrb_1shard", "rayrb_1shard_prefetch"):
+    for peer in ("index_select", "torchrl_o2o", "torchrl_ray", "rayrb_1shard", "rayrb_1shard_noahead",
+                 "rayrb_1shard_prefetch"):
         assert results["sampling"]["64"][peer]["rows_per_s"]["median"] > 0
     assert results["checks"]["preprocess_equal_to_torchrl"] is True
     assert any(k.startswith("B=64 rayrb") for k in results["ratios"])
+    assert results["consumers"]["2"]["rows_per_s"]["median"] > 0 and results["consumers"]["1"]["speedup_vs_one"] == 1
