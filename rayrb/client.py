@@ -378,7 +378,8 @@ class BufferClient:
         return self._get(self._coord.sizes.remote())
 
     def stats(self) -> dict[str, Any]:
-        """Sizes, rates and latencies of the coordinator and every shard."""
+        """Sizes, rates and latencies of the coordinator and every shard (batches drawn ahead given back first)."""
+        self._lookahead.give_back()
         return self._get(self._coord.stats.remote())
 
     @property

@@ -131,9 +131,11 @@ class Coordinator:
         else:
             if self._ahead is None or self._ahead[0] != ahead:
                 self._ahead = (ahead, deque(maxlen=_MAX_AHEAD))
-            self._ahead[1].append(self._planner.last_snapshot)
+        rows = sum(plan.batch_size for plan, _ in out)
+        if ahead is not None:
+            self._ahead[1].append((self._planner.last_snapshot, rows))
         self._metrics.count("batches")
-        self._metrics.count("rows_sampled", sum(plan.batch_size for plan, _ in out))
+        self._metrics.count("rows_sampled", rows)
         return out
 
     def _submit(self, plan: BatchPlan, reads: list[tuple[int, dict]], tensors: bool = False) -> list[Any]:
@@ -233,10 +235,12 @@ class Coordinator:
         if a is None or a[0] != ahead or count > len(a[1]):
             self._metrics.count("undo_refused")
             return "keep" if getattr(self._planner.alloc, "epoch_end", None) is not None else "drop"
-        saved = a[1][-count]
+        saved, rows = a[1][-count][0], sum(r for _, r in list(a[1])[-count:])
         for _ in range(count):
             a[1].pop()
         self._planner.restore(saved)
+        self._metrics.count("batches", -count)  # the counts say what was drawn for good
+        self._metrics.count("rows_sampled", -rows)
         self._metrics.count("batches_undone", count)
         return "undone"
 
@@ -439,7 +443,7 @@ def _failed(acks: list[Any]) -> bool:
     return False
 
 
-_MAX_AHEAD = 64  # draws a handle may give back; a handle draws at most this far ahead
+_MAX_AHEAD = 256  # draws a handle may give back (a handle holds at most 2 groups of ahead.MAX_DEPTH + 1)
 
 _TASKS: dict[Any, Any] = {}
 

@@ -37,6 +37,7 @@ from rayrb.plans import Blocked, assemble, split_group
 from rayrb.validation import non_negative_int
 
 MAX_BYTES = 64 << 20
+MAX_DEPTH = 100  # the coordinator keeps enough to give back two groups of this
 
 
 def _copy_batch(out: Any) -> Any:
@@ -92,7 +93,7 @@ class Lookahead:
     def _cap(self) -> int:
         """Batches that may be held beyond the one being served: ``depth``, and ``max_bytes`` of rows."""
         batch_bytes = max(1, self._key[0] * max(1, self._rb._spec.row_bytes))
-        return min(self.depth, max(0, self._max_bytes // batch_bytes - 1))
+        return min(self.depth, MAX_DEPTH, max(0, self._max_bytes // batch_bytes - 1))
 
     def _expected(self, now: bool) -> int | float:
         """``sample()`` calls expected before the next give-back, the one being asked for ``now`` included.
