@@ -38,8 +38,10 @@ class _Shard:
     kind = "shard"
 
     def __init__(self, shard_id: str, sampler: str, capacity: int = 0,
-                 sampler_options: Mapping[str, float] | None = None):
+                 sampler_options: Mapping[str, float] | None = None, device: str | None = None):
         self.shard_id = shard_id
+        self._device = device  # None: rows in host memory maps; else a DeviceTable on this torch device
+        self._table = None
         opts = dict(sampler_options or {})
         self._sampler = make_sampler(sampler, capacity, opts.get("alpha", ALPHA), opts.get("eps", EPS))
         self._metrics = ActorMetrics("shard", {"shard": shard_id, "kind": self.kind})
@@ -50,6 +52,14 @@ class _Shard:
 
     def _gather(self, idx: np.ndarray) -> Rows:
         raise NotImplementedError
+
+    def _gather_tensors(self, idx: np.ndarray) -> dict[str, Any]:
+        """Rows at ``idx`` as torch tensors: on the shard's device when it holds a table, else host views."""
+        import torch
+
+        if self._table is not None:
+            return self._table.gather(idx)
+        return {k: torch.from_numpy(v) for k, v in self._gather(idx).items()}
 
     def _generation(self, idx: np.ndarray) -> np.ndarray:
         raise NotImplementedError
@@ -92,9 +102,7 @@ class _Shard:
         ``epochs[j]`` says which epoch it belongs to and where in it it starts.
         """
         t0 = time.perf_counter()
-        epochs = epochs or [None] * len(counts)
-        idx = np.concatenate([self._sampler.sample(int(c), self.size(), np.random.default_rng(s), epoch=e)
-                              for c, s, e in zip(counts, seeds, epochs)]) if counts else np.empty(0, np.int64)
+        idx = self._indices(counts, seeds, epochs)
         rows, info = self._gather(idx), self._info(idx)
         self._metrics.count("rows_sampled", len(idx))
         self._metrics.observe("sample_ms", (time.perf_counter() - t0) * 1e3)
@@ -104,20 +112,45 @@ class _Shard:
         """``count`` local rows drawn by this shard's sampler from ``seed``, with their provenance."""
         return self.sample_many([count], [seed], [epoch])
 
-    def sample_tensors(self, count: int, seed: int, epoch: Epoch | None = None, device: str = "cpu"
-                       ) -> dict[str, Any]:
-        """:meth:`sample` as one flat dict of torch tensors (``rows/..``, ``info/..``), for Ray Direct Transport.
+    def _indices(self, counts: list[int], seeds: list[int], epochs: list[Epoch | None] | None) -> np.ndarray:
+        epochs = epochs or [None] * len(counts)
+        return np.concatenate([self._sampler.sample(int(c), self.size(), np.random.default_rng(s), epoch=e)
+                               for c, s, e in zip(counts, seeds, epochs)]) if counts else np.empty(0, np.int64)
 
-        Called with ``.options(tensor_transport="gloo" | "nccl")``; torch is imported only here.
+    def sample_tensors(self, count: int, seed: int, epoch: Epoch | None = None, device: str | None = None
+                       ) -> dict[str, Any]:
+        """:meth:`sample` as one flat dict of torch tensors (``rows/..``, ``info/..``), for Ray Direct Transport."""
+        return self.sample_many_tensors([count], [seed], [epoch], device=device)
+
+    def sample_many_tensors(self, counts: list[int], seeds: list[int], epochs: list[Epoch | None] | None = None,
+                            device: str | None = None) -> dict[str, Any]:
+        """:meth:`sample_many` as one flat dict of torch tensors (``rows/..``, ``info/..``), for Ray Direct Transport.
+
+        A shard that holds its rows on a GPU gathers there and returns CUDA tensors (sent
+        with ``.options(tensor_transport="cuda_ipc" | "nccl")``); ``device`` moves them.
+        torch is imported only here.
         """
         import torch
 
-        rows, info = self.sample(count, seed, epoch)
-        out = {f"rows/{k}": torch.from_numpy(v) for k, v in rows.items()}
-        out.update({f"info/{k}": torch.from_numpy(v) for k, v in info.items()})
-        if device != "cpu":
-            out = {k: v.to(device, non_blocking=True) for k, v in out.items()}
+        t0 = time.perf_counter()
+        idx = self._indices(counts, seeds, epochs)
+        rows = self._gather_tensors(idx)
+        target = torch.device(device) if device is not None else next(iter(rows.values())).device
+        out = {f"rows/{k}": v.to(target, non_blocking=True) for k, v in rows.items()}
+        out.update({f"info/{k}": torch.from_numpy(v).to(target, non_blocking=True)
+                    for k, v in self._info(idx).items()})
+        if target.type == "cuda":
+            torch.cuda.current_stream(target).synchronize()  # the receiver reads them from another process
+        self._metrics.count("rows_sampled", len(idx))
+        self._metrics.observe("sample_ms", (time.perf_counter() - t0) * 1e3)
         return out
+
+    def place(self) -> dict[str, Any]:
+        """Where this shard's rows are: its node, the GPUs Ray gave it, and the device they are on."""
+        import ray
+
+        return {"node": ray.get_runtime_context().get_node_id(), "gpus": [str(g) for g in ray.get_gpu_ids()],
+                "device": "cpu" if self._table is None else str(self._table.device)}
 
     def dump(self, path: str) -> tuple[str, dict[str, Any]]:
         """Write this shard's mutable state (online rows, sampler state) to ``path``; return its name and digest."""
@@ -185,6 +218,7 @@ class _Shard:
 
     def stats(self) -> dict[str, Any]:
         self._metrics.gauge("size", self.size())
+        self._metrics.gauge("device_bytes", 0 if self._table is None else self._table.nbytes)
         for name, value in process_memory().items():
             self._metrics.gauge(name, value)
         return self._metrics.snapshot()
@@ -207,12 +241,19 @@ class OfflineShard(_Shard):
     kind = "offline"
 
     def __init__(self, root: str, start: int, stop: int, shard_id: str, sampler: str = "uniform",
-                 sampler_options: Mapping[str, float] | None = None, state_dir: str | None = None):
-        super().__init__(shard_id, sampler, capacity=max(1, stop - start), sampler_options=sampler_options)
+                 sampler_options: Mapping[str, float] | None = None, state_dir: str | None = None,
+                 device: str | None = None):
+        super().__init__(shard_id, sampler, capacity=max(1, stop - start), sampler_options=sampler_options,
+                         device=device)
         self._ds = ChunkDataset.open(root)
         if not 0 <= start < stop <= len(self._ds):
             raise ValueError(f"shard {shard_id}: expected 0 <= start < stop <= {len(self._ds)}, got [{start}, {stop})")
         self._start, self._stop = int(start), int(stop)
+        if device is not None:  # the row range goes to the device once; gathers run there
+            from rayrb.device_table import DeviceTable
+
+            self._table = DeviceTable.load(lambda idx: self._ds.gather(idx + self._start), self.size(),
+                                           _shapes(self._ds.spec), device)
         self._sampler.on_write(np.arange(self.size()))
         self._store = PriorityStore(max(1, stop - start), state_dir if self._sampler.per_slot_state else None)
         self._sampler.attach(self._store.priority, self._store.max_priority, self._store.reopened)
@@ -222,6 +263,8 @@ class OfflineShard(_Shard):
         return self._stop - self._start
 
     def _gather(self, idx: np.ndarray) -> Rows:
+        if self._table is not None:
+            return self._table.numpy(idx)
         return self._ds.gather(idx + self._start)
 
     def _generation(self, idx: np.ndarray) -> np.ndarray:
@@ -242,14 +285,16 @@ class OnlineShard(_Shard):
     kind = "online"
 
     def __init__(self, spec_json: Mapping[str, Any], capacity: int, shard_id: str, sampler: str = "uniform",
-                 sampler_options: Mapping[str, float] | None = None, state_dir: str | None = None):
+                 sampler_options: Mapping[str, float] | None = None, state_dir: str | None = None,
+                 device: str | None = None):
         capacity = positive_int(f"shard {shard_id}: capacity", capacity)
-        super().__init__(shard_id, sampler, capacity=capacity, sampler_options=sampler_options)
+        super().__init__(shard_id, sampler, capacity=capacity, sampler_options=sampler_options, device=device)
         self._spec = RowSpec.from_json(spec_json)
         self._capacity = int(capacity)
         self._store = OnlineStorage(self._spec, self._capacity, state_dir)
         self._data, self._gen = self._store.rows, self._store.generation
         self._ahead: dict[int, int] = {}  # writes applied beyond the write count: first row -> end
+        self._mirror()
         if self._store.reopened:
             self._sampler.on_write(np.arange(self.size()))
         self._sampler.attach(self._store.priority, self._store.max_priority, self._store.reopened)
@@ -285,6 +330,8 @@ class OnlineShard(_Shard):
         fresh = (w >= first + n - self._capacity) & (self._gen[pos] < gen)  # a write larger than the shard keeps its tail
         for k, dst in self._data.items():
             dst[pos[fresh]] = rows[k][fresh]  # copies out of the object store
+        if self._table is not None:  # the device copy serves reads; the memory maps keep what is acknowledged
+            self._table.write(pos[fresh], {k: rows[k][fresh] for k in self._data})
         self._gen[pos[fresh]] = gen[fresh]
         self._sampler.on_write(pos[fresh])
         self._advance(first, first + n)  # last: this is what makes the rows visible after a restart
@@ -302,7 +349,16 @@ class OnlineShard(_Shard):
             written = max(written, self._ahead.pop(written))
         self._store.written = written
 
+    def _mirror(self) -> None:
+        """The device copy of the storage (what a restart reopened, or zeros), when rows live on a device."""
+        if self._device is not None:
+            from rayrb.device_table import DeviceTable
+
+            self._table = DeviceTable.from_arrays(self._data, self._device)
+
     def _gather(self, idx: np.ndarray) -> Rows:
+        if self._table is not None:
+            return self._table.numpy(idx)
         return {k: v[idx] for k, v in self._data.items()}
 
     def _state(self) -> dict[str, np.ndarray]:
@@ -326,6 +382,7 @@ class OnlineShard(_Shard):
             self._gen[...] = gen
             self._store.written = int(state["written"])
             self._ahead.clear()
+            self._mirror()
 
         return apply
 
@@ -336,3 +393,7 @@ class OnlineShard(_Shard):
         self._metrics.gauge("write_count", self._written)
         self._metrics.gauge("capacity", self._capacity)
         return super().stats()
+
+
+def _shapes(spec: RowSpec) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    return {k: (tuple(spec[k].shape), np.dtype(spec[k].dtype)) for k in spec.keys}

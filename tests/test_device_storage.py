@@ -1,0 +1,98 @@
+"""Shards whose rows live in a DeviceTable: the GPU shards' code path, run here on the CPU device.
+
+Shards are plain classes, so these tests build them without Ray. The same seeds
+must give the same rows, provenance and priorities as host-memory shards.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from tensordict import TensorDict
+
+from rayrb import write_dataset
+from rayrb.device_table import DeviceTable
+from rayrb.plans import Epoch
+from rayrb.shards import OfflineShard, OnlineShard
+
+
+@pytest.fixture
+def dataset(tmp_path):
+    n = 1000
+    td = TensorDict({"obs": torch.randn(n, 5), "id": torch.arange(n), "nested": {"r": torch.rand(n)}}, [n])
+    return str(write_dataset(td, tmp_path / "ds", chunk_rows=300).root)
+
+
+def test_table_loads_in_blocks_and_holds_exactly_its_rows(dataset):
+    from rayrb.chunks import ChunkDataset
+
+    ds = ChunkDataset.open(dataset)
+    shapes = {k: (tuple(ds.spec[k].shape), np.dtype(ds.spec[k].dtype)) for k in ds.spec.keys}
+    calls = []
+
+    def gather(idx):
+        calls.append(len(idx))
+        return ds.gather(idx + 100)
+
+    t = DeviceTable.load(gather, 800, shapes, "cpu", block_bytes=64 * ds.spec.row_bytes)  # 64 rows a block
+    assert max(calls) == 64 and sum(calls) == 800
+    assert t.nbytes == 800 * ds.spec.row_bytes  # no slack: the rows' bytes
+    idx = np.array([0, 799, 5, 5])
+    expect = ds.gather(idx + 100)
+    for k, v in t.gather(idx).items():
+        assert torch.equal(v, torch.from_numpy(expect[k]))
+
+
+def test_table_refuses_cuda_without_cuda_and_mixed_columns():
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="needs CUDA"):
+            DeviceTable.empty({"x": ((2,), np.dtype("float32"))}, 4, "cuda")
+    with pytest.raises(ValueError, match="one length"):
+        DeviceTable({"a": torch.zeros(3), "b": torch.zeros(4)})
+
+
+@pytest.mark.parametrize("sampler", ["uniform", "without_replacement", "prioritized"])
+def test_offline_device_shard_gives_the_host_shards_rows(dataset, sampler, tmp_path):
+    host = OfflineShard(dataset, 200, 900, "t/off-host", sampler)
+    dev = OfflineShard(dataset, 200, 900, "t/off-dev", sampler, device="cpu")
+    if sampler == "prioritized":
+        for shard in (host, dev):
+            shard.update_priority(np.arange(0, 700, 3), np.ones(234, np.int64), np.linspace(0.1, 5, 234))
+    epochs = [Epoch(1, 7, 700, 0), Epoch(1, 7, 700, 64)] if sampler == "without_replacement" else None
+    (rh, ih), (rd, idev) = (s.sample_many([64, 32], [11, 12], epochs) for s in (host, dev))
+    for k in rh:
+        np.testing.assert_array_equal(rh[k], rd[k])
+    for k in ih:
+        np.testing.assert_array_equal(ih[k], idev[k])
+    t = dev.sample_many_tensors([64, 32], [11, 12], epochs)
+    for k in rh:
+        assert torch.equal(t[f"rows/{k}"], torch.from_numpy(rh[k]))
+    assert torch.equal(t["info/index"], torch.from_numpy(ih["index"]))
+    from rayrb.chunks import ChunkDataset
+
+    assert dev.stats()["device_bytes"] == 700 * ChunkDataset.open(dataset).spec.row_bytes
+    assert host.stats()["device_bytes"] == 0
+
+
+def test_online_device_shard_writes_both_copies_and_reopens_after_a_crash(dataset, tmp_path):
+    from rayrb.chunks import ChunkDataset
+
+    spec = ChunkDataset.open(dataset).spec.to_json()
+    rows = {"obs": np.random.default_rng(0).standard_normal((70, 5)).astype(np.float32),
+            "id": np.arange(1000, 1070), "nested/r": np.linspace(0, 1, 70, dtype=np.float32)}
+    host = OnlineShard(spec, 50, "t/on-host", state_dir=str(tmp_path / "host"))
+    dev = OnlineShard(spec, 50, "t/on-dev", state_dir=str(tmp_path / "dev"), device="cpu")
+    for shard in (host, dev):
+        shard.extend(rows, 0, 40, first=0)
+        shard.extend(rows, 40, 70, first=40)  # wraps: slots 0..19 hold rows 50..69
+    (rh, ih), (rd, idev) = (s.sample_many([100], [3]) for s in (host, dev))
+    for k in rh:
+        np.testing.assert_array_equal(rh[k], rd[k])
+    np.testing.assert_array_equal(ih["generation"], idev["generation"])
+    reopened = OnlineShard(spec, 50, "t/on-dev", state_dir=str(tmp_path / "dev"), device="cpu")  # the process died
+    np.testing.assert_array_equal(reopened.gather(np.arange(50))[0]["id"], host.gather(np.arange(50))[0]["id"])
+    assert int(reopened.gather(np.array([0]))[0]["id"][0]) == 1050
+    state = host.state()
+    fresh = OnlineShard(spec, 50, "t/on-fresh", device="cpu")
+    fresh.load_state(state)  # a restore refreshes the device copy too
+    np.testing.assert_array_equal(fresh.sample_many([20], [5])[0]["id"], host.sample_many([20], [5])[0]["id"])
