@@ -24,7 +24,7 @@ from rayrb.allocators import epoch_end_option
 from rayrb.plans import OFFLINE, ONLINE
 from rayrb.samplers import sampler_class
 from rayrb.schedules import Schedule, make_schedule
-from rayrb.transport import check_transport, from_numpy_dict
+from rayrb.transport import check_storage_device, check_transport, from_numpy_dict
 from rayrb.validation import ALPHA, BETA, EPS, callable_or_none, fraction, non_negative_int, positive_int, priority_options
 from rayrb.validation import timeout as check_timeout
 
@@ -88,6 +88,15 @@ class OfflineToOnlineReplayBuffer(BufferClient):
             priorities), so that a shard whose process dies restarts with every
             acknowledged write. Default: ``$TMPDIR/rayrb-state``. ``None`` keeps that state in
             process memory; online shards then do not restart.
+        storage_device (str): where shards hold their rows. ``"cpu"`` (default): host
+            memory maps. ``"cuda"``: each shard loads its rows into GPU memory once (offline:
+            staged through pinned memory; online: a GPU copy of the durable memory maps,
+            which still keep every acknowledged write) and gathers there; shards ask Ray
+            for ``num_gpus=0.01`` each unless ``actor_options`` says otherwise. Batches then
+            reach GPU learners over ``transport="cuda_ipc"`` or ``"auto"``, and anyone else
+            through the object store. ``stats()`` reports each shard's ``device_bytes``.
+        transport (str): how :meth:`feed` hands rows to learners (see :meth:`connect_learners`):
+            ``"object_store"`` (default), ``"gloo"``, ``"nccl"``, ``"cuda_ipc"`` or ``"auto"``.
         prefetch (int): batches a plain :meth:`sample` loop may draw ahead of the calls,
             one coordinator call per group (default 8, bounded by 64 MiB of rows;
             ``0`` draws each batch when asked). They are given back before this handle
@@ -144,6 +153,7 @@ class OfflineToOnlineReplayBuffer(BufferClient):
         storage_dir: str | os.PathLike | None = DEFAULT_STORAGE,
         rate_limiter: Any = None,
         prefetch: int = PREFETCH,
+        storage_device: str = "cpu",
         **dataset_kwargs: Any,
     ):
         self._closed, self._owned_dirs = True, []  # until the actors run, nothing is usable or owned
@@ -171,6 +181,7 @@ class OfflineToOnlineReplayBuffer(BufferClient):
         epoch_end = epoch_end_option(epoch_end, drop_last)
         prio = priority_options(alpha, beta, eps)
         transport = check_transport(transport)
+        storage_device = check_storage_device(storage_device)
         from rayrb.rate_limiter import make_rate_limiter
 
         limiter = make_rate_limiter(rate_limiter)
@@ -179,7 +190,8 @@ class OfflineToOnlineReplayBuffer(BufferClient):
         settings = {"timeout": check_timeout(timeout), "transform": callable_or_none("transform", transform),
                     "max_batch_bytes": positive_int("max_batch_bytes", max_batch_bytes),
                     # a limiter that can hold calls back decides per call: nothing is drawn ahead of it
-                    "prefetch": 0 if limiter.limits else non_negative_int("prefetch", prefetch)}
+                    "prefetch": 0 if limiter.limits else non_negative_int("prefetch", prefetch),
+                    "storage_device": storage_device}
 
         from rayrb.datasets.registry import as_chunk_dataset
 
@@ -203,7 +215,7 @@ class OfflineToOnlineReplayBuffer(BufferClient):
                                           schedule=schedule, kinds=kinds, epoch_end=epoch_end, seed=seed,
                                           actor_options=actor_options or {}, transport=transport, prio=prio,
                                           storage_dir=None if storage_dir is None else str(storage_dir),
-                                          rate_limiter=limiter.config())
+                                          rate_limiter=limiter.config(), storage_device=storage_device)
         except BaseException:
             self._remove_owned()  # no half-built buffer: what started is killed in _start_actors
             raise
@@ -298,7 +310,8 @@ class OfflineToOnlineReplayBuffer(BufferClient):
 
 def _start_actors(dataset: ChunkDataset, name: str, capacity: int, m: int, k: int, *, schedule: Schedule,
                   kinds: dict[str, str], epoch_end: str, seed: int | None, actor_options: dict, transport: str,
-                  prio: dict[str, float], storage_dir: str | None, rate_limiter: dict) -> tuple[Any, list]:
+                  prio: dict[str, float], storage_dir: str | None, rate_limiter: dict,
+                  storage_device: str = "cpu") -> tuple[Any, list]:
     """Start ``m`` offline shards, ``k`` online shards and the coordinator; kill them all if one fails to start."""
     import ray
 
@@ -307,7 +320,8 @@ def _start_actors(dataset: ChunkDataset, name: str, capacity: int, m: int, k: in
     from rayrb.shards import OfflineShard, OnlineShard
     from rayrb.storage import shard_directory
 
-    cls_opts, opts, device = group_options(actor_options, transport, m + k)
+    cls_opts, opts, coord_opts, device = group_options(actor_options, transport, m + k, storage_device)
+    table = None if storage_device == "cpu" else storage_device  # shards keep rows in a DeviceTable there
     ranges = row_ranges(len(dataset), m)
     capacities = split_evenly(capacity, k).tolist()
     so = {"alpha": prio["alpha"], "eps": prio["eps"]}
@@ -322,12 +336,12 @@ def _start_actors(dataset: ChunkDataset, name: str, capacity: int, m: int, k: in
         for i, (a, b) in enumerate(ranges):
             started.append(ray.remote(**cls_opts)(OfflineShard).options(**shard_placement(dataset, a, b, off_opts))
                            .remote(str(dataset.root), a, b, f"{name}/off-{i}", kinds[OFFLINE], sampler_options=so,
-                                   state_dir=shard_directory(storage_dir, instance, f"off-{i}")))
+                                   state_dir=shard_directory(storage_dir, instance, f"off-{i}"), device=table))
         for i, c in enumerate(capacities):
             started.append(ray.remote(**cls_opts)(OnlineShard).options(**on_opts).remote(
                 dataset.spec.to_json(), c, f"{name}/on-{i}", kinds[ONLINE], sampler_options=so,
-                state_dir=shard_directory(storage_dir, instance, f"on-{i}")))
-        coord = ray.remote(Coordinator).options(name=name, **opts).remote(
+                state_dir=shard_directory(storage_dir, instance, f"on-{i}"), device=table))
+        coord = ray.remote(Coordinator).options(name=name, **coord_opts).remote(
             started[:m], [b - a for a, b in ranges], started[m:], capacities, offline_fraction=schedule,
             sampler=dict(kinds), epoch_end=epoch_end, seed=seed, name=name, transport=transport, device=device,
             beta=prio["beta"], rate_limiter=rate_limiter)

@@ -51,12 +51,14 @@ class BufferClient:
     _owner = False
 
     def __init__(self, coord: Any, shards: list, spec: RowSpec, *, name: str, batch_size: int | None,
-                 transform: Any, timeout: float | None, max_batch_bytes: int, prefetch: int = PREFETCH):
+                 transform: Any, timeout: float | None, max_batch_bytes: int, prefetch: int = PREFETCH,
+                 storage_device: str = "cpu"):
         from rayrb.lookahead import Lookahead
 
         self._coord, self._shards, self._spec, self._name = coord, shards, spec, name
         self._batch_size, self._transform, self._timeout = batch_size, transform, timeout
         self._max_batch_bytes = max_batch_bytes
+        self._storage_device = storage_device
         self._closed = False
         self._lookahead = Lookahead(self, prefetch)
 
@@ -131,6 +133,13 @@ class BufferClient:
         if not return_info:
             return td
         return td, {k: torch.from_numpy(v) for k, v in info.items()}
+
+    def _transformed(self, out: Any, return_info: bool):
+        """A batch that arrived as a TensorDict (over Ray Direct Transport), transformed."""
+        td, info = out if return_info else (out, None)
+        if self._transform is not None:
+            td = self._transform(td)
+        return (td, info) if return_info else td
 
     # writing ----------------------------------------------------------------
     def extend(self, data: Any, *, write_id: str | None = None, prefill: bool = False, wait: bool = True
@@ -240,6 +249,9 @@ class BufferClient:
         """Batches in order, keeping exactly up to ``prefetch`` sample requests in flight.
 
         ``device`` moves each batch there (through pinned memory when CUDA is present).
+        Inside an actor that Ray gave the GPU on which the shards hold their rows
+        (``storage_device="cuda"``), ``device="cuda"`` reads each group of batches from
+        the shards over CUDA IPC instead: rows never pass through host memory.
         """
         self._lookahead.give_back()
         from rayrb.iterator import BatchIterator
@@ -273,16 +285,20 @@ class BufferClient:
         return self._call(self._coord.sample_slices, batch_size, num_slices=num_slices, return_info=return_info,
                           node_ids=nodes, postprocess=postprocess, split_info=split_info)
 
-    def connect_learners(self, learners: list) -> None:
-        """Set the learner actors that :meth:`feed` hands slices to.
+    def connect_learners(self, learners: list) -> dict[str, int]:
+        """Set the learner actors that :meth:`feed` hands slices to; return how many shard-learner pairs take
+        each route.
 
-        With ``transport="gloo"`` or ``"nccl"`` the coordinator creates a collective
-        group over the shards and these learners; their classes must be declared
-        ``@ray.remote(enable_tensor_transport=True)`` (checked here: without it Ray
-        deadlocks for 60 s). Gloo RDT cannot share an actor with DDP or an RLlib remote
-        learner (both use torch.distributed's default group).
+        ``transport`` decides how rows travel: ``"object_store"``; ``"gloo"`` (CPU tensors);
+        ``"nccl"`` (GPU tensors between different GPUs); ``"cuda_ipc"`` (GPU shards to learners
+        that Ray gave the same GPU); ``"auto"``, per pair: CUDA IPC on a shared GPU, NCCL
+        between GPUs, the object store where an end has no GPU. An RDT transport needs
+        learner classes declared ``@ray.remote(enable_tensor_transport=True)`` (checked
+        here: without it Ray deadlocks for 60 s); an NCCL group in which two members share
+        one GPU is refused here, before it is created. Gloo RDT cannot share an actor with
+        DDP or an RLlib remote learner (both use torch.distributed's default group).
         """
-        self._get(self._coord.connect_learners.remote(list(learners)))
+        return self._get(self._coord.connect_learners.remote(list(learners)))
 
     def feed(self, method: str = "update", batch_size: int | None = None, *args: Any, wait: bool = True):
         """Sample one global batch and call ``learner_j.method(plan, *parts, *args)`` on each connected learner.
@@ -410,7 +426,8 @@ class BufferClient:
     def _client_args(self) -> dict[str, Any]:
         return {"coord": self._coord, "shards": self._shards, "spec": self._spec, "name": self._name,
                 "batch_size": self._batch_size, "transform": self._transform, "timeout": self._timeout,
-                "max_batch_bytes": self._max_batch_bytes, "prefetch": self._lookahead.depth}
+                "max_batch_bytes": self._max_batch_bytes, "prefetch": self._lookahead.depth,
+                "storage_device": self._storage_device}
 
 
 def _client(args: dict[str, Any]) -> BufferClient:

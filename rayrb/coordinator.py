@@ -47,7 +47,7 @@ class Coordinator:
         seed: int | None = None,
         name: str = "rayrb",
         transport: str = "object_store",
-        device: str = "cpu",
+        device: str | None = "cpu",
         beta: float = BETA,
         rate_limiter: Any = None,
     ):
@@ -66,7 +66,7 @@ class Coordinator:
         self._metrics = ActorMetrics("coordinator", {"buffer": name})
         self._transport, self._device = transport, device
         self._learners: list[Any] = []
-        self._group = None
+        self._routes = None  # rayrb.transport.Routes to the connected learners
         # The handle whose draws are the latest, with the planner's state before each of them: while
         # no one else draws or steers, that handle can give back the batches it drew ahead (``undo``).
         self._ahead: tuple[str, deque] | None = None
@@ -138,12 +138,17 @@ class Coordinator:
         self._metrics.count("rows_sampled", rows)
         return out
 
-    def _submit(self, plan: BatchPlan, reads: list[tuple[int, dict]], tensors: bool = False) -> list[Any]:
+    def _submit(self, plan: BatchPlan, reads: list[tuple[int, dict]], learner: int | None = None) -> list[Any]:
+        """One read per part; for learner ``learner``, over the route its connection chose for each shard."""
         refs = []
+        m = len(self._shards[OFFLINE])
         for part, (seed, kwargs) in zip(plan.parts, reads):
             shard = self._shards[part.side][part.shard]
-            if tensors:
-                refs.append(shard.sample_tensors.options(tensor_transport=self._transport).remote(
+            route = "object_store"
+            if learner is not None:
+                route = self._routes.route[(part.shard + (m if part.side == ONLINE else 0), learner)]
+            if route != "object_store":
+                refs.append(shard.sample_tensors.options(tensor_transport=route).remote(
                     part.count, seed, device=self._device, **kwargs))
             else:
                 refs.append(shard.sample.remote(part.count, seed, **kwargs))
@@ -178,7 +183,7 @@ class Coordinator:
             self._metrics.observe(f"{side}_blocked_ms", float(seconds) * 1e3)
 
     def sample_group(self, batch_size: int, num_batches: int, waited: float = 0.0,
-                     ahead: str | None = None) -> GroupDispatch | Blocked:
+                     ahead: str | None = None, submit: bool = True) -> GroupDispatch | Blocked:
         """Plan ``num_batches`` consecutive batches with one read task per shard.
 
         The batches are exactly those of as many :meth:`sample` calls; each shard
@@ -216,7 +221,10 @@ class Coordinator:
         for (side, i), items in by_shard.items():
             counts, seeds, epochs = (list(x) for x in zip(*items))
             group.reads.append((side, i))
-            group.refs.append(self._shards[side][i].sample_many.remote(counts, seeds, epochs))
+            if submit:
+                group.refs.append(self._shards[side][i].sample_many.remote(counts, seeds, epochs))
+            else:
+                group.args.append((counts, seeds, epochs))
         self._planned(t0)
         return group
 
@@ -304,21 +312,27 @@ class Coordinator:
         return out
 
     # feeding learners ---------------------------------------------------------
-    def connect_learners(self, learners: Sequence[Any]) -> int:
-        """Make ``learners`` the targets of :meth:`feed`; with an RDT transport, create the group.
+    def connect_learners(self, learners: Sequence[Any]) -> dict[str, int]:
+        """Make ``learners`` the targets of :meth:`feed`; choose each shard-learner route, create any group.
 
         The coordinator creates the collective group over shards and learners, since
-        only a group's creator may pass its refs on.
+        only a group's creator may pass its refs on. Returns how many pairs take each route.
         """
         from rayrb.transport import connect_group
 
         learners = list(learners)
         if not learners:
             raise ValueError("expected at least one learner actor handle, got none")
-        self._group = connect_group(self._transport, self._shards[OFFLINE] + self._shards[ONLINE], learners,
-                                    f"{self._name}-{self._transport}", previous=self._group)
+        shards = self._shards[OFFLINE] + self._shards[ONLINE]
+        names = [f"{self._name}/off-{i}" for i in range(len(self._shards[OFFLINE]))] + \
+                [f"{self._name}/on-{i}" for i in range(len(self._shards[ONLINE]))]
+        self._routes = connect_group(self._transport, shards, learners, f"{self._name}-{self._transport}",
+                                     previous=self._routes, shard_names=names)
         self._learners = learners
-        return len(learners)
+        counts: dict[str, int] = {}
+        for t in self._routes.route.values():
+            counts[t] = counts.get(t, 0) + 1
+        return counts
 
     def feed(self, method: str, batch_size: int, args: Sequence[Any] = (), waited: float = 0.0) -> list[Any] | Blocked:
         """Sample one global batch, slice it over the connected learners, call ``method`` on each.
@@ -335,9 +349,8 @@ class Coordinator:
         except Refused as b:
             return self._blocked(b)
         self._waited("sample", waited)
-        tensors = self._transport != "object_store"
-        out = [getattr(learner, method).remote(plan, *self._submit(plan, reads, tensors), *args)
-               for learner, (plan, reads) in zip(self._learners, drawn)]
+        out = [getattr(learner, method).remote(plan, *self._submit(plan, reads, j), *args)
+               for j, (learner, (plan, reads)) in enumerate(zip(self._learners, drawn))]
         self._planned(t0)
         return out
 

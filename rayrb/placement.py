@@ -42,13 +42,26 @@ def actor_nodes(actors: list) -> list[str | None]:
     return nodes
 
 
-def group_options(actor_options: dict[str, Any], transport: str, num_actors: int) -> tuple[dict, dict, str]:
-    """``(class options, actor options, device)`` for the shard actors under ``transport``."""
+GPU_SHARE = 0.01  # of a GPU, per shard that holds its rows there: learners on that GPU keep the rest
+
+
+def group_options(actor_options: dict[str, Any], transport: str, num_actors: int,
+                  storage_device: str = "cpu") -> tuple[dict, dict, dict, str | None]:
+    """``(class options, shard options, coordinator options, device)`` under ``transport`` and ``storage_device``.
+
+    ``device`` is where shards put the tensors they send over Ray Direct Transport
+    (None: where their rows are).
+    """
     opts = {"num_cpus": 0, **actor_options}
+    coord_opts = {k: v for k, v in opts.items() if k != "num_gpus"}
     # Shards return tensors over RDT: a class-level option, not an .options() one.
-    cls_opts = {"enable_tensor_transport": True} if transport != "object_store" else {"num_cpus": 0}
-    device = "cpu"
-    if transport == "nccl":
+    rdt = transport != "object_store" or storage_device != "cpu"
+    cls_opts = {"enable_tensor_transport": True} if rdt else {"num_cpus": 0}
+    device: str | None = "cpu"
+    if storage_device != "cpu":
+        device = None
+        opts.setdefault("num_gpus", GPU_SHARE)
+    elif transport == "nccl":
         device = "cuda"
         opts.setdefault("num_gpus", 1.0 / num_actors)
-    return cls_opts, opts, device
+    return cls_opts, opts, coord_opts, device

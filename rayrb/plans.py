@@ -105,6 +105,7 @@ class GroupDispatch:
     plans: list[BatchPlan]
     reads: list[tuple[str, int]] = field(default_factory=list)
     refs: list[Any] = field(default_factory=list)
+    args: list[tuple[list[int], list[int], list[Any]]] = field(default_factory=list)  # for the caller to submit
 
 
 @dataclass(frozen=True)
