@@ -315,6 +315,107 @@ def bench_consumers(cfg, offline, online, root, results):
     rb.shutdown()
 
 
+GPU = dict(n_off=581_012, dim=54, n_on=100_000, batch_sizes=[4096, 65536, 262144], shards=[1, 2, 4],
+           repeats=3, seconds=2.0, prefetch=16)
+GPU_SMOKE = dict(n_off=20_000, dim=8, n_on=5_000, batch_sizes=[1024], shards=[1], repeats=1, seconds=0.2,
+                 prefetch=4)
+
+
+@ray.remote(num_gpus=0.5, num_cpus=0, enable_tensor_transport=True)
+class GPUConsumer:
+    """A learner-like GPU actor: rows/s of ``iter_batches(device="cuda")``, batches ready on its GPU."""
+
+    def run(self, rb, batch_size: int, prefetch: int, seconds: float) -> float:
+        it = rb.iter_batches(batch_size, prefetch=prefetch, device="cuda")
+        for _ in range(3):
+            next(it)
+        torch.cuda.synchronize()
+        t0, n = time.perf_counter(), 0
+        while time.perf_counter() - t0 < seconds:
+            batch = next(it)
+            n += batch.batch_size[0]
+        torch.cuda.synchronize()
+        return n / (time.perf_counter() - t0)
+
+
+def _rate(fn: Callable[[], Any], rows: int, seconds: float) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    t0, n = time.perf_counter(), 0
+    while time.perf_counter() - t0 < seconds:
+        fn()
+        n += rows
+    torch.cuda.synchronize()
+    return n / (time.perf_counter() - t0)
+
+
+def bench_gpu(cfg, root, out_dir: Path, results) -> None:
+    """GPU shards and CPU shards into a GPU actor, against TorchRL on the GPU and the GPU gather limit."""
+    from torchrl.data import LazyTensorStorage, ReplayBuffer
+    from torchrl.data import OfflineToOnlineReplayBuffer as TorchRLO2O
+
+    from rayrb import OfflineToOnlineReplayBuffer, write_dataset
+
+    g = cfg["gpu"]
+    offline, online = synthetic_table(g["n_off"], g["dim"]), synthetic_table(g["n_on"], g["dim"], seed=1)
+    ds_root = Path(root) / "offline-gpu"
+    write_dataset(offline, ds_root)
+
+    def torchrl_peer(device: str):
+        off = ReplayBuffer(storage=LazyTensorStorage(len(offline), device=device))
+        off.extend(offline)
+        rb = TorchRLO2O(offline_dataset=off, online_storage=LazyTensorStorage(len(online), device=device),
+                        offline_fraction=0.5)
+        rb.extend(online)
+        return rb
+
+    gpu_peer, cpu_peer = torchrl_peer("cuda"), torchrl_peer("cpu")
+    X = offline["X"].cuda()
+    out: dict[str, Any] = {}
+    for B in g["batch_sizes"]:
+        row: dict[str, list[float]] = {}
+        for _ in range(g["repeats"]):
+            idx = torch.randint(0, len(X), (B,), device="cuda")
+            row.setdefault("index_select_cuda", []).append(_rate(lambda: torch.index_select(X, 0, idx), B, g["seconds"]))
+            row.setdefault("torchrl_o2o_cuda_storage", []).append(_rate(lambda: gpu_peer.sample(B), B, g["seconds"]))
+            row.setdefault("torchrl_o2o_cpu_storage_to_cuda", []).append(
+                _rate(lambda: cpu_peer.sample(B).to("cuda", non_blocking=True), B, g["seconds"]))
+        for m in g["shards"]:
+            for storage in ("cpu", "cuda"):
+                rb = OfflineToOnlineReplayBuffer(str(ds_root), online_capacity=len(online), num_offline_shards=m,
+                                                 num_online_shards=m, offline_fraction=0.5, seed=m,
+                                                 storage_device=storage,
+                                                 max_batch_bytes=max(8 << 30, 4 * B * (g["dim"] * 4 + 8)))
+                rb.extend(online)
+                consumer = GPUConsumer.remote()
+                for _ in range(g["repeats"]):
+                    rate = ray.get(consumer.run.remote(rb.client(), B, g["prefetch"], g["seconds"]))
+                    row.setdefault(f"rayrb_{m}shard_{storage}_storage", []).append(rate)
+                if storage == "cuda" and B == g["batch_sizes"][0]:
+                    shards = rb.stats()["shards"]
+                    out.setdefault("memory", {})[f"{m}shard"] = {
+                        "device_bytes": [s["device_bytes"] for s in shards],
+                        "rows_bytes": (len(offline) + len(online)) * (g["dim"] * 4 + 8)}
+                ray.kill(consumer)
+                rb.shutdown()
+        out[str(B)] = {k: med_range(v) for k, v in row.items()}
+        print(f"  B={B}: " + ", ".join(f"{k} {v['median']:,.0f}" for k, v in out[str(B)].items()), flush=True)
+    ratios = {}
+    for B in g["batch_sizes"]:
+        r = out[str(B)]
+        for m in g["shards"]:
+            ratios[f"B={B} {m} GPU shard(s) / torchrl_o2o_cuda_storage"] = (
+                r[f"rayrb_{m}shard_cuda_storage"]["median"] / r["torchrl_o2o_cuda_storage"]["median"])
+            ratios[f"B={B} {m} CPU shard(s) to cuda / torchrl_o2o_cpu_storage_to_cuda"] = (
+                r[f"rayrb_{m}shard_cpu_storage"]["median"] / r["torchrl_o2o_cpu_storage_to_cuda"]["median"])
+    out["ratios"] = ratios
+    out["device"] = torch.cuda.get_device_name(0)
+    results["gpu"] = out
+    (out_dir / "results_gpu.json").write_text(json.dumps({**{k: results[k] for k in ("command", "machine", "versions")},
+                                                          "gpu": out}, indent=1, default=float))
+
+
 def bench_real(cfg, data_home, root, results):
     from rayrb import OfflineToOnlineReplayBuffer, load_dataset
 
@@ -543,11 +644,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--smoke", action="store_true", help="tiny sizes, one repeat (what the tests run)")
     p.add_argument("--data-home", default=os.environ.get("SCIKIT_LEARN_DATA"))
     p.add_argument("--out", default=str(DEFAULT_OUT))
-    p.add_argument("--sections", default="sampling,consumers,real,writing,preprocess,cluster")
+    p.add_argument("--sections", default="sampling,consumers,real,writing,preprocess,cluster",
+                   help="comma-separated; 'gpu' (not in the default) needs CUDA and writes results_gpu.json")
     p.add_argument("--batch-sizes", default=None, help="comma-separated, overrides the mode's")
     p.add_argument("--repeats", type=int, default=None, help="overrides the mode's")
     args = p.parse_args(argv)
     cfg = dict(SIZES["smoke" if args.smoke else "full"])
+    cfg["gpu"] = dict(GPU_SMOKE if args.smoke else GPU)
     if args.batch_sizes:
         cfg["batch_sizes"] = [int(b) for b in args.batch_sizes.split(",")]
     if args.repeats:
@@ -588,6 +691,12 @@ def main(argv: list[str] | None = None) -> dict:
         if "preprocess" in sections:
             print("preprocess...", flush=True)
             bench_preprocess(cfg, offline, root, results)
+        if "gpu" in sections:
+            if not torch.cuda.is_available():
+                results["not_measured"].append("gpu: torch.cuda.is_available() is False on this machine")
+            else:
+                print("gpu...", flush=True)
+                bench_gpu(cfg, root, out_dir, results)
         ray.shutdown()
         if "cluster" in sections:
             print("cluster...", flush=True)

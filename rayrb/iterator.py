@@ -34,6 +34,7 @@ class BatchIterator:
         self._left = optional_positive_int("num_batches", num_batches)
         self._device, self._return_info = device, return_info
         self._group = max(1, -(-self.prefetch // 2))
+        self._direct = _direct_reads(rb, device)  # shard handles, when reads go GPU to GPU from here
         self._pending: deque = deque()  # (group ref, batches in it)
         self._ready: deque = deque()  # batches fetched and copied out, not handed over
         self.max_in_flight = 0
@@ -49,7 +50,10 @@ class BatchIterator:
                 k = min(k, self._left - self.in_flight)
             if k <= 0 or (k < self._group and self._pending):
                 break
-            self._pending.append((self._rb._coord.sample_group.remote(self._batch_size, k), k))
+            if self._direct is None:
+                self._pending.append((self._rb._coord.sample_group.remote(self._batch_size, k), k))
+            else:
+                self._pending.append((self._submit_direct(k), k))
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
 
     def _backoff(self, waited: float, blocked: Blocked) -> float:
@@ -72,13 +76,20 @@ class BatchIterator:
         self._fill()
         waited = 0.0
         while not self._ready:
-            group = self._rb._get(self._pending[0][0])
+            head = self._pending[0][0]
+            group = head.value if isinstance(head, _Ready) else self._rb._get(head)
             self._pending.popleft()
             if isinstance(group, Blocked):  # the rate limiter holds sampling back: ask again shortly
                 waited = self._backoff(waited, group)
                 self._fill()
                 continue
             results = self._rb._get(group.refs)
+            if self._direct is not None:
+                from rayrb.transport import receive, split_flat
+
+                for plan, parts in split_group(group, [split_flat(r) for r in results]):
+                    self._ready.append(receive(plan, *parts) if self._return_info else receive(plan, *parts)[0])
+                continue
             # Copy every batch out of the group's objects now, so the object store holds no more
             # than the requests in flight (a view would pin a whole group).
             for plan, parts in split_group(group, results):
@@ -89,4 +100,52 @@ class BatchIterator:
         if self._left is not None:
             self._left -= 1
         self._fill()  # request more before handing the batch over, so sampling overlaps training
+        if self._direct is not None:  # already a TensorDict on this actor's GPU
+            return self._rb._transformed(out, self._return_info)
         return self._rb._finish(out, self._return_info, self._device)
+
+    def _submit_direct(self, k: int) -> Any:
+        """Plan a group at the coordinator, then read it from the GPU shards here, over CUDA IPC.
+
+        This actor owns the reads' refs, as Ray's one-sided CUDA IPC transport needs.
+        """
+        group = self._rb._get(self._rb._coord.sample_group.remote(self._batch_size, k, submit=False))
+        if isinstance(group, Blocked):
+            return _Ready(group)
+        for (side, i), (counts, seeds, epochs) in zip(group.reads, group.args):
+            shard = self._direct[side][i]
+            group.refs.append(shard.sample_many_tensors.options(tensor_transport="cuda_ipc")
+                              .remote(counts, seeds, epochs))
+        return _Ready(group)
+
+
+class _Ready:
+    """A group already planned (or refused) here, in the pending queue beside ObjectRefs."""
+
+    def __init__(self, value: Any):
+        self.value = value
+
+
+def _direct_reads(rb: Any, device: Any) -> dict[str, list] | None:
+    """The shard handles by side, when batches can go from GPU shards to this process's GPU over CUDA IPC:
+    ``device`` is CUDA, the shards hold their rows on a GPU, and Ray gave this actor that GPU. Else None."""
+    if device is None or getattr(rb, "_storage_device", "cpu") == "cpu":
+        return None
+    import torch
+
+    if torch.device(device).type != "cuda":
+        return None
+    import ray
+
+    from rayrb.transport import Place, choose
+
+    try:
+        mine = Place("consumer", ray.get_runtime_context().get_node_id(), tuple(str(g) for g in ray.get_gpu_ids()))
+    except Exception:
+        return None
+    shard_places = rb._get([s.place.remote() for s in rb._shards])
+    if not all(choose(Place(str(i), p["node"], tuple(p["gpus"])), mine) == "cuda_ipc"
+               for i, p in enumerate(shard_places)):
+        return None
+    m = len(rb.sizes()["offline"])
+    return {"offline": rb._shards[:m], "online": rb._shards[m:]}
