@@ -223,8 +223,9 @@ class Coordinator:
             group.reads.append((side, i))
             if submit:
                 group.refs.append(self._shards[side][i].sample_many.remote(counts, seeds, epochs))
-            else:
-                group.args.append((counts, seeds, epochs))
+            else:  # the caller's read may reach an online shard before a write planned with here
+                written = int(self._log.written[i]) if side == ONLINE else None
+                group.args.append((counts, seeds, epochs, written))
         self._planned(t0)
         return group
 

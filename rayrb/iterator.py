@@ -17,6 +17,9 @@ def _copy_batch(out: Any) -> Any:
     return {k: np.array(v) for k, v in out.items()}
 
 
+DIRECT_TRANSPORT: str | None = "cuda_ipc"  # GPU shards to the GPU actor that iterates (None: object store)
+
+
 class BatchIterator:
     """Iterates over sampled batches with a bounded number of requests in flight.
 
@@ -83,7 +86,7 @@ class BatchIterator:
                 waited = self._backoff(waited, group)
                 self._fill()
                 continue
-            results = self._rb._get(group.refs)
+            results = self._rb._get(group.refs) if self._direct is None else self._fetch_direct(group)
             if self._direct is not None:
                 from rayrb.transport import receive, split_flat
 
@@ -112,11 +115,32 @@ class BatchIterator:
         group = self._rb._get(self._rb._coord.sample_group.remote(self._batch_size, k, submit=False))
         if isinstance(group, Blocked):
             return _Ready(group)
-        for (side, i), (counts, seeds, epochs) in zip(group.reads, group.args):
-            shard = self._direct[side][i]
-            group.refs.append(shard.sample_many_tensors.options(tensor_transport="cuda_ipc")
-                              .remote(counts, seeds, epochs))
+        group.refs = [self._read_direct(side, i, args) for (side, i), args in zip(group.reads, group.args)]
         return _Ready(group)
+
+    def _read_direct(self, side: str, i: int, args: tuple) -> Any:
+        counts, seeds, epochs, written = args
+        method = self._direct[side][i].sample_many_tensors
+        if DIRECT_TRANSPORT is not None:
+            method = method.options(tensor_transport=DIRECT_TRANSPORT)
+        return method.remote(counts, seeds, epochs, written=written)
+
+    def _fetch_direct(self, group: Any) -> list:
+        """The group's reads, asking again those that reached an online shard before its planned writes."""
+        results, waited = self._rb._get(group.refs), 0.0
+        while True:
+            behind = [j for j, r in enumerate(results) if "behind" in r]
+            if not behind:
+                return results
+            timeout = self._rb._timeout
+            if timeout is not None and waited > timeout:
+                raise TimeoutError(f"online shards {[group.reads[j] for j in behind]} did not apply the writes "
+                                   f"this group was planned with within timeout={timeout}s")
+            time.sleep(0.001)
+            waited += 0.001
+            again = [self._read_direct(*group.reads[j], group.args[j]) for j in behind]
+            for j, r in zip(behind, self._rb._get(again)):
+                results[j] = r
 
 
 class _Ready:

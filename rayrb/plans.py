@@ -105,7 +105,8 @@ class GroupDispatch:
     plans: list[BatchPlan]
     reads: list[tuple[str, int]] = field(default_factory=list)
     refs: list[Any] = field(default_factory=list)
-    args: list[tuple[list[int], list[int], list[Any]]] = field(default_factory=list)  # for the caller to submit
+    # for the caller to submit: per read (counts, seeds, epochs, the online write count planned with)
+    args: list[tuple[list[int], list[int], list[Any], int | None]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -64,6 +64,9 @@ class _Shard:
     def _generation(self, idx: np.ndarray) -> np.ndarray:
         raise NotImplementedError
 
+    def _written_count(self) -> int:
+        return self.size()
+
     # sampling -----------------------------------------------------------------
     def _info(self, idx: np.ndarray) -> Info:
         return {"index": idx, "generation": self._generation(idx), **self._sampler.info(idx)}
@@ -123,15 +126,19 @@ class _Shard:
         return self.sample_many_tensors([count], [seed], [epoch], device=device)
 
     def sample_many_tensors(self, counts: list[int], seeds: list[int], epochs: list[Epoch | None] | None = None,
-                            device: str | None = None) -> dict[str, Any]:
+                            device: str | None = None, written: int | None = None) -> dict[str, Any]:
         """:meth:`sample_many` as one flat dict of torch tensors (``rows/..``, ``info/..``), for Ray Direct Transport.
 
         A shard that holds its rows on a GPU gathers there and returns CUDA tensors (sent
         with ``.options(tensor_transport="cuda_ipc" | "nccl")``); ``device`` moves them.
+        A read planned after ``written`` rows were sent here, that arrives before they
+        landed, returns ``{"behind": ...}`` and draws nothing: the caller asks again.
         torch is imported only here.
         """
         import torch
 
+        if written is not None and self._written_count() < written:
+            return {"behind": torch.zeros(1, device=self._table.device if self._table is not None else "cpu")}
         t0 = time.perf_counter()
         idx = self._indices(counts, seeds, epochs)
         rows = self._gather_tensors(idx)
@@ -308,6 +315,9 @@ class OnlineShard(_Shard):
 
     def written(self) -> int:
         """Rows ever written (the write count); ``size()`` is this capped at the capacity."""
+        return self._store.written
+
+    def _written_count(self) -> int:
         return self._store.written
 
     def extend(self, rows: Mapping[str, np.ndarray], start: int = 0, stop: int | None = None,

@@ -96,3 +96,36 @@ def test_online_device_shard_writes_both_copies_and_reopens_after_a_crash(datase
     fresh = OnlineShard(spec, 50, "t/on-fresh", device="cpu")
     fresh.load_state(state)  # a restore refreshes the device copy too
     np.testing.assert_array_equal(fresh.sample_many([20], [5])[0]["id"], host.sample_many([20], [5])[0]["id"])
+
+
+def test_a_read_that_arrives_before_its_planned_writes_draws_nothing(dataset, tmp_path):
+    from rayrb.chunks import ChunkDataset
+
+    spec = ChunkDataset.open(dataset).spec.to_json()
+    shard = OnlineShard(spec, 50, "t/on", device="cpu")
+    rows = {"obs": np.ones((10, 5), np.float32), "id": np.arange(10), "nested/r": np.zeros(10, np.float32)}
+    shard.extend(rows, 0, 4, first=0)
+    assert set(shard.sample_many_tensors([3], [1], written=10)) == {"behind"}  # 6 rows still on their way
+    shard.extend(rows, 4, 10, first=4)
+    out = shard.sample_many_tensors([3], [1], written=10)
+    assert out["rows/id"].shape == (3,) and "behind" not in out
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_iterating_with_reads_submitted_here_gives_the_coordinators_stream(make_buffer, monkeypatch):
+    """The GPU actor's path (plan at the coordinator, read from the shards here), over the object store."""
+    import rayrb.iterator as iterator
+
+    td = TensorDict({"obs": torch.randn(500, 5), "id": torch.arange(500), "nested": {"r": torch.rand(500)}}, [500])
+    kwargs = dict(online_capacity=100, num_offline_shards=2, num_online_shards=2, seed=4, batch_size=32)
+    here, there = make_buffer(td, **kwargs), make_buffer(td, **kwargs)
+    for rb in (here, there):
+        rb.extend(td[:60].clone().apply(lambda t: t + 1000 if t.dtype == torch.int64 else t))
+    want = [b["id"].tolist() for b in there.iter_batches(prefetch=4, num_batches=7)]
+    m = 2
+    monkeypatch.setattr(iterator, "_direct_reads",
+                        lambda rb, device: {"offline": rb._shards[:m], "online": rb._shards[m:]})
+    monkeypatch.setattr(iterator, "DIRECT_TRANSPORT", None)
+    got = list(here.iter_batches(prefetch=4, num_batches=7, return_info=True))
+    assert [b["id"].tolist() for b, _ in got] == want
+    assert all(int(info["offline"].sum()) == 16 for _, info in got)
