@@ -11,8 +11,8 @@ reward is 1 when the action is the row's label ``y``, else 0.
 4. The offline-to-online run: collector actors act epsilon-greedily with the learner's latest weights on fresh
    training contexts and ``extend`` the online buffer; the learner actor trains on batches whose offline
    share is annealed from 1 to ``--final-offline-fraction``, and every batch's split is checked to be exact.
-   The learner is fed by ``rb.feed()`` (``--input feed``) or pulls ``rb.iter_batches()`` itself
-   (``--input iterator``).
+   The learner is fed by ``rb.feed()`` (``--input feed``), pulls ``rb.iter_batches()`` itself
+   (``--input iterator``), or is an RLlib ``LearnerGroup`` updated from rayrb's batch refs (``--input rllib``).
 5. ``metrics.json`` and ``train_bandit.png`` (online reward and held-out greedy accuracy against learner
    steps, beside the offline-only baseline) go to ``--out``.
 
@@ -27,6 +27,7 @@ actions taken; the greedy policy is ``argmax_a Q(x, a)``.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import math
@@ -206,19 +207,140 @@ class Learner:
             return float((self.model(self.test_x).argmax(-1) == self.test_y).float().mean())
 
 
+# RLlib column -> logged key: what the reward model reads.
+REWARD_COLUMNS = {"obs": "observation", "actions": "action", "rewards": "next/reward"}
+
+
+@functools.cache
+def rllib_classes() -> tuple[type, type]:
+    """The reward model as an RLlib ``TorchRLModule`` and its ``TorchLearner``; only ``--input rllib`` imports RLlib."""
+    try:
+        import torch
+        from ray.rllib.core import DEFAULT_MODULE_ID
+        from ray.rllib.core.columns import Columns
+        from ray.rllib.core.learner.torch.torch_learner import TorchLearner
+        from ray.rllib.core.rl_module.torch import TorchRLModule
+        from ray.rllib.utils.metrics import TD_ERROR_KEY
+    except ImportError as e:
+        raise ImportError(f"--input rllib expects RLlib to be installed (pip install 'rayrb[rllib]'), "
+                          f"got {type(e).__name__}: {e}") from e
+
+    class RewardModule(TorchRLModule):
+        """``make_model``'s MLP: one reward logit per action."""
+
+        def setup(self) -> None:
+            self.q = make_model(self.observation_space.shape[0], self.action_space.n, self.model_config["hidden"])
+
+        def _forward(self, batch: dict, **kwargs) -> dict:
+            return {"q": self.q(batch[Columns.OBS])}
+
+    class RewardLearner(TorchLearner):
+        """``Learner._step``'s loss; RLlib's default optimizer is the same Adam at ``config.lr``."""
+
+        def build(self) -> None:
+            torch.set_num_threads(1)  # as the actor learner: one CPU
+            super().build()
+            self._test = None
+
+        def compute_loss_for_module(self, *, module_id, config, batch, fwd_out):
+            q = fwd_out["q"].gather(-1, batch[Columns.ACTIONS].long().unsqueeze(-1))
+            reward = batch[Columns.REWARDS].float().unsqueeze(-1)
+            # A bandit's TD error is r - Q(x, a): one per row, as rayrb.integrations.rllib.update expects.
+            self.metrics.log_value((module_id, TD_ERROR_KEY), (reward - torch.sigmoid(q)).detach().squeeze(-1),
+                                   reduce="item_series")
+            return torch.nn.functional.binary_cross_entropy_with_logits(q, reward)
+
+        def evaluate(self) -> float:
+            """``Learner.evaluate`` on this learner's module."""
+            from rayrb import ChunkDataset
+
+            if self._test is None:
+                test = ChunkDataset.open(self.config.learner_config_dict["test_root"]).read()
+                self._test = torch.from_numpy(test["X"]), torch.from_numpy(test["y"])
+            x, y = self._test
+            with torch.no_grad():
+                return float((self.module[DEFAULT_MODULE_ID].q(x).argmax(-1) == y).float().mean())
+
+    return RewardModule, RewardLearner
+
+
+class GroupLearner:
+    """``Learner`` run as RLlib's ``LearnerGroup`` (new API stack, one remote learner with one CPU).
+
+    Batches are sampled by rayrb and reach the learner as ``MultiAgentBatch`` refs through
+    ``rayrb.integrations.rllib.update``, straight from the shards.
+    """
+
+    def __init__(self, rb, test_root: str, n_features: int, n_actions: int, hidden: int, lr: float, seed: int):
+        import gymnasium as gym
+        from ray.rllib.algorithms.algorithm_config import AlgorithmConfig
+        from ray.rllib.core import DEFAULT_MODULE_ID
+        from ray.rllib.core.rl_module.rl_module import RLModuleSpec
+
+        module_cls, learner_cls = rllib_classes()
+        config = (AlgorithmConfig()
+                  .learners(num_learners=1, num_cpus_per_learner=1, learner_class=learner_cls,
+                            learner_config_dict={"test_root": test_root})
+                  .training(lr=lr)
+                  .debugging(seed=seed))
+        spec = RLModuleSpec(module_class=module_cls,
+                            observation_space=gym.spaces.Box(-np.inf, np.inf, (n_features,), np.float32),
+                            action_space=gym.spaces.Discrete(n_actions), model_config={"hidden": hidden})
+        self.rb, self.module_id, self.rows, self.stopped = rb, DEFAULT_MODULE_ID, 0, False
+        self.group = config.build_learner_group(rl_module_spec=spec)
+
+    def train(self, steps: int, batch_size: int) -> list[tuple[float, int, int]]:
+        """``steps`` updates, each on one batch sampled by rayrb; ``(loss, offline rows, rows)`` for each."""
+        from ray.rllib.core.learner.learner import Learner as RLlibLearner
+        from ray.rllib.utils.metrics import NUM_ENV_STEPS_SAMPLED_LIFETIME
+
+        from rayrb.integrations.rllib import update
+
+        out = []
+        for _ in range(steps):
+            self.rows += batch_size
+            res = update(self.group, self.rb, batch_size, columns=REWARD_COLUMNS,
+                         timesteps={NUM_ENV_STEPS_SAMPLED_LIFETIME: self.rows})
+            loss = res.results[0][self.module_id][RLlibLearner.TOTAL_LOSS_KEY]
+            out.append((float(loss.peek() if hasattr(loss, "peek") else loss), int(res.info["offline"].sum()),
+                        int(res.info["index"].shape[0])))
+        return out
+
+    def weights(self):
+        """The module's weights as ``make_model``'s state dict, in the object store for the collectors."""
+        import torch
+
+        state = self.group.get_weights([self.module_id])[self.module_id]
+        return ray.put({k.split(".", 1)[1]: torch.tensor(v) for k, v in state.items()})  # drop the "q." prefix
+
+    def evaluate(self) -> float:
+        """Held-out greedy accuracy, computed on the remote learner."""
+        return next(r.get() for r in self.group.foreach_learner(lambda learner: learner.evaluate()))
+
+    def shutdown(self) -> None:
+        if not self.stopped:
+            self.stopped = True
+            self.group.shutdown()
+
+
 # ---------------------------------------------------------------------------- the runs
 def run(rb, learner, collectors: list, args: argparse.Namespace, label: str) -> dict[str, list]:
-    """Train for ``args.steps`` in blocks of ``args.sync_every``; between blocks, anneal, sync weights, evaluate."""
+    """Train for ``args.steps`` in blocks of ``args.sync_every``; between blocks, anneal, sync weights, evaluate.
+
+    ``learner`` is a ``Learner`` actor, or a ``GroupLearner`` (driver-side) with ``--input rllib``.
+    """
     series: dict[str, list] = {"step": [], "offline_fraction": [], "online_reward": [], "greedy_reward": [],
                                "heldout_accuracy": [], "loss": []}
-    rb.connect_learners([learner])
+    rllib = args.input == "rllib"
+    if not rllib:  # a LearnerGroup is updated from batch refs, not fed
+        rb.connect_learners([learner])
     online = bool(collectors)
     anneal_total = None
     if online and args.final_offline_fraction < 1:
         # rb.anneal decays 1 -> 0 over anneal_total steps, which puts the final fraction at args.steps.
         anneal_total = max(1, math.ceil(args.steps / (1 - args.final_offline_fraction)))
     if online:  # the online side is never empty once training starts, so every batch has the exact split
-        weights = learner.weights.remote()
+        weights = learner.weights() if rllib else learner.weights.remote()
         ray.get([c.set_weights.remote(weights) for c in collectors])
         ray.get([c.collect.remote(args.collect_rows) for c in collectors])
     batches = exact = 0
@@ -231,12 +353,15 @@ def run(rb, learner, collectors: list, args: argparse.Namespace, label: str) -> 
         f = rb.offline_fraction
         pending = []
         if online:  # collectors act with the newest weights while the learner trains on this block
-            weights = learner.weights.remote()  # one object, read by every collector from the object store
+            # one object, read by every collector from the object store
+            weights = learner.weights() if rllib else learner.weights.remote()
             for c in collectors:  # an actor runs its calls in order: the weights land before the collect
                 c.set_weights.remote(weights)
             pending = [c.collect.remote(args.collect_rows) for c in collectors]
         if args.input == "feed":
             results = [rb.feed("update")[0] for _ in range(n)]
+        elif rllib:
+            results = learner.train(n, args.batch_size)
         else:
             results = ray.get(learner.train.remote(n, args.batch_size))
         want = expected_offline(args.batch_size, f)
@@ -245,7 +370,7 @@ def run(rb, learner, collectors: list, args: argparse.Namespace, label: str) -> 
             exact += int(n_off == want and rows == args.batch_size)
         step += n
         collected = ray.get(pending)
-        acc = ray.get(learner.evaluate.remote())
+        acc = learner.evaluate() if rllib else ray.get(learner.evaluate.remote())
         series["step"].append(step)
         series["offline_fraction"].append(f)
         series["online_reward"].append(float(np.mean([c["reward"] for c in collected])) if collected else None)
@@ -263,6 +388,14 @@ def run(rb, learner, collectors: list, args: argparse.Namespace, label: str) -> 
     series["batches"], series["exact_split_batches"], series["online_rows"] = batches, exact, online_rows
     series["seconds"] = time.perf_counter() - t0
     return series
+
+
+def stop(actor) -> None:
+    """Kill an actor, or shut a ``GroupLearner``'s learners down (again is harmless)."""
+    if isinstance(actor, GroupLearner):
+        actor.shutdown()
+    else:
+        ray.kill(actor)
 
 
 def plot(metrics: dict, path: Path) -> bool:
@@ -307,8 +440,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", default="outputs/train_bandit", help="where metrics.json and train_bandit.png go")
     p.add_argument("--address", default=os.environ.get("RAY_ADDRESS"), help="Ray cluster (default: $RAY_ADDRESS "
                    "or a new local Ray)")
-    p.add_argument("--input", choices=["feed", "iterator"], default="feed",
-                   help="feed: rb.feed() hands the learner actor its slices; iterator: it pulls rb.iter_batches()")
+    p.add_argument("--input", choices=["feed", "iterator", "rllib"], default="feed",
+                   help="feed: rb.feed() hands the learner actor its slices; iterator: it pulls rb.iter_batches(); "
+                        "rllib: an RLlib LearnerGroup is updated from rayrb's MultiAgentBatch refs")
     p.add_argument("--behaviour", choices=["uniform", "skewed"], default="uniform",
                    help="the logging policy: uniform random, or skewed (p(a) halving with each class id)")
     p.add_argument("--steps", type=int, default=600, help="learner steps, for each run")
@@ -341,6 +475,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse(argv)
+    if args.input == "rllib":
+        rllib_classes()  # fails here, before Ray starts, when RLlib is missing
     t_start = time.perf_counter()
     ray.init(address=args.address, include_dashboard=False if args.address is None else None,
              logging_level=logging.WARNING)
@@ -376,13 +512,14 @@ def main(argv: list[str] | None = None) -> dict:
     actors: list = []
     try:
         def learner():
-            actor = Learner.remote(rb, splits["test"], d, K, args.hidden, args.lr, args.seed)
+            make = GroupLearner if args.input == "rllib" else Learner.remote
+            actor = make(rb, splits["test"], d, K, args.hidden, args.lr, args.seed)
             actors.append(actor)
             return actor
 
         baseline = learner()
         offline_only = run(rb, baseline, [], args, "offline only")
-        ray.kill(baseline)  # frees its CPU for the next learner
+        stop(baseline)  # frees its CPU for the next learner
         collectors = [Collector.remote(rb, splits["train"], d, K, args.hidden, args.epsilon, args.seed + 1 + i)
                       for i in range(args.collectors)]
         actors += collectors
@@ -391,7 +528,7 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         rb.shutdown()
         for a in actors:
-            ray.kill(a)
+            stop(a)
     timing["total_s"] = time.perf_counter() - t_start
     tail = max(1, len(o2o["step"]) // 5)  # the last fifth of the run
     metrics = {

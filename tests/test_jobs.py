@@ -98,24 +98,41 @@ def head(tmp_path):
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-def test_train_bandit_runs_as_a_submitted_job(head, data_home, tmp_path):
+def submit_train_bandit(head, data_home, tmp_path, *args: str) -> tuple[str, dict]:
+    """``ray job submit`` the main job's quick configuration; its streamed log and metrics.json."""
     url, env = head
     out = tmp_path / "out"
     submit = subprocess.run(
         [os.path.join(os.path.dirname(sys.executable), "ray"), "job", "submit", "--address", url,
          "--working-dir", str(REPO), "--",
          "python", "pipelines/train_bandit.py", "--quick", "--data-home", str(data_home),
-         "--root", str(tmp_path / "root"), "--out", str(out)],
+         "--root", str(tmp_path / "root"), "--out", str(out), *args],
         capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
     log = submit.stdout + submit.stderr
     assert submit.returncode == 0, log[-4000:]
     assert "succeeded" in log
+    return log, json.loads((out / "metrics.json").read_text())
+
+
+def test_train_bandit_runs_as_a_submitted_job(head, data_home, tmp_path):
+    log, metrics = submit_train_bandit(head, data_home, tmp_path)
     # what the job printed, streamed back by `ray job submit`
     assert "prepared openml:mushroom_onehot: 8124 rows, 117 features, 2 actions" in log
     assert "[offline-to-online] step    60/60" in log and "60/60 batches with the exact split" in log
-    metrics = json.loads((out / "metrics.json").read_text())
     final = metrics["final"]
     assert final["behaviour_heldout_accuracy"] == pytest.approx(0.5)
     assert final["o2o_heldout_accuracy"] > 0.85 and final["offline_only_heldout_accuracy"] > 0.85, final
     assert metrics["o2o"]["offline_fraction"][0] == 1.0 and metrics["o2o"]["offline_fraction"][-1] < 0.5
     assert metrics["o2o"]["online_rows"] > 0
+
+
+def test_train_bandit_trains_an_rllib_learner_group(head, data_home, tmp_path):
+    log, metrics = submit_train_bandit(head, data_home, tmp_path, "--input", "rllib")
+    assert metrics["config"]["input"] == "rllib"
+    assert "[offline-to-online] step    60/60" in log and "60/60 batches with the exact split" in log
+    for run in ("offline_only", "o2o"):
+        assert metrics[run]["exact_split_batches"] == metrics[run]["batches"] == 60, metrics[run]
+    final = metrics["final"]
+    assert final["behaviour_heldout_accuracy"] == pytest.approx(0.5)
+    assert final["o2o_heldout_accuracy"] > 0.85 and final["offline_only_heldout_accuracy"] > 0.85, final
+    assert metrics["o2o"]["offline_fraction"][-1] < 0.5 and metrics["o2o"]["online_rows"] > 0
