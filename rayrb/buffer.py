@@ -98,7 +98,7 @@ class OfflineToOnlineReplayBuffer(BufferClient):
         transport (str): how :meth:`feed` hands rows to learners (see :meth:`connect_learners`):
             ``"object_store"`` (default), ``"gloo"``, ``"nccl"``, ``"cuda_ipc"`` or ``"auto"``.
         prefetch (int): batches a plain :meth:`sample` loop may draw ahead of the calls,
-            one coordinator call per group (default 8, bounded by 64 MiB of rows;
+            one coordinator call per group (default 32, bounded by 64 MiB of rows;
             ``0`` draws each batch when asked). They are given back before this handle
             writes, steers or saves, so the stream is the one unprefetched calls give
             (:mod:`rayrb.lookahead`). With a rate limiter that can hold calls back,

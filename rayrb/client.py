@@ -38,7 +38,7 @@ class WriteTimeoutError(TimeoutError):
         self.write_id = write_id
 
 
-PREFETCH = 8  # batches a plain sample() loop may draw ahead (rayrb.lookahead)
+PREFETCH = 32  # batches a plain sample() loop may draw ahead (rayrb.lookahead)
 
 
 def _numpy(x: Any) -> np.ndarray:
