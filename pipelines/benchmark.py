@@ -273,6 +273,27 @@ class Consumer:
         return {"rows": rows, "start": t0, "end": time.time()}
 
 
+def cpu_by_role() -> dict[str, float]:
+    """CPU seconds used so far by this machine's processes, grouped by what they are (Ray sets actor titles)."""
+    import psutil
+
+    roles = {"consumers": ("ray::Consumer",), "shards": ("ray::OfflineShard", "ray::OnlineShard"),
+             "coordinator": ("ray::Coordinator",), "ray system": ("raylet", "gcs_server", "dashboard", "log_monitor",
+                                                                   "monitor.py", "runtime_env", "DashboardAgent")}
+    out = dict.fromkeys([*roles, "other"], 0.0)
+    for proc in psutil.process_iter(["cmdline", "cpu_times"]):
+        try:
+            line = " ".join(proc.info["cmdline"] or [])
+            t = proc.info["cpu_times"]
+        except (psutil.Error, TypeError):
+            continue
+        if t is None:
+            continue
+        role = next((r for r, keys in roles.items() if any(k in line for k in keys)), "other")
+        out[role] += t.user + t.system
+    return out
+
+
 def bench_consumers(cfg, offline, online, root, results):
     """1, 2, 4 and 8 consumer actors iterating at once over one buffer: total rows/s and the coordinator's load."""
     import psutil
@@ -292,8 +313,10 @@ def bench_consumers(cfg, offline, online, root, results):
             actors = [Consumer.remote() for _ in range(n)]
             ray.get([a.__ray_ready__.remote() for a in actors])
             before, cpu0 = ray.get(rb._coord.stats.remote(False))["coordinator"], psutil.cpu_times()
+            roles0 = cpu_by_role()
             got = ray.get([a.run.remote(rb.client(), B, cfg["prefetch"], seconds, time.time() + 0.5) for a in actors])
             after, cpu1 = ray.get(rb._coord.stats.remote(False))["coordinator"], psutil.cpu_times()
+            roles = {k: v - roles0.get(k, 0.0) for k, v in cpu_by_role().items()}
             busy = sum(getattr(cpu1, f) - getattr(cpu0, f) for f in ("user", "system", "nice", "irq", "softirq"))
             total = busy + (cpu1.idle - cpu0.idle) + (getattr(cpu1, "iowait", 0) - getattr(cpu0, "iowait", 0))
             plans = after.get("batches", 0) - before.get("batches", 0)
@@ -305,7 +328,8 @@ def bench_consumers(cfg, offline, online, root, results):
                         "coordinator_ms_per_plan": plan_ms / max(plans, 1),
                         "coordinator_busy_fraction": sum(g["rows"] for g in got) / B / span * plan_ms / max(plans, 1) / 1e3,
                         "coordinator_plans_per_s_ceiling": 1e3 * max(plans, 1) / max(plan_ms, 1e-9),
-                        "machine_cpu_busy_fraction": busy / total})
+                        "machine_cpu_busy_fraction": busy / total,
+                        **{f"cpu_share_{k.replace(' ', '_')}": max(v, 0.0) / max(busy, 1e-9) for k, v in roles.items()}})
             for a in actors:
                 ray.kill(a)
         out[str(n)] = {k: med_range([r[k] for r in row]) for k in row[0]}

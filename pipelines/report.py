@@ -34,6 +34,26 @@ def render(r: dict) -> str:
                 "|---|---|---|"]
         for k, v in r["prefetch_sweep"].items():
             out.append(f"| {k} | {fmt(v['rows_per_s'])} | {v['p50_ms']:.2f} |")
+    if "consumers" in r:
+        c = r["consumers"]
+        out += ["", f"### Consumers at once (actors iterating with prefetch {c['prefetch']}, B={c['batch_size']}, "
+                "2 offline and 2 online shards)", "",
+                "| consumers | rows/s in all | × one | plans/s | coordinator ms per plan | coordinator busy | "
+                "coordinator ceiling, plans/s | machine CPU busy |", "|---|---|---|---|---|---|---|---|"]
+        for n, v in c.items():
+            if isinstance(v, dict):
+                out.append(f"| {n} | {rng(v['rows_per_s'])} | {v['speedup_vs_one']:.2f} | "
+                           f"{v['plans_per_s']['median']:,.0f} | {v['coordinator_ms_per_plan']['median']:.3f} | "
+                           f"{v['coordinator_busy_fraction']['median']:.2f} | "
+                           f"{v['coordinator_plans_per_s_ceiling']['median']:,.0f} | "
+                           f"{v['machine_cpu_busy_fraction']['median']:.2f} |")
+        shares = [k for k in next(v for v in c.values() if isinstance(v, dict)) if k.startswith("cpu_share_")]
+        if shares:
+            out += ["", "Where the machine's CPU time went (share of all busy CPU time while the consumers ran):", "",
+                    "| consumers | " + " | ".join(k[len("cpu_share_"):].replace("_", " ") for k in shares) + " |",
+                    "|---|" + "---|" * len(shares)]
+            out += [f"| {n} | " + " | ".join(f"{v[k]['median']:.2f}" for k in shares) + " |"
+                    for n, v in c.items() if isinstance(v, dict)]
     if "sampling_real" in r:
         sr = r["sampling_real"]
         out += ["", f"### Real data: {sr['dataset']}, B={sr['batch_size']}", "", "| peer | rows/s |", "|---|---|"]
