@@ -70,6 +70,18 @@ class Coordinator:
         # The handle whose draws are the latest, with the planner's state before each of them: while
         # no one else draws or steers, that handle can give back the batches it drew ahead (``undo``).
         self._ahead: tuple[str, deque] | None = None
+        # Bumped by every write, priority update, restore and change of settings: a handle holding batches
+        # drawn ahead at an older version gives them back (sizes no staler than the previous sample call).
+        self._version = 0
+
+    def _changed(self, settings: bool = False) -> None:
+        self._version += 1
+        if settings:  # a handle's draws ahead cannot be given back past a change of settings
+            self._ahead = None
+
+    def version(self) -> int:
+        """What the next draw would be planned with, as a counter of writes, updates and settings changes."""
+        return self._version
 
     # sizes ------------------------------------------------------------------
     def _sizes(self) -> dict[str, np.ndarray]:
@@ -89,23 +101,23 @@ class Coordinator:
         return self._planner.fraction(self._sizes())
 
     def set_offline_fraction(self, value: Any) -> float:
-        self._ahead = None  # a handle's draws ahead cannot be given back past a change of settings
+        self._changed(settings=True)
         self._planner.set_fraction(value)
         return self.offline_fraction()
 
     def anneal(self, step: int, total_steps: int) -> float:
         """TorchRL's ``anneal``: linear from the base fraction to 0 over ``total_steps``."""
-        self._ahead = None  # a handle's draws ahead cannot be given back past a change of settings
+        self._changed(settings=True)
         return self._planner.anneal(step, total_steps, self._sizes())
 
     def set_step(self, step: int) -> None:
-        self._ahead = None  # a handle's draws ahead cannot be given back past a change of settings
+        self._changed(settings=True)
         self._planner.set_step(step)
 
     def base_fraction(self, value: float | None = None) -> float:
         """The fraction ``anneal`` decays from; set it with ``value``."""
         if value is not None:
-            self._ahead = None
+            self._changed(settings=True)
             self._planner.set_base_fraction(value)
         return self._planner.base_fraction(self._sizes())
 
@@ -217,7 +229,7 @@ class Coordinator:
         for plan, reads in drawn:
             for part, (seed, kwargs) in zip(plan.parts, reads):
                 by_shard.setdefault((part.side, part.shard), []).append((part.count, seed, kwargs.get("epoch")))
-        group = GroupDispatch([plan for plan, _ in drawn])
+        group = GroupDispatch([plan for plan, _ in drawn], version=self._version)
         for (side, i), items in by_shard.items():
             counts, seeds, epochs = (list(x) for x in zip(*items))
             group.reads.append((side, i))
@@ -287,6 +299,7 @@ class Coordinator:
         if len(states) != len(self._shards[side]):
             raise ValueError(f"expected {len(self._shards[side])} {side} shard states, got {len(states)}")
         ray.get([s.check_state.remote(st) for s, st in zip(self._shards[side], states)])
+        self._changed()
         return [s.load_state.remote(st) for s, st in zip(self._shards[side], states)]
 
     def sample_slices(self, batch_size: int, *, num_slices: int = 1, return_info: bool = False,
@@ -380,6 +393,7 @@ class Coordinator:
         acks = [self._shards[ONLINE][w.shard].extend.remote(rows_ref[0], w.start, w.stop, first=w.first)
                 for w in plan]
         self._log.commit(plan, write_id, acks)
+        self._changed()
         self._planner.record_insert(rows, size, prefill=prefill)
         self._waited("insert", waited)
         self._requery_masses(ONLINE, [w.shard for w in plan])
@@ -398,6 +412,7 @@ class Coordinator:
                              f"{self._planner.sampler!r}")
         routes = route_priorities(offline, shard, index, generation, priority, self._sizes())
         acks = [self._shards[side][i].update_priority.remote(*args) for side, i, args in routes]
+        self._changed()
         for side, i, _ in routes:
             self._requery_masses(side, [i])
         return sum(len(args[0]) for _, _, args in routes), acks
@@ -406,6 +421,7 @@ class Coordinator:
         """Take the online shards' own write counts (after a failed write or a restore)."""
         import ray
 
+        self._changed()
         if self._log is not None:
             self._log.reset(ray.get([s.written.remote() for s in self._shards[ONLINE]]))
         for side in SIDES:
@@ -429,7 +445,7 @@ class Coordinator:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the sampling state; checked whole before anything changes."""
-        self._ahead = None  # a handle's draws ahead cannot be given back past a change of settings
+        self._changed(settings=True)
         self._planner.load_state_dict(state)
         for side in SIDES:  # priorities may have changed under us: re-query every shard
             self._requery_masses(side, range(len(self._shards[side])))

@@ -15,6 +15,12 @@ its planner to the state before the first unserved draw, so:
 * a change of fraction, schedule, step, seed or state applies to the next ``sample()``;
 * the same seed gives the same stream, whether batches were drawn ahead or not.
 
+Other handles write and steer too. Each ``sample()`` asks the coordinator, without
+waiting, for its version (a counter of writes, priority updates, restores and
+settings changes); the next ``sample()`` reads the answer and gives back batches
+drawn at an older version. So a batch is never planned with sizes staler than the
+previous ``sample()`` call, as without drawing ahead.
+
 A rewind is possible while no other caller has drawn or changed a setting since.
 When one has, the draws stand: batches with replacement are dropped (the stream
 goes on after them), and batches without replacement are kept and served, so that
@@ -61,9 +67,10 @@ class Lookahead:
         self._ready: deque = deque()  # (batch, last_of_epoch), fetched
         self._pending: deque = deque()  # group refs asked for, not fetched
         self._served = 0  # since the last give-back
+        self._version_ref = None  # the coordinator's version, asked for at the previous sample()
         self._run: int | None = None  # served between the last two give-backs
         self._lock = threading.Lock()
-        self.stats = {"groups": 0, "given_back": 0, "dropped": 0, "kept": 0}
+        self.stats = {"groups": 0, "given_back": 0, "dropped": 0, "kept": 0, "stale": 0}
 
     # serving ------------------------------------------------------------------
     def next(self, batch_size: int, return_info: bool) -> tuple[Any, bool]:
@@ -73,6 +80,7 @@ class Lookahead:
                 self._give_back()
                 self._ready.clear()  # kept batches of another size or shape cannot be served
                 self._key = (batch_size, return_info)
+            self._check_version()
             waited = 0.0
             while not self._ready:
                 if not self._pending:
@@ -83,12 +91,34 @@ class Lookahead:
                     waited = self._backoff(waited, group)
                     continue
                 self._unpack(group)
-            out = self._ready.popleft()
+            out = self._ready.popleft()[:2]
             self._served += 1
+            if self.depth:  # answered by the next call: what has been written or changed since this one
+                self._version_ref = self._rb._coord.version.remote()
             target = min(self._cap(), self._expected(now=False))
             if not self._pending and len(self._ready) <= target // 2 and target > len(self._ready):
                 self._ask(target - len(self._ready), 0.0)  # the next group is drawn while these are served
             return out
+
+    def _check_version(self) -> None:
+        """Give back what is held if anyone wrote, updated priorities or changed a setting since it was drawn,
+        as of the previous ``sample()``: a batch is never planned with sizes staler than that."""
+        ref, self._version_ref = self._version_ref, None
+        if ref is None or not (self._ready or self._pending):
+            return
+        version = self._rb._get(ref)
+        if not self._ready:  # the next batch is in the group asked for last: its version is known once fetched
+            group = self._rb._get(self._pending[0])
+            if isinstance(group, Blocked):
+                return
+            self._pending.popleft()
+            self._unpack(group)
+        if self._ready[0][2] >= version:
+            return
+        self.stats["stale"] += 1
+        self._give_back()
+        # kept (without replacement, another handle drew since): served as they are, not asked about again
+        self._ready = deque((out, last, version) for out, last, _ in self._ready)
 
     def _cap(self) -> int:
         """Batches that may be held beyond the one being served: ``depth``, and ``max_bytes`` of rows."""
@@ -119,7 +149,7 @@ class Lookahead:
         for plan, parts in split_group(group, results):
             out = assemble(plan, parts, self._key[1])
             self._ready.append((_copy_batch(out) if len(group.plans) > 1 and len(parts) == 1 else out,
-                                bool(plan.last_of_epoch)))
+                                bool(plan.last_of_epoch), group.version))
 
     def _backoff(self, waited: float, blocked: Blocked) -> float:
         timeout = self._rb._timeout

@@ -105,6 +105,7 @@ class GroupDispatch:
     plans: list[BatchPlan]
     reads: list[tuple[str, int]] = field(default_factory=list)
     refs: list[Any] = field(default_factory=list)
+    version: int = -1  # the coordinator's version (writes, updates, settings) the group was planned at
     # for the caller to submit: per read (counts, seeds, epochs, the online write count planned with)
     args: list[tuple[list[int], list[int], list[Any], int | None]] = field(default_factory=list)
 

@@ -152,3 +152,16 @@ def test_a_rate_limiter_that_can_block_draws_nothing_ahead(make_buffer):
 def test_prefetch_is_checked(make_buffer):
     with pytest.raises(ValueError, match="prefetch"):
         make_buffer(rows(0, 10), online_capacity=10, prefetch=-1)
+
+
+def test_another_handles_write_reaches_this_handles_samples_within_one_call(pair):
+    """Sizes are no staler than the previous sample() call, even with batches drawn ahead."""
+    ahead, _ = pair(offline_fraction=0.5)
+    collector = ahead.client(prefetch=0)
+    ahead.sample(return_info=True)  # 8 all-offline batches held: the online side is empty
+    ahead.sample(return_info=True)  # asks what changed since the previous call
+    collector.extend(rows(1000, 30))
+    ahead.sample(return_info=True)  # may still be planned before the write
+    _, info = ahead.sample(return_info=True)
+    assert int((~info["offline"]).sum()) == 8
+    assert ahead._lookahead.stats["stale"] >= 1, ahead._lookahead.stats
