@@ -101,6 +101,14 @@ class BufferClient:
             time.sleep(delay)
             delay = min(2 * delay, 0.05)
 
+    def _backoff(self, waited: float, blocked: Blocked) -> float:
+        """Sleep before asking again a call the rate limiter held back; past ``timeout``, raise (nothing changed)."""
+        delay = min(0.05, 0.001 + waited)
+        if self._timeout is not None and waited + delay > self._timeout:
+            raise TimeoutError(f"buffer {self._name!r}: waited {self._timeout}s for the rate limiter: {blocked.reason}")
+        time.sleep(delay)
+        return waited + delay
+
     def _rows(self, data: Any, what: str) -> dict[str, np.ndarray]:
         if isinstance(data, (list, tuple)):
             raise TypeError(f"expected one TensorDict or dict of arrays for {what}, got a {type(data).__name__} "

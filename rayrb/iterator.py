@@ -59,14 +59,6 @@ class BatchIterator:
                 self._pending.append((self._submit_direct(k), k))
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
 
-    def _backoff(self, waited: float, blocked: Blocked) -> float:
-        timeout = self._rb._timeout
-        delay = min(0.05, 0.001 + waited)
-        if timeout is not None and waited + delay > timeout:
-            raise TimeoutError(f"waited {timeout}s for the rate limiter: {blocked.reason}")
-        time.sleep(delay)
-        return waited + delay
-
     def __iter__(self) -> "BatchIterator":
         return self
 
@@ -83,7 +75,7 @@ class BatchIterator:
             group = head.value if isinstance(head, _Ready) else self._rb._get(head)
             self._pending.popleft()
             if isinstance(group, Blocked):  # the rate limiter holds sampling back: ask again shortly
-                waited = self._backoff(waited, group)
+                waited = self._rb._backoff(waited, group)
                 self._fill()
                 continue
             results = self._rb._get(group.refs) if self._direct is None else self._fetch_direct(group)

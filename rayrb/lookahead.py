@@ -34,7 +34,6 @@ samples draws up to ``depth`` (bounded by ``max_bytes`` of rows in flight).
 from __future__ import annotations
 
 import threading
-import time
 import uuid
 from collections import deque
 from typing import Any
@@ -88,7 +87,7 @@ class Lookahead:
                 group = self._rb._get(self._pending[0])
                 self._pending.popleft()
                 if isinstance(group, Blocked):  # the rate limiter holds sampling back: ask again shortly
-                    waited = self._backoff(waited, group)
+                    waited = self._rb._backoff(waited, group)
                     continue
                 self._unpack(group)
             out = self._ready.popleft()[:2]
@@ -150,14 +149,6 @@ class Lookahead:
             out = assemble(plan, parts, self._key[1])
             self._ready.append((_copy_batch(out) if len(group.plans) > 1 and len(parts) == 1 else out,
                                 bool(plan.last_of_epoch), group.version))
-
-    def _backoff(self, waited: float, blocked: Blocked) -> float:
-        timeout = self._rb._timeout
-        delay = min(0.05, 0.001 + waited)
-        if timeout is not None and waited + delay > timeout:
-            raise TimeoutError(f"buffer {self._rb._name!r}: waited {timeout}s for the rate limiter: {blocked.reason}")
-        time.sleep(delay)
-        return waited + delay
 
     # giving back --------------------------------------------------------------
     def give_back(self) -> None:
