@@ -24,10 +24,11 @@ def table(n=N, start=0):
 def pair(make_buffer):
     """The same data and seed with rows in host memory maps and in GPU memory."""
 
-    def make(**kwargs):
+    def make(transport="object_store", **kwargs):
         kwargs = {"online_capacity": 5000, "num_offline_shards": 2, "num_online_shards": 2, "seed": 3,
                   "batch_size": 1024, "offline_fraction": 0.5, **kwargs}
-        cpu, gpu = make_buffer(table(), **kwargs), make_buffer(table(), storage_device="cuda", **kwargs)
+        cpu = make_buffer(table(), **kwargs)
+        gpu = make_buffer(table(), storage_device="cuda", transport=transport, **kwargs)
         for rb in (cpu, gpu):
             rb.extend(table(3000, start=N))
         return cpu, gpu
@@ -58,10 +59,26 @@ def test_gpu_shards_hold_their_rows_bytes_and_no_more(pair):
     assert offline == N * row_bytes and online == 5000 * row_bytes
 
 
+@pytest.fixture
+def learners():
+    """GPU learner actors (a tenth of the GPU each), killed after the test so their GPU share comes back."""
+    import ray
+
+    made = []
+
+    def make(n):
+        made.extend(_learner_class().remote() for _ in range(n))
+        return made[-n:]
+
+    yield make
+    for actor in made:
+        ray.kill(actor)
+
+
 def _learner_class():
     import ray
 
-    @ray.remote(num_gpus=0.25, num_cpus=0, enable_tensor_transport=True)
+    @ray.remote(num_gpus=0.1, num_cpus=0, enable_tensor_transport=True)
     class Learner:
         def update(self, plan, *parts):
             from rayrb.transport import receive
@@ -78,12 +95,10 @@ def _learner_class():
     return Learner
 
 
-def test_cuda_ipc_feeds_two_learners_that_share_the_gpu(pair):
+def test_cuda_ipc_feeds_two_learners_that_share_the_gpu(pair, learners):
     cpu, gpu = pair(transport="cuda_ipc")
-    learners = [_learner_class().remote() for _ in range(2)]
-    assert gpu.connect_learners(learners) == {"cuda_ipc": 8}
-    plain = [_learner_class().remote() for _ in range(2)]
-    cpu.connect_learners(plain)
+    assert gpu.connect_learners(learners(2)) == {"cuda_ipc": 8}
+    assert cpu.connect_learners(learners(2)) == {"object_store": 8}
     for _ in range(3):
         got, want = gpu.feed("update"), cpu.feed("update")
         assert all(d.startswith("cuda") for d, _, _ in got)
@@ -91,17 +106,17 @@ def test_cuda_ipc_feeds_two_learners_that_share_the_gpu(pair):
         assert sum(n for _, _, n in got) == 512
 
 
-def test_an_nccl_group_of_actors_sharing_the_gpu_is_refused_before_it_exists(pair):
+def test_an_nccl_group_of_actors_sharing_the_gpu_is_refused_before_it_exists(pair, learners):
     _, gpu = pair(transport="nccl")
     with pytest.raises(ValueError, match="NCCL group cannot hold .* both run on GPU"):
-        gpu.connect_learners([_learner_class().remote()])
+        gpu.connect_learners(learners(1))
 
 
-def test_iter_batches_in_a_gpu_actor_reads_the_gpu_shards_over_cuda_ipc(pair):
-    cpu, gpu = pair()
-    learner = _learner_class().remote()
+def test_iter_batches_in_a_gpu_actor_reads_the_gpu_shards_over_cuda_ipc(pair, learners):
     import ray
 
+    cpu, gpu = pair()
+    (learner,) = learners(1)
     got = ray.get(learner.iterate.remote(gpu.client(), 1024, 6))
     want = [b["y"].tolist() for b in cpu.iter_batches(1024, prefetch=4, num_batches=6)]
     assert all(d.startswith("cuda") for d, _ in got)
