@@ -19,13 +19,12 @@ A draw that raises leaves the planner's state as it was.
 from __future__ import annotations
 
 import time
-from collections import deque
 from typing import Any, Sequence
 
 import numpy as np
 
 from rayrb.metrics import ActorMetrics
-from rayrb.planner import Planner, Reads, Refused
+from rayrb.planner import AheadLog, Planner, Reads, Refused
 from rayrb.plans import OFFLINE, ONLINE, SIDES, BatchPlan, Blocked, Dispatch, GroupDispatch, assemble_slice
 from rayrb.plans import route_priorities
 from rayrb.validation import BETA, positive_int
@@ -69,7 +68,7 @@ class Coordinator:
         self._routes = None  # rayrb.transport.Routes to the connected learners
         # The handle whose draws are the latest, with the planner's state before each of them: while
         # no one else draws or steers, that handle can give back the batches it drew ahead (``undo``).
-        self._ahead: tuple[str, deque] | None = None
+        self._ahead = AheadLog(limit=_MAX_AHEAD)
         # Bumped by every write, priority update, restore and change of settings: a handle holding batches
         # drawn ahead at an older version gives them back (sizes no staler than the previous sample call).
         self._version = 0
@@ -77,10 +76,15 @@ class Coordinator:
     def _changed(self, settings: bool = False) -> None:
         self._version += 1
         if settings:  # a handle's draws ahead cannot be given back past a change of settings
-            self._ahead = None
+            self._ahead.forget()
 
     def version(self) -> int:
         """What the next draw would be planned with, as a counter of writes, updates and settings changes."""
+        return self._version
+
+    def seen(self, ahead: str, served: int) -> int:
+        """Handle ``ahead`` has served its draws up to number ``served``; returns :meth:`version`."""
+        self._ahead.served(ahead, int(served))
         return self._version
 
     # sizes ------------------------------------------------------------------
@@ -138,14 +142,11 @@ class Coordinator:
                 self._planner.alloc.set_masses(side, ray.get(self._masses[side]), sizes[side])
             self._masses_stale = False
         out = self._planner.draw(batch_size, num_slices, sizes=sizes)
-        if ahead is None:
-            self._ahead = None
-        else:
-            if self._ahead is None or self._ahead[0] != ahead:
-                self._ahead = (ahead, deque(maxlen=_MAX_AHEAD))
         rows = sum(plan.batch_size for plan, _ in out)
-        if ahead is not None:
-            self._ahead[1].append((self._planner.last_snapshot, rows))
+        if ahead is None:
+            self._ahead.forget()
+        else:
+            self._ahead.record(ahead, self._planner.last_snapshot, rows)
         self._metrics.count("batches")
         self._metrics.count("rows_sampled", rows)
         return out
@@ -229,7 +230,8 @@ class Coordinator:
         for plan, reads in drawn:
             for part, (seed, kwargs) in zip(plan.parts, reads):
                 by_shard.setdefault((part.side, part.shard), []).append((part.count, seed, kwargs.get("epoch")))
-        group = GroupDispatch([plan for plan, _ in drawn], version=self._version)
+        group = GroupDispatch([plan for plan, _ in drawn], version=self._version,
+                              first=self._ahead.next_number - len(drawn) if ahead is not None else -1)
         for (side, i), items in by_shard.items():
             counts, seeds, epochs = (list(x) for x in zip(*items))
             group.reads.append((side, i))
@@ -252,13 +254,11 @@ class Coordinator:
         count = int(count)
         if count <= 0:
             return "undone"
-        a = self._ahead
-        if a is None or a[0] != ahead or count > len(a[1]):
+        taken = self._ahead.take_back(ahead, count)
+        if taken is None:
             self._metrics.count("undo_refused")
             return "keep" if getattr(self._planner.alloc, "epoch_end", None) is not None else "drop"
-        saved, rows = a[1][-count][0], sum(r for _, r in list(a[1])[-count:])
-        for _ in range(count):
-            a[1].pop()
+        saved, rows = taken
         self._planner.restore(saved)
         self._metrics.count("batches", -count)  # the counts say what was drawn for good
         self._metrics.count("rows_sampled", -rows)
@@ -441,7 +441,8 @@ class Coordinator:
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        return self._planner.state_dict()
+        """The sampling state, as if a handle's batches drawn ahead and not yet served were given back."""
+        return self._planner.state_dict(at=self._ahead.first_unserved())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the sampling state; checked whole before anything changes."""

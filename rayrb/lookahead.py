@@ -62,11 +62,11 @@ class Lookahead:
         self.depth = non_negative_int("prefetch", depth)
         self._max_bytes = max_bytes
         self._id = uuid.uuid4().hex
-        self._key: tuple[int, bool] | None = None  # (batch_size, return_info) of the batches held
-        self._ready: deque = deque()  # (batch, last_of_epoch), fetched
-        self._pending: deque = deque()  # group refs asked for, not fetched
+        self._batch_size: int | None = None  # of the batches held
+        self._ready: deque[_Held] = deque()  # fetched, in stream order
+        self._pending: deque = deque()  # group refs asked for, or groups planned whose rows are not fetched yet
         self._served = 0  # since the last give-back
-        self._version_ref = None  # the coordinator's version, asked for at the previous sample()
+        self._seen_ref = None  # the coordinator's version, asked for at the previous sample()
         self._run: int | None = None  # served between the last two give-backs
         self._lock = threading.Lock()
         self.stats = {"groups": 0, "given_back": 0, "dropped": 0, "kept": 0, "stale": 0}
@@ -75,53 +75,66 @@ class Lookahead:
     def next(self, batch_size: int, return_info: bool) -> tuple[Any, bool]:
         """The next batch of the stream (flat numpy, with info if asked) and whether it ends an epoch."""
         with self._lock:
-            if self._key != (batch_size, return_info):
+            if self._batch_size != batch_size:
                 self._give_back()
-                self._ready.clear()  # kept batches of another size or shape cannot be served
-                self._key = (batch_size, return_info)
+                if self._ready:  # kept: drawn without replacement, but of another size; this size cannot use them
+                    self.stats["dropped"] += len(self._ready)
+                    self._ready.clear()
+                self._batch_size = batch_size
             self._check_version()
             waited = 0.0
             while not self._ready:
                 if not self._pending:
                     self._ask(max(1, min(1 + self._cap(), self._expected(now=True))), waited)
-                group = self._rb._get(self._pending[0])
-                self._pending.popleft()
+                group = self._take()
                 if isinstance(group, Blocked):  # the rate limiter holds sampling back: ask again shortly
                     waited = self._rb._backoff(waited, group)
                     continue
                 self._unpack(group)
-            out = self._ready.popleft()[:2]
+            held = self._ready.popleft()
             self._served += 1
-            if self.depth:  # answered by the next call: what has been written or changed since this one
-                self._version_ref = self._rb._coord.version.remote()
+            if self.depth and held.number >= 0:  # answered by the next call: what changed since this one
+                self._seen_ref = self._rb._coord.seen.remote(self._id, held.number)
             target = min(self._cap(), self._expected(now=False))
             if not self._pending and len(self._ready) <= target // 2 and target > len(self._ready):
                 self._ask(target - len(self._ready), 0.0)  # the next group is drawn while these are served
-            return out
+            return (held.batch if return_info else held.batch[0]), held.last
+
+    def _group(self, entry: Any) -> Any:
+        return entry.group if isinstance(entry, _Planned) else self._rb._get(entry)
+
+    def _take(self) -> Any:
+        """The first group asked for. A refused draw (which drew nothing) is dropped with its error; one not
+        answered in time stays first in line, since the coordinator may still draw it."""
+        entry = self._pending.popleft()
+        try:
+            return self._group(entry)
+        except (TimeoutError, KeyboardInterrupt):
+            self._pending.appendleft(entry)
+            raise
 
     def _check_version(self) -> None:
         """Give back what is held if anyone wrote, updated priorities or changed a setting since it was drawn,
         as of the previous ``sample()``: a batch is never planned with sizes staler than that."""
-        ref, self._version_ref = self._version_ref, None
+        ref, self._seen_ref = self._seen_ref, None
         if ref is None or not (self._ready or self._pending):
             return
         version = self._rb._get(ref)
         if not self._ready:  # the next batch is in the group asked for last: its version is known once fetched
-            group = self._rb._get(self._pending[0])
+            group = self._take()
             if isinstance(group, Blocked):
                 return
-            self._pending.popleft()
             self._unpack(group)
-        if self._ready[0][2] >= version:
+        if self._ready[0].version >= version:
             return
         self.stats["stale"] += 1
         self._give_back()
-        # kept (without replacement, another handle drew since): served as they are, not asked about again
-        self._ready = deque((out, last, version) for out, last, _ in self._ready)
+        for held in self._ready:  # kept (without replacement, another handle drew since): served as they are
+            held.version = version
 
     def _cap(self) -> int:
         """Batches that may be held beyond the one being served: ``depth``, and ``max_bytes`` of rows."""
-        batch_bytes = max(1, self._key[0] * max(1, self._rb._spec.row_bytes))
+        batch_bytes = max(1, self._batch_size * max(1, self._rb._spec.row_bytes))
         return min(self.depth, MAX_DEPTH, max(0, self._max_bytes // batch_bytes - 1))
 
     def _expected(self, now: bool) -> int | float:
@@ -140,15 +153,24 @@ class Lookahead:
 
     def _ask(self, k: int, waited: float) -> None:
         kwargs = {"waited": waited} if waited else {}
-        self._pending.append(self._rb._coord.sample_group.remote(self._key[0], max(1, k), ahead=self._id, **kwargs))
+        # without drawing ahead nothing is held to give back: the coordinator keeps no log for this handle
+        ahead = self._id if self.depth else None
+        self._pending.append(self._rb._coord.sample_group.remote(self._batch_size, max(1, k), ahead=ahead, **kwargs))
         self.stats["groups"] += 1
 
     def _unpack(self, group: Any) -> None:
-        results = self._rb._get(group.refs)
-        for plan, parts in split_group(group, results):
-            out = assemble(plan, parts, self._key[1])
-            self._ready.append((_copy_batch(out) if len(group.plans) > 1 and len(parts) == 1 else out,
-                                bool(plan.last_of_epoch), group.version))
+        """Fetch a planned group's rows into ``_ready``; if that fails (a timeout), the group stays first in line."""
+        try:
+            results = self._rb._get(group.refs)
+        except BaseException:
+            self._pending.appendleft(_Planned(group))
+            raise
+        for j, (plan, parts) in enumerate(split_group(group, results)):
+            out = assemble(plan, parts, True)  # with info: a later call may ask for it
+            if len(group.plans) > 1 and len(parts) == 1:
+                out = _copy_batch(out)
+            self._ready.append(_Held(out, bool(plan.last_of_epoch), group.version,
+                                     group.first + j if group.first >= 0 else -1))
 
     # giving back --------------------------------------------------------------
     def give_back(self) -> None:
@@ -157,26 +179,46 @@ class Lookahead:
             self._give_back()
 
     def _give_back(self) -> None:
-        if self._served or self._ready or self._pending:
+        """Undo the draws of what is held. Waits for the groups asked for (their draws must be counted); if that
+        or the undo times out, it raises with everything still held, so a later call gives them back."""
+        planned = []
+        for entry in list(self._pending):
+            try:
+                group = self._group(entry)
+            except (ValueError, TypeError, IndexError):  # a refused draw: nothing was drawn
+                group = None
+            planned.append(group)
+        self._pending = deque(_Planned(g) for g in planned if g is not None and not isinstance(g, Blocked))
+        count = len(self._ready) + sum(len(p.group.plans) for p in self._pending)
+        if self._served or count:
             self._run = self._served
         self._served = 0
-        groups = []
-        for ref in self._pending:  # the coordinator answered these before it sees the undo
-            try:
-                group = self._rb._get(ref)
-            except Exception:  # a refused draw changed nothing
-                continue
-            if not isinstance(group, Blocked):
-                groups.append(group)
-        self._pending.clear()
-        count = len(self._ready) + sum(len(g.plans) for g in groups)
         if count == 0:
             return
         verdict = self._rb._get(self._rb._coord.undo.remote(self._id, count))
         if verdict == "keep":  # without replacement, drawn rows are served once: keep them
-            for group in groups:
-                self._unpack(group)
+            while self._pending:
+                self._unpack(self._pending.popleft().group)
             self.stats["kept"] += count
             return
         self.stats["given_back" if verdict == "undone" else "dropped"] += count
         self._ready.clear()
+        self._pending.clear()
+
+
+class _Held:
+    """A fetched batch: rows and info, whether it ends an epoch, the version it was planned at, its number."""
+
+    __slots__ = ("batch", "last", "version", "number")
+
+    def __init__(self, batch: Any, last: bool, version: int, number: int):
+        self.batch, self.last, self.version, self.number = batch, last, version, number
+
+
+class _Planned:
+    """A group whose plan has come back but whose rows are not fetched yet."""
+
+    __slots__ = ("group",)
+
+    def __init__(self, group: Any):
+        self.group = group

@@ -111,14 +111,21 @@ class Planner:
 
     # drawing ----------------------------------------------------------------
     def snapshot(self) -> tuple:
-        """What :meth:`restore` needs to put the stream back here: RNG, step, allocator, limiter."""
-        return (self.rng.bit_generator.state, self.step, self.alloc.state_dict(), self.limiter.state_dict())
+        """What :meth:`restore` needs to put the stream back here: RNG, step, allocator, sampled rows."""
+        return (self.rng.bit_generator.state, self.step, self.alloc.state_dict(), self.limiter.state_dict()["samples"])
 
     def restore(self, saved: tuple) -> None:
-        """Go back to a :meth:`snapshot`, as if no draw had been made since (settings are kept)."""
+        """Go back to a :meth:`snapshot`, as if no draw had been made since.
+
+        Settings are kept, and so are the limiter's inserts and waits: writes since the
+        snapshot still count; only the draws' sampled rows are taken back.
+        """
         self.rng.bit_generator.state, self.step = saved[0], saved[1]
         self.alloc.load_state_dict(saved[2])
-        self.limiter.load_state_dict(saved[3])
+        self.limiter.load_state_dict(self._limiter_state(saved))
+
+    def _limiter_state(self, saved: tuple) -> dict[str, Any]:
+        return {**self.limiter.state_dict(), "samples": saved[3]}
 
     @contextlib.contextmanager
     def _unchanged_on_error(self) -> Iterator[None]:
@@ -155,11 +162,21 @@ class Planner:
                     self.alloc.begin_epoch(side, sizes[side], self.rng)
             out = [self._slice(n_off, n_on, fraction, sizes)
                    for n_off, n_on in split_slices(need[OFFLINE], need[ONLINE], num_slices)]
-            if need[OFFLINE] and self.alloc.epoch_over(OFFLINE):
-                out[-1][0].last_of_epoch = True
             self.limiter.record_sample(need[ONLINE])
             self.step += 1
+            if need[OFFLINE] and self._ends_epoch(batch_size, sizes, online):
+                out[-1][0].last_of_epoch = True
         return out
+
+    def _ends_epoch(self, batch_size: int, sizes: Sizes, online: int) -> bool:
+        """Whether the offline epoch is over after this batch: no rows left, or (dropping or raising at the end)
+        fewer than the next batch of this size would need."""
+        if self.alloc.epoch_over(OFFLINE):
+            return True
+        room = self.alloc.room(OFFLINE)
+        if room is None or getattr(self.alloc, "epoch_end", "short") == "short":
+            return False
+        return room < split_batch(batch_size, self.fraction(sizes), online)[0]
 
     def _shorten(self, batch_size: int, fraction: float, online: int) -> dict[str, int]:
         """The split of this batch, or, at the end of an epoch that serves short batches, of the largest
@@ -207,10 +224,14 @@ class Planner:
         return {"step": self.step, "epochs": self.alloc.stats().get("epochs", {s: 0 for s in SIDES}),
                 "rate_limiter": self.limiter.stats()}
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "schedule": self.schedule.config(), "base_fraction": self._base,
-                "rng": self.rng.bit_generator.state, "sampler": self.sampler, "allocator": self.alloc.state_dict(),
-                "rate_limiter": {"config": self.limiter.config(), "state": self.limiter.state_dict()}}
+    def state_dict(self, at: tuple | None = None) -> dict[str, Any]:
+        """The sampling state; ``at`` a :meth:`snapshot`, the state as if the draws since it were given back."""
+        rng, step, alloc = (at[0], at[1], at[2]) if at is not None else (
+            self.rng.bit_generator.state, self.step, self.alloc.state_dict())
+        limiter = self._limiter_state(at) if at is not None else self.limiter.state_dict()
+        return {"step": step, "schedule": self.schedule.config(), "base_fraction": self._base,
+                "rng": rng, "sampler": self.sampler, "allocator": alloc,
+                "rate_limiter": {"config": self.limiter.config(), "state": limiter}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`; checked whole before anything changes.
@@ -235,3 +256,66 @@ class Planner:
         self.step, self.schedule, self._base = step, schedule, state.get("base_fraction")
         self.rng.bit_generator.state = rng.bit_generator.state
         self.alloc, self.limiter = alloc, limiter
+
+
+class AheadLog:
+    """The draws one handle made ahead of its ``sample()`` calls: what undoing them, or saving without them, needs.
+
+    Each draw is numbered, with the planner's :meth:`Planner.snapshot` before it. The
+    handle says which it has served (:meth:`served`) and gives back the rest
+    (:meth:`take_back`). Any draw by another caller, or a change of settings, ends the
+    log (:meth:`forget`): the draws since stand.
+
+    Examples:
+        >>> log = AheadLog(limit=8)
+        >>> [log.record("h", ("state", i), rows=10) for i in range(4)]
+        [0, 1, 2, 3]
+        >>> log.served("h", 0)
+        >>> log.first_unserved()
+        ('state', 1)
+        >>> log.take_back("h", 2)  # draws 2 and 3: the state before draw 2, and their rows
+        (('state', 2), 20)
+        >>> log.take_back("other", 1) is None
+        True
+    """
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.handle: str | None = None
+        self._entries: list[tuple[int, tuple, int]] = []  # (number, snapshot before it, rows), oldest first
+        self._next = 0
+
+    def record(self, handle: str, snapshot: tuple, rows: int) -> int:
+        """Log a draw made for ``handle``; returns its number. Another handle's draw starts a new log."""
+        if handle != self.handle:
+            self.forget()
+            self.handle = handle
+        number, self._next = self._next, self._next + 1
+        self._entries.append((number, snapshot, rows))
+        del self._entries[:-self.limit]
+        return number
+
+    @property
+    def next_number(self) -> int:
+        """The number the next draw gets."""
+        return self._next
+
+    def forget(self) -> None:
+        self.handle, self._entries = None, []
+
+    def served(self, handle: str, number: int) -> None:
+        """``handle`` has served its draws up to ``number``: those are never given back."""
+        if handle == self.handle:
+            self._entries = [e for e in self._entries if e[0] > number]
+
+    def take_back(self, handle: str, count: int) -> tuple[tuple, int] | None:
+        """Remove ``handle``'s last ``count`` draws: the snapshot before them and their rows, or None if they
+        are not all in the log (another caller drew since, or they were served)."""
+        if handle != self.handle or not 0 < count <= len(self._entries):
+            return None
+        taken, self._entries = self._entries[-count:], self._entries[:-count]
+        return taken[0][1], sum(e[2] for e in taken)
+
+    def first_unserved(self) -> tuple | None:
+        """The snapshot before the oldest draw not known to be served, or None."""
+        return self._entries[0][1] if self._entries else None

@@ -106,6 +106,7 @@ class GroupDispatch:
     reads: list[tuple[str, int]] = field(default_factory=list)
     refs: list[Any] = field(default_factory=list)
     version: int = -1  # the coordinator's version (writes, updates, settings) the group was planned at
+    first: int = -1  # drawn ahead for a handle: the number of its first batch (rayrb.planner.AheadLog)
     # for the caller to submit: per read (counts, seeds, epochs, the online write count planned with)
     args: list[tuple[list[int], list[int], list[Any], int | None]] = field(default_factory=list)
 
