@@ -41,7 +41,7 @@ def _device(device: str | torch.device) -> torch.device:
 class DeviceTable:
     """Columns of equal length on one device (see the module)."""
 
-    def __init__(self, columns: Mapping[str, torch.Tensor]):
+    def __init__(self, columns: Mapping[str, torch.Tensor], dtypes: Mapping[str, np.dtype] | None = None):
         lengths = {k: v.shape[0] for k, v in columns.items()}
         if not columns or len(set(lengths.values())) != 1:
             raise ValueError(f"expected at least one column, all of one length, got lengths {lengths}")
@@ -51,14 +51,17 @@ class DeviceTable:
         self.columns = dict(columns)
         self.device = next(iter(columns.values())).device
         self.rows = next(iter(lengths.values()))
+        # each column's numpy dtype; unsigned ints that torch cannot index_copy are kept as their signed bits
+        self.dtypes = {k: (np.dtype(dtypes[k]) if dtypes else _numpy_dtype(v.dtype)).newbyteorder("=")
+                       for k, v in self.columns.items()}
 
     @classmethod
     def empty(cls, shapes: Mapping[str, tuple[tuple[int, ...], np.dtype]], rows: int,
               device: str | torch.device) -> "DeviceTable":
         """Zeroed storage for ``rows`` rows of these ``{key: (shape, numpy dtype)}`` columns."""
         device = _device(device)
-        return cls({k: torch.zeros((rows, *shape), dtype=_torch_dtype(dtype), device=device)
-                    for k, (shape, dtype) in shapes.items()})
+        return cls({k: torch.zeros((rows, *shape), dtype=_torch_dtype(_stored(dtype)), device=device)
+                    for k, (shape, dtype) in shapes.items()}, {k: np.dtype(d) for k, (_, d) in shapes.items()})
 
     @classmethod
     def from_arrays(cls, arrays: Mapping[str, np.ndarray], device: str | torch.device, *,
@@ -84,9 +87,9 @@ class DeviceTable:
                     for k, v in table.columns.items()} if cuda and rows else None)
         for a in range(0, rows, step):
             b = min(rows, a + step)
-            block = gather(np.arange(a, b))
+            block = table.stage(gather(np.arange(a, b)))
             for k, dst in table.columns.items():
-                src = torch.from_numpy(np.ascontiguousarray(block[k]))
+                src = block[k]
                 if staging is not None:
                     staging[k][:b - a].copy_(src)
                     dst[a:b].copy_(staging[k][:b - a], non_blocking=True)
@@ -96,22 +99,38 @@ class DeviceTable:
                 torch.cuda.current_stream(table.device).synchronize()  # the staging buffer is reused next block
         return table
 
-    def gather(self, idx: np.ndarray | torch.Tensor) -> dict[str, torch.Tensor]:
-        """Rows at ``idx``, as new tensors on the table's device."""
+    def _gather(self, idx: np.ndarray | torch.Tensor) -> dict[str, torch.Tensor]:
         index = torch.as_tensor(np.asarray(idx, dtype=np.int64) if not isinstance(idx, torch.Tensor) else idx,
                                 dtype=torch.int64).to(self.device, non_blocking=True)
         return {k: torch.index_select(v, 0, index) for k, v in self.columns.items()}
 
+    def gather(self, idx: np.ndarray | torch.Tensor) -> dict[str, torch.Tensor]:
+        """Rows at ``idx``, as new tensors on the table's device, in the columns' dtypes."""
+        return {k: _as(v, self.dtypes[k]) for k, v in self._gather(idx).items()}
+
+    def stage(self, rows: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        """``rows`` as host tensors the columns can take (native byte order, stored dtype); raises on rows
+        that do not fit, before anything is written."""
+        out = {}
+        for k, dst in self.columns.items():
+            a = np.asarray(rows[k])
+            if a.shape[1:] != tuple(dst.shape[1:]) or np.dtype(a.dtype.name) != self.dtypes[k]:
+                raise ValueError(f"column {k!r}: expected rows of shape {tuple(dst.shape[1:])} and dtype "
+                                 f"{self.dtypes[k]}, got {a.shape[1:]} and {a.dtype}")
+            a = np.ascontiguousarray(a, dtype=self.dtypes[k]).view(_stored(self.dtypes[k]))
+            out[k] = torch.from_numpy(a)
+        return out
+
     def write(self, pos: np.ndarray, rows: Mapping[str, np.ndarray]) -> None:
-        """Put ``rows[k][j]`` at slot ``pos[j]`` of every column."""
+        """Put ``rows[k][j]`` at slot ``pos[j]`` of every column; rows that do not fit change nothing."""
+        staged = self.stage(rows)
         index = torch.as_tensor(np.asarray(pos, dtype=np.int64)).to(self.device, non_blocking=True)
         for k, dst in self.columns.items():
-            src = torch.from_numpy(np.ascontiguousarray(rows[k]))
-            dst.index_copy_(0, index, src.to(self.device, non_blocking=True))
+            dst.index_copy_(0, index, staged[k].to(self.device, non_blocking=True))
 
     def numpy(self, idx: np.ndarray) -> dict[str, np.ndarray]:
         """:meth:`gather`, copied to host numpy arrays (for the object store)."""
-        return {k: v.cpu().numpy() for k, v in self.gather(idx).items()}
+        return {k: v.cpu().numpy().view(self.dtypes[k]) for k, v in self._gather(idx).items()}
 
     @property
     def nbytes(self) -> int:
@@ -122,5 +141,25 @@ class DeviceTable:
         return f"DeviceTable(rows={self.rows}, device={str(self.device)!r}, columns={sorted(self.columns)})"
 
 
+_SIGNED = {np.dtype(np.uint16): np.dtype(np.int16), np.dtype(np.uint32): np.dtype(np.int32),
+           np.dtype(np.uint64): np.dtype(np.int64)}
+
+
+def _stored(dtype: Any) -> np.dtype:
+    """The dtype a column is kept in: its own, or the signed one of the same width where torch lacks the ops."""
+    dtype = np.dtype(dtype).newbyteorder("=")
+    return _SIGNED.get(dtype, dtype)
+
+
 def _torch_dtype(dtype: Any) -> torch.dtype:
     return torch.from_numpy(np.empty(0, dtype=np.dtype(dtype))).dtype
+
+
+def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
+    return torch.empty(0, dtype=dtype).numpy().dtype
+
+
+def _as(t: torch.Tensor, dtype: np.dtype) -> torch.Tensor:
+    """A stored column's tensor in its own dtype (a view of the same bits)."""
+    want = _torch_dtype(dtype)
+    return t if t.dtype == want else t.view(want)

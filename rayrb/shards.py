@@ -156,7 +156,8 @@ class _Shard:
         """Where this shard's rows are: its node, the GPUs Ray gave it, and the device they are on."""
         import ray
 
-        return {"node": ray.get_runtime_context().get_node_id(), "gpus": [str(g) for g in ray.get_gpu_ids()],
+        gpus = [str(g) for g in ray.get_gpu_ids()]
+        return {"node": ray.get_runtime_context().get_node_id(), "gpus": gpus,
                 "device": "cpu" if self._table is None else str(self._table.device)}
 
     def dump(self, path: str) -> tuple[str, dict[str, Any]]:
@@ -338,12 +339,18 @@ class OnlineShard(_Shard):
         w = first + np.arange(n, dtype=np.int64)
         pos, gen = w % self._capacity, w // self._capacity + 1
         fresh = (w >= first + n - self._capacity) & (self._gen[pos] < gen)  # a write larger than the shard keeps its tail
-        for k, dst in self._data.items():
-            dst[pos[fresh]] = rows[k][fresh]  # copies out of the object store
-        if self._table is not None:  # the device copy serves reads; the memory maps keep what is acknowledged
-            self._table.write(pos[fresh], {k: rows[k][fresh] for k in self._data})
-        self._gen[pos[fresh]] = gen[fresh]
-        self._sampler.on_write(pos[fresh])
+        slots = pos[fresh]
+        if self._table is not None:  # the device copy serves reads: written first, as it may refuse the rows
+            self._table.write(slots, {k: rows[k][fresh] for k in self._data})
+        try:
+            for k, dst in self._data.items():
+                dst[slots] = rows[k][fresh]  # copies out of the object store; the memory maps keep what is acknowledged
+        except BaseException:
+            if self._table is not None:  # back to what the memory maps hold
+                self._table.write(slots, {k: v[slots] for k, v in self._data.items()})
+            raise
+        self._gen[slots] = gen[fresh]
+        self._sampler.on_write(slots)
         self._advance(first, first + n)  # last: this is what makes the rows visible after a restart
         self._metrics.count("rows_written", int(fresh.sum()))
         self._metrics.observe("extend_ms", (time.perf_counter() - t0) * 1e3)

@@ -129,3 +129,53 @@ def test_iterating_with_reads_submitted_here_gives_the_coordinators_stream(make_
     got = list(here.iter_batches(prefetch=4, num_batches=7, return_info=True))
     assert [b["id"].tolist() for b, _ in got] == want
     assert all(int(info["offline"].sum()) == 16 for _, info in got)
+
+
+def test_unsigned_and_big_endian_columns_are_stored_as_host_shards_store_them(tmp_path):
+    # torch has no index_copy for uint16/32/64, and no tensors of non-native byte order
+    from rayrb.schema import RowSpec
+
+    spec = RowSpec.from_arrays({"u16": np.zeros((1,), np.uint16), "u64": np.zeros((1, 2), np.uint64),
+                                "f": np.zeros((1,), np.float32)}).to_json()
+    data = {"u16": np.array([1, 65535, 7], np.uint16), "u64": np.array([[2**64 - 1, 0], [5, 6], [7, 8]], np.uint64),
+            "f": np.array([1.5, -2.0, 3.25], ">f4")}
+    host, dev = OnlineShard(spec, 4, "h"), OnlineShard(spec, 4, "d", device="cpu")
+    for shard in (host, dev):
+        shard.extend(data, 0, 3, first=0)
+    (rh, _), (rd, _) = host.gather(np.arange(3)), dev.gather(np.arange(3))
+    for k in rh:
+        np.testing.assert_array_equal(rh[k], rd[k])
+        assert rd[k].dtype == rh[k].dtype
+    t = dev.sample_many_tensors([3], [0])
+    assert t["rows/u16"].dtype == torch.uint16
+
+
+def test_a_write_the_device_refuses_leaves_the_acknowledged_rows(tmp_path, monkeypatch):
+    # the memory maps were written before the device copy raised: acknowledged rows were overwritten
+    from rayrb.schema import RowSpec
+
+    spec = RowSpec.from_arrays({"x": np.zeros((1,), np.float32)}).to_json()
+    dev = OnlineShard(spec, 4, "d", state_dir=str(tmp_path / "d"), device="cpu")
+    dev.extend({"x": np.arange(4, dtype=np.float32)}, 0, 4, first=0)
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("device out of memory")
+
+    monkeypatch.setattr(dev._table, "write", refuse)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        dev.extend({"x": np.array([10, 11], np.float32)}, 0, 2, first=4)
+    restarted = OnlineShard(spec, 4, "d", state_dir=str(tmp_path / "d"), device="cpu")
+    assert restarted.written() == 4 and restarted.gather(np.arange(4))[0]["x"].tolist() == [0, 1, 2, 3]
+
+
+def test_a_write_the_memory_maps_refuse_leaves_the_device_copy_as_they_are(tmp_path):
+    from rayrb.schema import RowSpec
+
+    spec = RowSpec.from_arrays({"x": np.zeros((1,), np.float32)}).to_json()
+    dev = OnlineShard(spec, 4, "d", device="cpu")
+    dev.extend({"x": np.arange(4, dtype=np.float32)}, 0, 4, first=0)
+    dev._data["x"] = np.asarray(dev._data["x"]).copy()
+    dev._data["x"].flags.writeable = False  # the host copy cannot take the rows
+    with pytest.raises(ValueError):
+        dev.extend({"x": np.array([10, 11], np.float32)}, 0, 2, first=4)
+    assert dev.sample_many_tensors([50], [1])["rows/x"].unique().tolist() == [0.0, 1.0, 2.0, 3.0]
