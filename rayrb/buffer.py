@@ -182,6 +182,14 @@ class OfflineToOnlineReplayBuffer(BufferClient):
         prio = priority_options(alpha, beta, eps)
         transport = check_transport(transport)
         storage_device = check_storage_device(storage_device)
+        if transport == "nccl" and "num_gpus" not in (actor_options or {}):
+            import ray
+
+            gpus, shards = ray.cluster_resources().get("GPU", 0), num_offline_shards + num_online_shards
+            if gpus < shards:
+                raise ValueError(f"transport='nccl' gives each shard a GPU of its own (NCCL needs one GPU per rank): "
+                                 f"{shards} shards need {shards} GPUs, the cluster has {gpus:g}; use fewer shards, "
+                                 "transport='cuda_ipc' within a node, or 'auto'")
         from rayrb.rate_limiter import make_rate_limiter
 
         limiter = make_rate_limiter(rate_limiter)

@@ -57,11 +57,10 @@ def group_options(actor_options: dict[str, Any], transport: str, num_actors: int
     # Shards return tensors over RDT: a class-level option, not an .options() one.
     rdt = transport != "object_store" or storage_device != "cpu"
     cls_opts = {"enable_tensor_transport": True} if rdt else {"num_cpus": 0}
-    device: str | None = "cpu"
-    if storage_device != "cpu":
-        device = None
+    device: str | None = "cpu" if storage_device == "cpu" else None
+    if transport == "nccl":  # NCCL needs one GPU per rank: a whole GPU per shard
+        device = "cuda" if storage_device == "cpu" else None
+        opts.setdefault("num_gpus", 1.0)
+    elif storage_device != "cpu":
         opts.setdefault("num_gpus", GPU_SHARE)
-    elif transport == "nccl":
-        device = "cuda"
-        opts.setdefault("num_gpus", 1.0 / num_actors)
     return cls_opts, opts, coord_opts, device

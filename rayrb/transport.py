@@ -155,8 +155,9 @@ def refuse_shared_gpus(places: Sequence[Place]) -> None:
 def choose(src: Place, dst: Place) -> str:
     """How rows travel from shard ``src`` to learner ``dst`` under ``transport="auto"``.
 
-    CUDA IPC when both hold the same GPU of one node, NCCL between GPUs that differ,
-    the object store where either end has no GPU.
+    CUDA IPC when the receiver was given the GPU the sender's rows are on (the
+    sender's first GPU) on the same node, NCCL between GPUs that differ, the object
+    store where either end has no GPU.
 
     Examples:
         >>> choose(Place("shard", "n1", ("0",)), Place("learner", "n1", ("0",)))
@@ -168,7 +169,7 @@ def choose(src: Place, dst: Place) -> str:
     """
     if not src.gpus or not dst.gpus:
         return "object_store"
-    if src.node == dst.node and set(src.gpus) & set(dst.gpus):
+    if src.node == dst.node and src.gpus[0] in dst.gpus:  # the sender's rows are on its first GPU
         return "cuda_ipc"
     return "nccl"
 
@@ -194,6 +195,10 @@ def plan_routes(transport: str, shards: Sequence[Place], learners: Sequence[Plac
                     "one. Give the learners num_gpus on the shards' GPU, or use transport='auto'")
         routes = {pair: "cuda_ipc" for pair in pairs}
     elif transport == "nccl":
+        for p in (*shards, *learners) if pairs else ():
+            if not p.gpus:
+                raise ValueError(f"transport='nccl' carries rows between GPUs, but Ray gave {p.name} (node "
+                                 f"{p.node[:12]}) none; give it num_gpus, or use transport='auto'")
         refuse_shared_gpus([*shards, *learners])
         routes = {pair: "nccl" for pair in pairs}
     elif transport == "auto":

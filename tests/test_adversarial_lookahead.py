@@ -530,7 +530,8 @@ def random_places(rng, kind, n):
 
 
 def shares(a, b):
-    return a.node == b.node and bool(set(a.gpus) & set(b.gpus))
+    """Whether learner ``b`` was given the GPU that holds shard ``a``'s rows (its first) on the same node."""
+    return a.node == b.node and bool(a.gpus) and a.gpus[0] in b.gpus
 
 
 def test_auto_routes_keep_their_invariants_over_many_layouts():
@@ -568,7 +569,14 @@ def test_explicit_transports_refuse_exactly_the_layouts_that_cannot_work():
         learners = random_places(rng, "learner", rng.randrange(0, 4))
         everyone = [*shards, *learners]
         hit = shared_gpu(everyone)
-        if hit is None:
+        gpuless = next((p for p in everyone if not p.gpus), None) if shards and learners else None
+        if gpuless is not None and hit is None:
+            with pytest.raises(ValueError, match=f"Ray gave {gpuless.name} .* none"):
+                plan_routes("nccl", shards, learners)
+        elif gpuless is not None:
+            with pytest.raises(ValueError):
+                plan_routes("nccl", shards, learners)
+        elif hit is None:
             routes, s_ids, l_ids = plan_routes("nccl", shards, learners)
             assert set(routes.values()) <= {"nccl"}
             assert (s_ids, l_ids) == ((list(range(len(shards))), list(range(len(learners))))
@@ -597,8 +605,9 @@ def test_explicit_transports_refuse_exactly_the_layouts_that_cannot_work():
 
 def test_multi_gpu_nodes_and_actors_holding_several_gpus():
     # Catches GPU ids compared across nodes, and a shared id missed when an actor holds several GPUs.
-    a = Place("shard a", "n1", ("0", "1"))
-    assert choose(a, Place("learner", "n1", ("1", "2"))) == "cuda_ipc"
+    a = Place("shard a", "n1", ("0", "1"))  # its rows are on its first GPU, "0"
+    assert choose(a, Place("learner", "n1", ("1", "0"))) == "cuda_ipc"
+    assert choose(a, Place("learner", "n1", ("1", "2"))) == "nccl"  # shares GPU 1, not the rows' GPU
     assert choose(a, Place("learner", "n1", ("2", "3"))) == "nccl"
     assert choose(a, Place("learner", "n2", ("0", "1"))) == "nccl"  # the same ids on another node
     assert shared_gpu([a, Place("b", "n2", ("0",)), Place("c", "n1", ("2",))]) is None

@@ -106,8 +106,13 @@ def test_cuda_ipc_feeds_two_learners_that_share_the_gpu(pair, learners):
         assert sum(n for _, _, n in got) == 512
 
 
-def test_an_nccl_group_of_actors_sharing_the_gpu_is_refused_before_it_exists(pair, learners):
-    _, gpu = pair(transport="nccl")
+def test_an_nccl_group_of_actors_sharing_the_gpu_is_refused_before_it_exists(pair, make_buffer, learners):
+    if torch.cuda.device_count() < 4:  # a GPU per shard: 4 shards need 4 GPUs
+        with pytest.raises(ValueError, match="4 shards need 4 GPUs"):
+            pair(transport="nccl")
+    # shards told to share a GPU: the group over them and a learner on it is refused before it exists
+    gpu = make_buffer(table(), online_capacity=5000, storage_device="cuda", transport="nccl", seed=3,
+                      actor_options={"num_gpus": 0.01})
     with pytest.raises(ValueError, match="NCCL group cannot hold .* both run on GPU"):
         gpu.connect_learners(learners(1))
 

@@ -59,6 +59,17 @@ def test_cuda_ipc_refuses_a_pair_that_does_not_share_a_gpu():
     assert routes == {(0, 0): "cuda_ipc"} and shards == []  # one-sided: no group
 
 
+def test_cuda_ipc_needs_the_gpu_that_holds_the_senders_rows():
+    # a shard given GPUs 0 and 1 keeps its rows on its first, GPU 0: a learner on GPU 1 cannot open them
+    two = Place("rb/off-0", "node-a", ("0", "1"))
+    assert choose(two, LEARNER_A1) == "nccl" and choose(two, LEARNER_A0) == "cuda_ipc"
+
+
+def test_explicit_nccl_refuses_an_end_without_a_gpu():
+    with pytest.raises(ValueError, match="Ray gave learner 2 .* none"):
+        plan_routes("nccl", [GPU_SHARD], [LEARNER_CPU])
+
+
 def test_gloo_and_the_object_store_route_every_pair_alike():
     routes, shards, learners = plan_routes("gloo", [CPU_SHARD, CPU_SHARD], [LEARNER_CPU])
     assert set(routes.values()) == {"gloo"} and shards == [0, 1] and learners == [0]
