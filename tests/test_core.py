@@ -863,3 +863,15 @@ def test_planner_restore_rewinds_draws_given_back(sampler):
     p.restore(saved)
     assert [[(pl.parts, r) for pl, r in p.draw(10, sizes=sizes)] for _ in range(2)] == \
         [[(pl.parts, r) for pl, r in d] for d in later]
+
+
+@pytest.mark.parametrize("epoch_end,last", [("short", 5), ("drop", 4), ("raise", 4)])
+def test_the_last_batch_of_an_epoch_is_marked_for_every_epoch_end(epoch_end, last):
+    """Iteration stops at the mark: with "drop" and "raise" it is the last full batch (TorchRL's drop_last)."""
+    from rayrb.planner import Planner
+
+    p = Planner({"offline": 2, "online": 1}, offline_fraction=1.0, sampler="without_replacement",
+                epoch_end=epoch_end, seed=0)
+    sizes = {"offline": np.array([150, 150]), "online": np.array([0])}
+    marks = [p.draw(64, sizes=sizes)[0][0].last_of_epoch for _ in range(last)]
+    assert marks == [False] * (last - 1) + [True]
