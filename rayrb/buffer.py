@@ -294,8 +294,10 @@ class OfflineToOnlineReplayBuffer(BufferClient):
 
         self._closed = True
         shards = getattr(self, "_shards", [])
-        try:  # shards remove their state files; a dead or stuck one is killed all the same
-            ray.wait([s.close.remote() for s in shards], num_returns=len(shards), timeout=5)
+        coord = getattr(self, "_coord", None)
+        closing = [s.close.remote() for s in shards] + ([coord.close.remote()] if coord is not None else [])
+        try:  # shards remove their state files, the coordinator its version file; a stuck one is killed anyway
+            ray.wait(closing, num_returns=len(closing), timeout=5)
         except Exception:
             pass
         for actor in [*shards, getattr(self, "_coord", None)]:

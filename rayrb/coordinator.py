@@ -72,15 +72,27 @@ class Coordinator:
         # Bumped by every write, priority update, restore and change of settings: a handle holding batches
         # drawn ahead at an older version gives them back (sizes no staler than the previous sample call).
         self._version = 0
+        self._version_file = _VersionFile(name)
 
     def _changed(self, settings: bool = False) -> None:
         self._version += 1
+        self._version_file.write(self._version)
         if settings:  # a handle's draws ahead cannot be given back past a change of settings
             self._ahead.forget()
 
     def version(self) -> int:
         """What the next draw would be planned with, as a counter of writes, updates and settings changes."""
         return self._version
+
+    def version_file(self) -> tuple[str, str | None]:
+        """``(node id, path)`` of the memory-mapped version on this node, which handles there read without a call."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id(), self._version_file.path
+
+    def close(self) -> None:
+        """Remove the version file: the buffer is being shut down."""
+        self._version_file.remove()
 
     def seen(self, ahead: str, served: int) -> int:
         """Handle ``ahead`` has served its draws up to number ``served``; returns :meth:`version`."""
@@ -459,6 +471,40 @@ class Coordinator:
 
     def ping(self) -> str:
         return self._name
+
+
+class _VersionFile:
+    """The coordinator's version as 8 bytes in a node-local memory map (``/dev/shm`` where there is one).
+
+    Handles on this node read it directly before each ``sample()``; elsewhere they ask.
+    """
+
+    def __init__(self, name: str):
+        import os
+        import tempfile
+        import uuid
+
+        folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        self.path: str | None = os.path.join(folder, f"rayrb-{name.replace('/', '_')}-{uuid.uuid4().hex[:8]}.version")
+        try:
+            self._map = np.memmap(self.path, dtype=np.int64, mode="w+", shape=(1,))
+        except OSError:  # no shared folder to write: handles ask instead
+            self.path, self._map = None, None
+
+    def write(self, version: int) -> None:
+        if self._map is not None:
+            self._map[0] = version
+
+    def remove(self) -> None:
+        import os
+
+        if self.path is not None:
+            self._map = None
+            try:
+                os.remove(self.path)
+            except OSError:
+                pass
+            self.path = None
 
 
 def _failed(acks: list[Any]) -> bool:

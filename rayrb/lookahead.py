@@ -15,11 +15,13 @@ its planner to the state before the first unserved draw, so:
 * a change of fraction, schedule, step, seed or state applies to the next ``sample()``;
 * the same seed gives the same stream, whether batches were drawn ahead or not.
 
-Other handles write and steer too. Each ``sample()`` asks the coordinator, without
-waiting, for its version (a counter of writes, priority updates, restores and
-settings changes); the next ``sample()`` reads the answer and gives back batches
-drawn at an older version. So a batch is never planned with sizes staler than the
-previous ``sample()`` call, as without drawing ahead.
+Other handles write and steer too. The coordinator keeps a version (a counter of
+writes, priority updates, restores and settings changes) in a memory-mapped file on
+its node; before each ``sample()`` a handle on that node reads it and gives back
+batches drawn at an older version, so what any handle's acknowledged write or
+setting changed applies to the next ``sample()``. A handle on another node reads
+the answer to the report its previous ``sample()`` sent instead, so there a batch is
+never planned with sizes staler than the previous call.
 
 A rewind is possible while no other caller has drawn or changed a setting since.
 When one has, the draws stand: batches with replacement are dropped (the stream
@@ -67,6 +69,7 @@ class Lookahead:
         self._pending: deque = deque()  # group refs asked for, or groups planned whose rows are not fetched yet
         self._served = 0  # since the last give-back
         self._seen_ref = None  # the coordinator's version, asked for at the previous sample()
+        self._version_map: Any = None  # the coordinator's version file, when on this node (False: not)
         self._run: int | None = None  # served between the last two give-backs
         self._lock = threading.Lock()
         self.stats = {"groups": 0, "given_back": 0, "dropped": 0, "kept": 0, "stale": 0}
@@ -117,9 +120,13 @@ class Lookahead:
         """Give back what is held if anyone wrote, updated priorities or changed a setting since it was drawn,
         as of the previous ``sample()``: a batch is never planned with sizes staler than that."""
         ref, self._seen_ref = self._seen_ref, None
-        if ref is None or not (self._ready or self._pending):
+        if not (self._ready or self._pending):
             return
-        version = self._rb._get(ref)
+        version = self._local_version()
+        if version is None:  # another node: the answer to the previous call's report
+            if ref is None:
+                return
+            version = self._rb._get(ref)
         if not self._ready:  # the next batch is in the group asked for last: its version is known once fetched
             group = self._take()
             if isinstance(group, Blocked):
@@ -131,6 +138,22 @@ class Lookahead:
         self._give_back()
         for held in self._ready:  # kept (without replacement, another handle drew since): served as they are
             held.version = version
+
+    def _local_version(self) -> int | None:
+        """The coordinator's version read from its memory map, when it runs on this node (else None)."""
+        if self._version_map is None:
+            import ray
+
+            self._version_map = False
+            try:
+                node, path = self._rb._get(self._rb._coord.version_file.remote())
+                if path is not None and node == ray.get_runtime_context().get_node_id():
+                    import numpy as np
+
+                    self._version_map = np.memmap(path, dtype=np.int64, mode="r", shape=(1,))
+            except (OSError, ValueError):
+                pass
+        return None if self._version_map is False else int(self._version_map[0])
 
     def _cap(self) -> int:
         """Batches that may be held beyond the one being served: ``depth``, and ``max_bytes`` of rows."""

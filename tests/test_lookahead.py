@@ -159,9 +159,11 @@ def test_another_handles_write_reaches_this_handles_samples_within_one_call(pair
     ahead, _ = pair(offline_fraction=0.5)
     collector = ahead.client(prefetch=0)
     ahead.sample(return_info=True)  # 8 all-offline batches held: the online side is empty
-    ahead.sample(return_info=True)  # asks what changed since the previous call
+    ahead.sample(return_info=True)
     collector.extend(rows(1000, 30))
-    ahead.sample(return_info=True)  # may still be planned before the write
-    _, info = ahead.sample(return_info=True)
+    _, info = ahead.sample(return_info=True)  # on the coordinator's node, the very next call
     assert int((~info["offline"]).sum()) == 8
-    assert ahead._lookahead.stats["stale"] >= 1, ahead._lookahead.stats
+    assert ahead._lookahead.stats["stale"] == 1, ahead._lookahead.stats
+    collector.offline_fraction = 1.0  # a setting from another handle applies to the next call too
+    _, info = ahead.sample(return_info=True)
+    assert bool(info["offline"].all())
