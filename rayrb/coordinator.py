@@ -88,7 +88,7 @@ class Coordinator:
         """``(node id, path)`` of the memory-mapped version on this node, which handles there read without a call."""
         import ray
 
-        return ray.get_runtime_context().get_node_id(), self._version_file.path
+        return ray.get_runtime_context().get_node_id(), self._version_file.open(self._version)
 
     def close(self) -> None:
         """Remove the version file: the buffer is being shut down."""
@@ -476,20 +476,28 @@ class Coordinator:
 class _VersionFile:
     """The coordinator's version as 8 bytes in a node-local memory map (``/dev/shm`` where there is one).
 
-    Handles on this node read it directly before each ``sample()``; elsewhere they ask.
+    Made when a handle first asks for it; handles on this node then read it directly
+    before each ``sample()``, elsewhere they ask.
     """
 
     def __init__(self, name: str):
+        self._name, self._map, self.path = name, None, None
+
+    def open(self, version: int) -> str | None:
         import os
         import tempfile
         import uuid
 
-        folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-        self.path: str | None = os.path.join(folder, f"rayrb-{name.replace('/', '_')}-{uuid.uuid4().hex[:8]}.version")
-        try:
-            self._map = np.memmap(self.path, dtype=np.int64, mode="w+", shape=(1,))
-        except OSError:  # no shared folder to write: handles ask instead
-            self.path, self._map = None, None
+        if self.path is None:
+            folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+            path = os.path.join(folder, f"rayrb-{self._name.replace('/', '_')}-{uuid.uuid4().hex[:8]}.version")
+            try:
+                self._map = np.memmap(path, dtype=np.int64, mode="w+", shape=(1,))
+                self.path = path
+            except OSError:  # no shared folder to write: handles ask instead
+                return None
+        self.write(version)
+        return self.path
 
     def write(self, version: int) -> None:
         if self._map is not None:
