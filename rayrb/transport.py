@@ -253,10 +253,6 @@ def connect_group(transport: str, shards: list, learners: list, name: str, previ
     deadlock until its 60 s fetch timeout (ray-project/ray#66264), and an NCCL group
     in which two members share one GPU, before it is created.
     """
-    if previous is not None and previous.group is not None:
-        from ray.experimental.collective import destroy_collective_group
-
-        destroy_collective_group(previous.group)
     if transport == "object_store":
         return Routes({(i, j): "object_store" for i in range(len(shards)) for j in range(len(learners))})
     shard_names = list(shard_names or [f"shard {i}" for i in range(len(shards))])
@@ -275,6 +271,10 @@ def connect_group(transport: str, shards: list, learners: list, name: str, previ
             f"@ray.remote(enable_tensor_transport=True); learners {missing} are not (without it the "
             "receive deadlocks until Ray's 60 s RDT timeout, ray-project/ray#66264)")
     backend = "gloo" if transport == "gloo" else "nccl"
+    if previous is not None and previous.group is not None:  # only now: a refused call keeps the old group
+        from ray.experimental.collective import destroy_collective_group
+
+        destroy_collective_group(previous.group)
     if not shard_ids:
         return Routes(route)
     from ray.experimental.collective import create_collective_group

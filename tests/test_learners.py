@@ -198,3 +198,29 @@ def test_dead_learner_gives_an_error_within_the_timeout(tmp_path, ray_session):
         assert time.monotonic() - t0 < 20
     finally:
         rb.shutdown()
+
+
+def test_a_refused_reconnection_keeps_the_group_that_feeds_the_learners(tmp_path, ray_session):
+    # the old group was destroyed before the new learners were checked: the refused call broke the feed
+    ray = ray_session
+    Learner = make_rdt_learner(ray)
+
+    @ray.remote(num_cpus=0)
+    class Plain:
+        def update(self, meta, *parts):
+            return 0
+
+    rb = OfflineToOnlineReplayBuffer(rows(100), online_capacity=10, transport="gloo", seed=0, batch_size=10,
+                                     dataset_root=tmp_path / "ds", timeout=30)
+    learner, plain = Learner.remote(), Plain.remote()
+    try:
+        rb.connect_learners([learner])
+        before = rb.feed("update")
+        with pytest.raises(ValueError, match="enable_tensor_transport=True"):
+            rb.connect_learners([plain])
+        after = rb.feed("update")
+        assert len(after[0][0]) == len(before[0][0]) == 10 and after[0][2] == ["dict"]
+    finally:
+        rb.shutdown()
+        for a in (learner, plain):
+            ray.kill(a)
