@@ -80,10 +80,6 @@ class Coordinator:
         if settings:  # a handle's draws ahead cannot be given back past a change of settings
             self._ahead.forget()
 
-    def version(self) -> int:
-        """What the next draw would be planned with, as a counter of writes, updates and settings changes."""
-        return self._version
-
     def version_file(self) -> tuple[str, str | None]:
         """``(node id, path)`` of the memory-mapped version on this node, which handles there read without a call."""
         import ray
@@ -95,7 +91,8 @@ class Coordinator:
         self._version_file.remove()
 
     def seen(self, ahead: str, served: int) -> int:
-        """Handle ``ahead`` has served its draws up to number ``served``; returns :meth:`version`."""
+        """Handle ``ahead`` has served its draws up to number ``served``; returns the version (a counter of
+        writes, priority updates, restores and settings changes)."""
         self._ahead.served(ahead, int(served))
         return self._version
 

@@ -11,9 +11,10 @@ from rayrb.plans import Blocked, assemble, split_group
 from rayrb.validation import optional_positive_int, positive_int
 
 
-def _copy_batch(out: Any) -> Any:
+def copy_batch(out: Any) -> Any:
+    """A batch copied out of its group's object, so that handing it over does not pin the whole group."""
     if isinstance(out, tuple):
-        return tuple(_copy_batch(o) for o in out)
+        return tuple(copy_batch(o) for o in out)
     return {k: np.array(v) for k, v in out.items()}
 
 
@@ -89,7 +90,7 @@ class BatchIterator:
             # than the requests in flight (a view would pin a whole group).
             for plan, parts in split_group(group, results):
                 out = assemble(plan, parts, self._return_info)
-                self._ready.append(_copy_batch(out) if len(parts) == 1 else out)
+                self._ready.append(copy_batch(out) if len(parts) == 1 else out)
             del group, results  # a without-replacement group may hold fewer than k batches
         out = self._ready.popleft()
         if self._left is not None:

@@ -40,20 +40,12 @@ import uuid
 from collections import deque
 from typing import Any
 
+from rayrb.iterator import copy_batch
 from rayrb.plans import Blocked, assemble, split_group
 from rayrb.validation import non_negative_int
 
 MAX_BYTES = 64 << 20
 MAX_DEPTH = 100  # the coordinator keeps enough to give back two groups of this
-
-
-def _copy_batch(out: Any) -> Any:
-    """The batch out of its group's object, so that a served batch does not pin the group."""
-    import numpy as np
-
-    if isinstance(out, tuple):
-        return tuple(_copy_batch(o) for o in out)
-    return {k: np.array(v) for k, v in out.items()}
 
 
 class Lookahead:
@@ -191,7 +183,7 @@ class Lookahead:
         for j, (plan, parts) in enumerate(split_group(group, results)):
             out = assemble(plan, parts, True)  # with info: a later call may ask for it
             if len(group.plans) > 1 and len(parts) == 1:
-                out = _copy_batch(out)
+                out = copy_batch(out)
             self._ready.append(_Held(out, bool(plan.last_of_epoch), group.version,
                                      group.first + j if group.first >= 0 else -1))
 
