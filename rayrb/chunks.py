@@ -74,27 +74,37 @@ def default_chunk_rows(spec: RowSpec, chunk_bytes: int = DEFAULT_CHUNK_BYTES) ->
     return max(1, chunk_bytes // max(1, spec.row_bytes))
 
 
-# Chunk checksums guard against truncated or altered files, not against an adversary, so a
-# fast one (crc32 runs at about 2x sha256's speed here) is the default. Each hash is stored as
-# "<algorithm>:<hex>", so manifests written with sha256 still verify.
-HASH_ALGORITHMS = ("crc32", "sha256")
-DEFAULT_HASH = "crc32"
-_BLOCK_BYTES = 1 << 20  # checksum each block right after writing it, while it is in cache
+# Chunk checksums guard against truncated or altered files, not against an adversary, so the
+# fastest is the default: xxh3 (64-bit) hashes at memory speed, about 10x crc32 and 20x sha256
+# here. Each hash is stored as "<algorithm>:<hex>", so manifests written with crc32 or sha256
+# still verify.
+HASH_ALGORITHMS = ("xxh3", "crc32", "sha256")
+DEFAULT_HASH = "xxh3"
+_BLOCK_BYTES = 1 << 20  # write and checksum in blocks: each block is hashed while it is in cache
 
 
 class ContentHash:
-    """An incremental chunk checksum, ``crc32`` (zlib) or ``sha256``, printed as ``"<algorithm>:<hex>"``."""
+    """An incremental chunk checksum, ``xxh3``, ``crc32`` (zlib) or ``sha256``, printed as ``"<algorithm>:<hex>"``.
+
+    >>> h = ContentHash("crc32"); h.update(b"ab"); h.update(b"c"); h.hexdigest()
+    'crc32:352441c2'
+    """
 
     def __init__(self, algorithm: str = DEFAULT_HASH):
         if algorithm not in HASH_ALGORITHMS:
             raise ChunkError(f"expected a chunk hash algorithm in {HASH_ALGORITHMS}, got {algorithm!r}")
         self.algorithm = algorithm
-        self._sha = hashlib.sha256() if algorithm == "sha256" else None
         self._crc = 0
+        if algorithm == "xxh3":
+            import xxhash  # here, not at import: reading chunks needs numpy alone
+
+            self._h = xxhash.xxh3_64()
+        else:
+            self._h = hashlib.sha256() if algorithm == "sha256" else None
 
     def update(self, data: Any) -> None:
-        if self._sha is not None:
-            self._sha.update(data)
+        if self._h is not None:
+            self._h.update(data)
         else:
             self._crc = zlib.crc32(data, self._crc)
 
@@ -103,7 +113,7 @@ class ContentHash:
         self.update(f"{key}|{np.dtype(dtype).name}|{tuple(shape)}|".encode())
 
     def hexdigest(self) -> str:
-        digest = self._sha.hexdigest() if self._sha is not None else f"{self._crc:08x}"
+        digest = self._h.hexdigest() if self._h is not None else f"{self._crc:08x}"
         return f"{self.algorithm}:{digest}"
 
 
@@ -150,9 +160,10 @@ def write_chunk(arrays: Mapping[str, np.ndarray], directory: str | os.PathLike, 
     """Write one chunk as a tensordict memmap directory; return its info (path relative to the parent).
 
     tensordict lays out the directory (``meta.json`` files, sized ``.memmap`` files); the rows are
-    then copied straight from ``arrays`` into the mapped files (strided arrays too, without a
-    contiguous copy first) and each block is checksummed right after its copy, while in cache.
-    Mapped copies, not ``write()`` calls: with many writers the page cache takes them faster.
+    then written with ``pwrite`` in 1 MiB blocks straight from ``arrays`` (strided arrays too, one
+    contiguous block at a time) and each block is checksummed right after, while in cache.
+    ``pwrite``, not a mapped copy: the kernel fills the page cache in large folios, where stores
+    through a mapping fault on every 4 KiB page (about 6x slower here for a 16 MiB column).
     """
     import torch  # only where chunks are written: readers need numpy alone
     from tensordict import TensorDict
@@ -178,14 +189,48 @@ def write_chunk(arrays: Mapping[str, np.ndarray], directory: str | os.PathLike, 
         if a.nbytes == 0:
             continue
         *parents, leaf = k.split(SEP)
-        out = np.memmap(directory.joinpath(*parents, f"{leaf}.memmap"), dtype=a.dtype, mode="r+", shape=a.shape)
-        step = max(1, _BLOCK_BYTES // max(1, a[0].nbytes))
-        for start in range(0, rows, step):
-            block = out[start:start + step]
-            block[...] = a[start:start + step]
-            h.update(memoryview(block.reshape(-1).view(np.uint8)))
-        del out  # unmaps; the kernel writes the pages back
+        fd = os.open(directory.joinpath(*parents, f"{leaf}.memmap"), os.O_WRONLY)
+        try:
+            _reserve(fd, a.nbytes)
+            offset = 0
+            for block in _blocks(a):
+                _pwrite_all(fd, block, offset)
+                h.update(block)
+                offset += len(block)
+        finally:
+            os.close(fd)
     return ChunkInfo(path=directory.name, rows=rows, hash=h.hexdigest())
+
+
+def _linux_fallocate():
+    try:
+        import ctypes
+
+        f = ctypes.CDLL(None, use_errno=True).fallocate
+    except (OSError, AttributeError):
+        return None
+    f.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+    f.restype = ctypes.c_int
+    return f
+
+
+_FALLOCATE = _linux_fallocate()
+
+
+def _reserve(fd: int, nbytes: int) -> None:
+    """Allocate a file's blocks before writing it (a third faster here); best effort.
+
+    Linux ``fallocate``, not ``os.posix_fallocate``: where a file system cannot allocate
+    ahead, glibc's fallback writes a zero into every block, twice the work; this just returns.
+    """
+    if _FALLOCATE is not None:
+        _FALLOCATE(fd, 0, 0, nbytes)
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while len(data):
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
 
 
 def write_manifest(

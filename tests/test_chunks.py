@@ -37,7 +37,7 @@ def test_round_trip_nested_keys_and_dtypes(tmp_path):
     manifest = json.loads((tmp_path / "ds" / "manifest.json").read_text())
     assert manifest["rows"] == 10 and manifest["version"] == chunks.FORMAT_VERSION
     assert manifest["spec"]["next/done"] == {"shape": [1], "dtype": "bool"}
-    assert all(c["hash"].startswith("crc32:") for c in manifest["chunks"])
+    assert all(c["hash"].startswith("xxh3:") for c in manifest["chunks"])
     # each chunk is a plain tensordict memmap
     first = TensorDict.load_memmap(tmp_path / "ds" / "chunk-00000")
     assert torch.equal(first["next", "reward"], td["next", "reward"][:3])
@@ -164,29 +164,32 @@ def test_indexing_and_sampling_like_a_torchrl_dataset(tmp_path):
         ds.sample(0)
 
 
-def test_chunk_hash_is_crc32_and_sha256_manifests_still_verify(tmp_path):
+@pytest.mark.parametrize("older", ["crc32", "sha256"])
+def test_chunk_hash_is_xxh3_and_older_manifests_still_verify(tmp_path, older):
     td = nested_td(9)
     ds = write_dataset(td, tmp_path / "ds", chunk_rows=4)
-    assert [chunks.hash_algorithm(c.hash) for c in ds.chunks] == ["crc32"] * 3
+    assert [chunks.hash_algorithm(c.hash) for c in ds.chunks] == ["xxh3"] * 3
+    assert all(len(c.hash) == len("xxh3:") + 16 for c in ds.chunks)
     # the checksum computed while writing equals one recomputed from the files
     assert [c.hash for c in ds.chunks] == [chunks.hash_arrays(ds.chunk_arrays(i), ds.spec) for i in range(3)]
-    # a manifest from before the switch (sha256 hashes) verifies, and still catches an altered chunk
+    # a manifest from before the switch (crc32 or sha256 hashes) verifies, and still catches an altered chunk
     path = tmp_path / "ds" / "manifest.json"
     manifest = json.loads(path.read_text())
     for i, c in enumerate(manifest["chunks"]):
-        c["hash"] = chunks.hash_arrays(ds.chunk_arrays(i), ds.spec, "sha256")
-    assert manifest["chunks"][0]["hash"].startswith("sha256:") and len(manifest["chunks"][0]["hash"]) == 71
+        c["hash"] = chunks.hash_arrays(ds.chunk_arrays(i), ds.spec, older)
+    assert manifest["chunks"][0]["hash"].startswith(f"{older}:")
+    assert len(manifest["chunks"][0]["hash"]) == len(older) + 1 + {"crc32": 8, "sha256": 64}[older]
     path.write_text(json.dumps(manifest))
     ChunkDataset.open(tmp_path / "ds", verify=True)
     obs = tmp_path / "ds" / "chunk-00002" / "obs.memmap"
     data = bytearray(obs.read_bytes())
     data[-1] ^= 0x01
     obs.write_bytes(bytes(data))
-    with pytest.raises(ChunkError, match="chunk-00002: content hash sha256:"):
+    with pytest.raises(ChunkError, match=f"chunk-00002: content hash {older}:"):
         ChunkDataset.open(tmp_path / "ds", verify=True)
     manifest["chunks"][0]["hash"] = "md5:00"
     path.write_text(json.dumps(manifest))
-    with pytest.raises(ChunkError, match="algorithm in \\('crc32', 'sha256'\\), got 'md5:00'"):
+    with pytest.raises(ChunkError, match="algorithm in \\('xxh3', 'crc32', 'sha256'\\), got 'md5:00'"):
         ChunkDataset.open(tmp_path / "ds", verify=True)
 
 
@@ -222,3 +225,24 @@ def test_damaged_manifests_are_refused_when_opened(tmp_path):
     (tmp_path / "ds" / "chunk-00001" / "x.memmap").unlink()
     with pytest.raises(ChunkError, match="chunk-00001: file for key 'x' is missing"):
         ChunkDataset.open(tmp_path / "ds")
+
+
+def test_short_writes_and_no_fallocate_still_write_every_byte(tmp_path, monkeypatch):
+    real = os.pwrite
+    monkeypatch.setattr(os, "pwrite", lambda fd, data, offset: real(fd, data[:7], offset))  # 7 bytes a call at most
+    monkeypatch.setattr(chunks, "_FALLOCATE", None)  # a platform without Linux fallocate
+    arrays = {"a": np.arange(300, dtype=np.float32).reshape(100, 3), "b": np.arange(100) % 2 == 0}
+    info = chunks.write_chunk(arrays, tmp_path / "c")
+    back = TensorDict.load_memmap(tmp_path / "c")
+    np.testing.assert_array_equal(back["a"].numpy(), arrays["a"])
+    np.testing.assert_array_equal(back["b"].numpy(), arrays["b"])
+    assert info.hash == chunks.hash_arrays(arrays, chunks.RowSpec.from_arrays(arrays))
+
+
+def test_a_failed_fallocate_is_ignored(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(chunks, "_FALLOCATE", lambda fd, mode, off, n: calls.append(n) or -1)  # e.g. EOPNOTSUPP
+    arrays = {"a": np.arange(10, dtype=np.int64)}
+    chunks.write_chunk(arrays, tmp_path / "c")
+    assert calls == [80]
+    np.testing.assert_array_equal(TensorDict.load_memmap(tmp_path / "c")["a"].numpy(), arrays["a"])

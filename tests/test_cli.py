@@ -85,7 +85,7 @@ def test_preprocess_with_a_function_from_the_current_directory(tmp_path, monkeyp
     (tmp_path / "out" / "chunk-00001" / "x.memmap").write_bytes(b"\0" * 20)
     capsys.readouterr()
     assert main(["verify", str(tmp_path / "out"), "--address", "auto"]) == 1
-    assert "rayrb verify: error: chunk chunk-00001: content hash crc32:" in capsys.readouterr().err
+    assert "rayrb verify: error: chunk chunk-00001: content hash xxh3:" in capsys.readouterr().err
     assert main(["preprocess", str(tmp_path / "src"), str(tmp_path / "bad"), "--fn", "cli_user_fns:boom"]) == 1
     err = capsys.readouterr().err
     assert re.search(r"rayrb preprocess: error: fn failed on chunk-0000\d, row \d+: RuntimeError: bad row", err), err
