@@ -3,8 +3,8 @@
 TorchRL's ``preprocess`` runs a multiprocessing pool on one node. Here each input
 range is one Ray task that reads its rows (memory maps or a Parquet file), applies
 ``fn`` and writes its output chunk as a tensordict memmap straight under ``dest``:
-no chunk's data passes through the driver, and at most ``num_workers`` tasks are
-in flight (``ray.wait`` back-pressure), so memory per worker is bounded by the
+no chunk's data passes through the driver, and at most ``num_workers`` tasks run
+at once (``ray.wait`` back-pressure), so memory per worker is bounded by the
 chunk size.
 
 A run is resumable. ``dest/.rayrb-job.json`` records what the run computes, and
@@ -246,7 +246,7 @@ def preprocess(
             chunk and every chunk must match it.
         dest: the new dataset's directory: absent, empty, or an interrupted run of the
             same job (which is resumed).
-        num_workers: tasks in flight (default: the cluster's CPUs).
+        num_workers: tasks running at once (default: the cluster's CPUs).
         chunk_rows: input rows per task and output chunk.
         num_frames: transform only the first ``num_frames`` rows (to debug ``fn``).
         pbar: show a progress bar over rows (rows/s, ETA).
@@ -320,6 +320,28 @@ def _check_spec(infos: dict[int, dict], i: int) -> None:
                               "every chunk must have the same keys, shapes and dtypes")
 
 
+def in_flight_limit(num_workers: int, cluster_cpus: float, task_cpus: float) -> int:
+    """How many tasks to keep submitted so that at most ``num_workers`` run at once.
+
+    When the cluster cannot run more than ``num_workers`` of them anyway, as many again wait
+    queued in Ray: a worker that finishes a chunk starts the next on the same lease, without
+    waiting for the driver to hear of it and submit another (2-5 ms a chunk on 2 cores). When
+    the cluster has room for more, extra tasks would run, not wait, so none are queued.
+
+    >>> in_flight_limit(2, cluster_cpus=2, task_cpus=1)
+    4
+    >>> in_flight_limit(2, cluster_cpus=16, task_cpus=1)
+    2
+    >>> in_flight_limit(4, cluster_cpus=16, task_cpus=4)
+    8
+    >>> in_flight_limit(3, cluster_cpus=8, task_cpus=0)  # tasks that take no CPU: no cap from the cluster
+    3
+    """
+    if task_cpus <= 0 or num_workers < cluster_cpus // task_cpus:
+        return num_workers
+    return 2 * num_workers
+
+
 def _run(units, job, fn, dest: Path, batched, num_workers, pbar, resume, task_options) -> ChunkDataset:
     import ray
     from tqdm.auto import tqdm
@@ -337,13 +359,15 @@ def _run(units, job, fn, dest: Path, batched, num_workers, pbar, resume, task_op
     total_rows = sum(u[3] - u[2] for u in units)
     bar = tqdm(total=total_rows, unit="rows", unit_scale=True, disable=not pbar, desc=f"preprocess -> {dest.name}",
                initial=sum(infos[i]["rows"] for i in infos), mininterval=0.5)
-    task = ray.remote(_process).options(**{"num_cpus": 1, "scheduling_strategy": "SPREAD", **task_options})
+    options = {"num_cpus": 1, "scheduling_strategy": "SPREAD", **task_options}
+    task = ray.remote(_process).options(**options)
     fn_ref = ray.put(fn)
+    limit = in_flight_limit(num_workers, ray.cluster_resources().get("CPU", 0), options["num_cpus"])
     in_flight: dict[Any, int] = {}
     pending = list(todo)
     try:
         while pending or in_flight:
-            while pending and len(in_flight) < num_workers:
+            while pending and len(in_flight) < limit:
                 i = pending.pop(0)
                 in_flight[task.remote(units[i], i, fn_ref, batched, str(dest))] = i
             ready, _ = ray.wait(list(in_flight), num_returns=1)

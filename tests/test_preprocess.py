@@ -216,3 +216,31 @@ def test_in_place_fn_never_touches_the_source(tmp_path):
     np.testing.assert_array_equal(out["X"], -before["X"])
     src.verify()
     np.testing.assert_array_equal(src.read()["X"], before["X"])
+
+
+def make_sleepy(log: str):
+    def sleepy(td):
+        import os
+        import time
+
+        start = time.time()
+        time.sleep(0.2)
+        with open(log, "a") as f:
+            f.write(f"{start} {time.time()} {os.getpid()}\n")
+        return td
+
+    return sleepy
+
+
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_num_workers_caps_the_tasks_running_at_once(tmp_path, num_workers):
+    # the session's Ray has 2 CPUs: with num_workers=1 a second task must wait, even though one is queued
+    # ahead when the cluster is full (num_workers=2)
+    log = tmp_path / "intervals.log"
+    out = preprocess(source(tmp_path, n=120), make_sleepy(str(log)), tmp_path / "out", batched=True, chunk_rows=20,
+                     num_workers=num_workers, pbar=False)
+    assert len(out) == 120
+    spans = sorted(tuple(map(float, line.split()[:2])) for line in log.read_text().split("\n") if line)
+    assert len(spans) == 6
+    most = max(sum(1 for a, b in spans if a <= t < b) for t, _ in spans)
+    assert most <= num_workers, spans
