@@ -54,7 +54,8 @@ class OfflineToOnlineReplayBuffer(BufferClient):
             it holds are copied in. Exclusive with ``online_capacity``.
         offline_fraction: a number in ``[0, 1]`` (TorchRL allows only ``(0, 1)``), or a
             schedule (:mod:`rayrb.schedules`, a kind name or a config dict). Default 0.5.
-        batch_size (int): default for :meth:`sample`.
+        batch_size (int): default for :meth:`sample`; required with a dataset id, as in
+            TorchRL (which builds the dataset with it).
         transform (callable): applied to each sampled TensorDict in the caller.
         num_offline_shards (int), num_online_shards (int): actors per side. Default 1.
         sampler (str): both sides' sampler, unless ``offline_sampler`` / ``online_sampler``
@@ -174,6 +175,9 @@ class OfflineToOnlineReplayBuffer(BufferClient):
         if isinstance(offline_fraction, (int, float)):
             fraction("offline_fraction", offline_fraction)
         schedule = make_schedule(offline_fraction)
+        if batch_size is None and _is_dataset_id(offline_dataset):  # TorchRL's rule, and its words
+            raise ValueError(f"batch_size must be provided when offline_dataset is a string, so the dataset can be "
+                             f"constructed. Got batch_size=None for {offline_dataset!r}")
         batch_size = None if batch_size is None else positive_int("batch_size", batch_size)
         kinds = _sampler_kinds(offline_dataset, sampler, offline_sampler, online_sampler)
         if drop_last is None and epoch_end is None:  # a TorchRL buffer's SamplerWithoutReplacement(drop_last=...)
@@ -360,6 +364,11 @@ def _start_actors(dataset: ChunkDataset, name: str, capacity: int, m: int, k: in
             ray.kill(actor)
         raise
     return coord, started
+
+
+def _is_dataset_id(dataset: Any) -> bool:
+    """A string that names a dataset (``"openml:magic"``) rather than a chunk dataset's directory."""
+    return isinstance(dataset, str) and not Path(dataset).exists()
 
 
 def _sampler_kinds(dataset: Any, sampler: str | None, offline: str | None, online: str | None) -> dict[str, str]:

@@ -357,3 +357,15 @@ def test_killed_offline_shard_restarts_and_remaps_its_chunks(make_buffer, ray_se
     assert batch.batch_size[0] == 64 and set(info["shard"].tolist()) <= {0, 1}
     assert torch.equal(batch["obs"][:, 0], batch["id"].float() * 3)  # the rows are the dataset's rows
     assert before.batch_size == batch.batch_size
+
+
+def test_a_dataset_id_needs_batch_size_but_a_dataset_path_does_not(make_buffer, tmp_path):
+    from rayrb import write_dataset
+
+    # TorchRL's rule and message for ids, checked before the id is resolved (so before anything is prepared)
+    with pytest.raises(ValueError, match="batch_size must be provided when offline_dataset is a string, so the "
+                                         "dataset can be constructed. Got batch_size=None for 'openml:magic'"):
+        make_buffer("openml:magic", online_capacity=10)
+    path = write_dataset(offline_rows(50), tmp_path / "ds").root
+    rb = make_buffer(str(path), online_capacity=10)  # a chunk dataset's directory, named by a string
+    assert len(rb.sample(8)) == 8
