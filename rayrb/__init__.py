@@ -33,6 +33,7 @@ _EXPORTS = {
     "register_dataset": "rayrb.datasets.registry",
     "load_openml": "rayrb.datasets.openml",
     "OPENML_DATASETS": "rayrb.datasets.openml",
+    "OpenMLEnv": "rayrb.integrations.openml_env",  # imports torchrl
 }
 
 # The function shadows its module's name on the package, so bind it eagerly (numpy-only import).

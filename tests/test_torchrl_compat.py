@@ -231,10 +231,6 @@ class TestOfflineToOnlineReplayBuffer:
         with pytest.raises(ValueError, match="batch_size must be provided"):
             rb.sample()
 
-    @pytest.mark.xfail(strict=True, reason=(
-        "TorchRL raises ValueError 'batch_size must be provided when offline_dataset is a string, so the dataset "
-        "can be constructed.' before resolving the id; rayrb never requires batch_size for a dataset id, and here "
-        "raises ValueError \"Unknown dataset source 'd4rl' in ...\" instead, whose message does not match"))
     def test_string_dataset_requires_batch_size(self, make_buffer):
         with pytest.raises(ValueError, match="batch_size must be provided"):
             make_buffer(
@@ -932,15 +928,13 @@ def _openml_transform():
 
 @pytest.mark.parametrize("dataset", OPENML_NAMES)
 class TestOpenML:
-    @pytest.mark.xfail(strict=True, raises=ImportError, reason=(
-        "rayrb has no OpenMLEnv: TorchRL's torchrl.envs.libs.openml.OpenMLEnv is a contextual-bandit env that "
-        "draws (X, y) from its own OpenMLExperienceReplay; rayrb offers the data only"))
     @pytest.mark.parametrize("batch_size", [(), (2,), (2, 3)])
-    def test_env(self, dataset, batch_size):
+    def test_env(self, dataset, batch_size, data_home, monkeypatch):
         from torchrl.envs.utils import check_env_specs
 
         from rayrb import OpenMLEnv
 
+        monkeypatch.setenv("SCIKIT_LEARN_DATA", str(data_home))  # TorchRL's test reads scikit-learn's default home
         env = OpenMLEnv(dataset, batch_size=batch_size)
         td = env.reset()
         assert td.shape == torch.Size(batch_size)
@@ -1057,10 +1051,6 @@ class TestTorchRLDefaultStreams:
         make_buffer("openml:magic", online_capacity=1, batch_size=8, root=root, data_home=data_home)
         assert root.is_dir() and any(root.iterdir())
 
-    @pytest.mark.xfail(strict=True, reason=(
-        "TorchRL raises ValueError 'batch_size must be provided when offline_dataset is a string, so the dataset "
-        "can be constructed.' for any dataset id without batch_size; rayrb builds the buffer (batch_size is then "
-        "only needed by sample())"))
     def test_openml_id_requires_batch_size(self, data_home, make_buffer):
         with pytest.raises(ValueError, match="batch_size must be provided"):
             make_buffer("openml:magic", online_capacity=1, data_home=data_home)
