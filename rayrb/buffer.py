@@ -275,8 +275,10 @@ class OfflineToOnlineReplayBuffer(BufferClient):
         ``path`` must be readable by the shard actors (shared storage on a cluster).
         """
         from rayrb.checkpoint import save
+        from rayrb.iterator import report_served
 
         self._lookahead.give_back()
+        report_served(self)
         save(self, Path(path))
 
     def loads(self, path: str | os.PathLike) -> None:

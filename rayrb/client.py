@@ -380,7 +380,10 @@ class BufferClient:
 
     def state_dict(self) -> dict[str, Any]:
         """Sampling state (step, schedule, RNG, epochs) to resume the same batch stream."""
+        from rayrb.iterator import report_served
+
         self._lookahead.give_back()
+        report_served(self)  # what iterators drew ahead is left out, what they handed over is not
         return self._get(self._coord.state_dict.remote())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -205,7 +205,8 @@ class Coordinator:
             self._metrics.observe(f"{side}_blocked_ms", float(seconds) * 1e3)
 
     def sample_group(self, batch_size: int, num_batches: int, waited: float = 0.0,
-                     ahead: str | None = None, submit: bool = True) -> GroupDispatch | Blocked:
+                     ahead: str | None = None, submit: bool = True, served: int | None = None
+                     ) -> GroupDispatch | Blocked:
         """Plan ``num_batches`` consecutive batches with one read task per shard.
 
         The batches are exactly those of as many :meth:`sample` calls; each shard
@@ -217,9 +218,12 @@ class Coordinator:
         ``ahead`` names a handle that draws batches before they are asked for (its
         plain ``sample()`` loop) and can give back those it did not serve (:meth:`undo`).
         Its group stops early, with what was drawn, where a draw would be refused; with
-        a rate limiter that can hold calls back it is one batch.
+        a rate limiter that can hold calls back it is one batch. ``served`` reports, as
+        :meth:`seen` does, the last of its draws the handle has handed over.
         """
         t0 = time.perf_counter()
+        if ahead is not None and served is not None:
+            self._ahead.served(ahead, int(served))
         if ahead is not None:
             num_batches = positive_int("num_batches", num_batches) if not self._planner.limiter.limits else 1
         else:
@@ -252,18 +256,25 @@ class Coordinator:
         self._planned(t0)
         return group
 
-    def undo(self, ahead: str, count: int) -> str:
-        """Give back the last ``count`` batches that handle ``ahead`` drew and did not serve.
+    def undo(self, ahead: str, count: int | None) -> str:
+        """Give back the last ``count`` batches that handle ``ahead`` drew and did not serve (None: all of them,
+        as an iterator that is closed does).
 
         Returns ``"undone"`` when the stream is back where it was before them (no one
         else drew or changed a setting since). Otherwise the draws stand, and the
         answer says what the handle does with its batches: ``"keep"`` them without
         replacement (each row of an epoch is served once), else ``"drop"`` them.
         """
-        count = int(count)
-        if count <= 0:
-            return "undone"
-        taken = self._ahead.take_back(ahead, count)
+        if count is None:  # all of them (none left is "undone" too); -1: another caller drew since
+            count = self._ahead.unserved(ahead)
+            if count == 0:
+                return "undone"
+            taken = self._ahead.take_back(ahead, count) if count > 0 else None
+        else:
+            count = int(count)
+            if count <= 0:
+                return "undone"
+            taken = self._ahead.take_back(ahead, count)
         if taken is None:
             self._metrics.count("undo_refused")
             return "keep" if getattr(self._planner.alloc, "epoch_end", None) is not None else "drop"

@@ -1,7 +1,10 @@
 """Iterating over batches with a bounded number of sample requests in flight."""
 from __future__ import annotations
 
+import sys
 import time
+import uuid
+import weakref
 from collections import deque
 from typing import Any
 
@@ -29,6 +32,17 @@ class BatchIterator:
     ``in_flight`` (batches requested and not yet handed over) never exceeds
     ``prefetch``. The stream is the one consecutive :meth:`sample` calls give.
     Once the buffer's handle is closed, no further batch is handed over.
+
+    Closing the iterator (:meth:`close`, leaving a ``with`` block, or dropping the
+    last reference, as ``break`` out of a ``for`` loop does) gives back the batches
+    it drew and did not hand over, as a handle's plain ``sample()`` loop does: the
+    stream goes on as if they had never been drawn, so an abandoned iterator skips
+    no row of an epoch without replacement. The batches handed over are reported to
+    the coordinator with each request for more (no call of their own), and before a
+    ``state_dict`` or ``dumps`` from this process, so such a save leaves out exactly
+    the batches drawn ahead; one from another process may also leave out those
+    handed over since the last request (at most a group), which a restore serves
+    again. (The GPU path, which plans groups for its own reads, gives nothing back.)
     """
 
     def __init__(self, rb: Any, batch_size: int, *, prefetch: int = 2, device: Any = None,
@@ -40,8 +54,12 @@ class BatchIterator:
         self._group = max(1, -(-self.prefetch // 2))
         self._direct = _direct_reads(rb, device)  # shard handles, when reads go GPU to GPU from here
         self._pending: deque = deque()  # (group ref, batches in it)
-        self._ready: deque = deque()  # batches fetched and copied out, not handed over
+        self._ready: deque = deque()  # (batch fetched and copied out, its draw's number), not handed over
+        self._id = uuid.uuid4().hex  # names this iterator's draws at the coordinator
+        self._served = self._reported = -1  # numbers of the last draw handed over, and told to the coordinator
+        self._closed = False
         self.max_in_flight = 0
+        _LIVE.add(self)
 
     @property
     def in_flight(self) -> int:
@@ -55,7 +73,9 @@ class BatchIterator:
             if k <= 0 or (k < self._group and self._pending):
                 break
             if self._direct is None:
-                self._pending.append((self._rb._coord.sample_group.remote(self._batch_size, k), k))
+                served, self._reported = self._unreported(), max(self._served, self._reported)
+                self._pending.append((self._rb._coord.sample_group.remote(self._batch_size, k, ahead=self._id,
+                                                                          served=served), k))
             else:
                 self._pending.append((self._submit_direct(k), k))
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
@@ -63,8 +83,45 @@ class BatchIterator:
     def __iter__(self) -> "BatchIterator":
         return self
 
+    def __enter__(self) -> "BatchIterator":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True) and not sys.is_finalizing():
+            try:
+                self.close()
+            except Exception:  # the buffer or Ray may be gone already: nothing to give back to
+                pass
+
+    def close(self) -> None:
+        """Give back what was drawn and not handed over; the iterator then stops."""
+        if self._closed:
+            return
+        self._closed = True
+        outstanding = sum(k for _, k in self._pending) + len(self._ready)
+        self._pending.clear()
+        self._ready.clear()
+        if outstanding and self._direct is None and not self._rb._closed:
+            # Queued after this iterator's draws at the coordinator, which runs one caller's calls in order,
+            # so nothing needs to be waited for.
+            self.report()
+            self._rb._coord.undo.remote(self._id, None)
+
+    def _unreported(self) -> int | None:
+        return self._served if self._served > self._reported else None
+
+    def report(self) -> None:
+        """Tell the coordinator which of this iterator's draws were handed over (fire and forget)."""
+        served = self._unreported()
+        if served is not None and not self._rb._closed:
+            self._reported = served
+            self._rb._coord.seen.remote(self._id, served)
+
     def __next__(self):
-        if self._left is not None and self._left <= 0:
+        if self._closed or (self._left is not None and self._left <= 0):
             raise StopIteration
         if self._rb._closed:
             self._pending.clear()
@@ -84,15 +141,18 @@ class BatchIterator:
                 from rayrb.transport import receive, split_flat
 
                 for plan, parts in split_group(group, [split_flat(r) for r in results]):
-                    self._ready.append(receive(plan, *parts) if self._return_info else receive(plan, *parts)[0])
+                    out = receive(plan, *parts)
+                    self._ready.append((out if self._return_info else out[0], -1))
                 continue
             # Copy every batch out of the group's objects now, so the object store holds no more
             # than the requests in flight (a view would pin a whole group).
-            for plan, parts in split_group(group, results):
+            for j, (plan, parts) in enumerate(split_group(group, results)):
                 out = assemble(plan, parts, self._return_info)
-                self._ready.append(copy_batch(out) if len(parts) == 1 else out)
+                self._ready.append((copy_batch(out) if len(parts) == 1 else out,
+                                    group.first + j if group.first >= 0 else -1))
             del group, results  # a without-replacement group may hold fewer than k batches
-        out = self._ready.popleft()
+        out, number = self._ready.popleft()
+        self._served = max(self._served, number)
         if self._left is not None:
             self._left -= 1
         self._fill()  # request more before handing the batch over, so sampling overlaps training
@@ -134,6 +194,16 @@ class BatchIterator:
             again = [self._read_direct(*group.reads[j], group.args[j]) for j in behind]
             for j, r in zip(behind, self._rb._get(again)):
                 results[j] = r
+
+
+_LIVE: "weakref.WeakSet[BatchIterator]" = weakref.WeakSet()
+
+
+def report_served(rb: Any) -> None:
+    """Report what this process's iterators over ``rb``'s buffer have handed over, before a save counts it."""
+    for it in list(_LIVE):
+        if it._rb._name == rb._name:
+            it.report()
 
 
 class _Ready:
