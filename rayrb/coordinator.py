@@ -24,7 +24,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from rayrb.metrics import ActorMetrics
-from rayrb.planner import AheadLog, Planner, Reads, Refused
+from rayrb.planner import MAX_AHEAD, AheadLog, Planner, Reads, Refused
 from rayrb.plans import OFFLINE, ONLINE, SIDES, BatchPlan, Blocked, Dispatch, GroupDispatch, assemble_slice
 from rayrb.plans import route_priorities
 from rayrb.validation import BETA, positive_int
@@ -68,7 +68,7 @@ class Coordinator:
         self._routes = None  # rayrb.transport.Routes to the connected learners
         # The handle whose draws are the latest, with the planner's state before each of them: while
         # no one else draws or steers, that handle can give back the batches it drew ahead (``undo``).
-        self._ahead = AheadLog(limit=_MAX_AHEAD)
+        self._ahead = AheadLog(limit=MAX_AHEAD)
         # Bumped by every write, priority update, restore and change of settings: a handle holding batches
         # drawn ahead at an older version gives them back (sizes no staler than the previous sample call).
         self._version = 0
@@ -536,7 +536,6 @@ def _failed(acks: list[Any]) -> bool:
     return False
 
 
-_MAX_AHEAD = 256  # draws a handle may give back (a handle holds at most 2 groups of ahead.MAX_DEPTH + 1)
 
 _TASKS: dict[Any, Any] = {}
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from rayrb.planner import MAX_AHEAD
 from rayrb.plans import Blocked, assemble, split_group
 from rayrb.validation import optional_positive_int, positive_int
 
@@ -30,7 +31,8 @@ class BatchIterator:
     Batches are requested in groups of ``ceil(prefetch / 2)`` (one read task per
     shard per group), and a new group goes out as soon as it fits, so
     ``in_flight`` (batches requested and not yet handed over) never exceeds
-    ``prefetch``. The stream is the one consecutive :meth:`sample` calls give.
+    ``prefetch``, nor 256, the most the coordinator can give back. The stream is
+    the one consecutive :meth:`sample` calls give.
     Once the buffer's handle is closed, no further batch is handed over.
 
     Closing the iterator (:meth:`close`, leaving a ``with`` block, or dropping the
@@ -51,8 +53,10 @@ class BatchIterator:
         self.prefetch = positive_int("prefetch", prefetch)
         self._left = optional_positive_int("num_batches", num_batches)
         self._device, self._return_info = device, return_info
-        self._group = max(1, -(-self.prefetch // 2))
         self._direct = _direct_reads(rb, device)  # shard handles, when reads go GPU to GPU from here
+        # No deeper than the coordinator can give back on close: past that, rows drawn ahead would be lost.
+        self._depth = self.prefetch if self._direct is not None else min(self.prefetch, MAX_AHEAD)
+        self._group = max(1, -(-self._depth // 2))
         self._pending: deque = deque()  # (group ref, batches in it)
         self._ready: deque = deque()  # (batch fetched and copied out, its draw's number), not handed over
         self._id = uuid.uuid4().hex  # names this iterator's draws at the coordinator
@@ -67,7 +71,7 @@ class BatchIterator:
 
     def _fill(self) -> None:
         while True:
-            k = min(self._group, self.prefetch - self.in_flight)
+            k = min(self._group, self._depth - self.in_flight)
             if self._left is not None:
                 k = min(k, self._left - self.in_flight)
             if k <= 0 or (k < self._group and self._pending):
@@ -104,10 +108,11 @@ class BatchIterator:
         outstanding = sum(k for _, k in self._pending) + len(self._ready)
         self._pending.clear()
         self._ready.clear()
+        if self._direct is None:
+            self.report()  # even with nothing outstanding: once dropped, a later save cannot ask this iterator
         if outstanding and self._direct is None and not self._rb._closed:
             # Queued after this iterator's draws at the coordinator, which runs one caller's calls in order,
             # so nothing needs to be waited for.
-            self.report()
             self._rb._coord.undo.remote(self._id, None)
 
     def _unreported(self) -> int | None:

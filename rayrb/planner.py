@@ -258,6 +258,11 @@ class Planner:
         self.alloc, self.limiter = alloc, limiter
 
 
+# Draws a handle may give back: a handle holds at most 2 groups of lookahead.MAX_DEPTH + 1, and an
+# iterator draws no deeper than this.
+MAX_AHEAD = 256
+
+
 class AheadLog:
     """The draws one handle made ahead of its ``sample()`` calls: what undoing them, or saving without them, needs.
 

@@ -336,8 +336,12 @@ def in_flight_limit(num_workers: int, cluster_cpus: float, task_cpus: float) -> 
     8
     >>> in_flight_limit(3, cluster_cpus=8, task_cpus=0)  # tasks that take no CPU: no cap from the cluster
     3
+    >>> in_flight_limit(19, cluster_cpus=2, task_cpus=0.1)  # 20 fit, so none may wait queued
+    19
     """
-    if task_cpus <= 0 or num_workers < cluster_cpus // task_cpus:
+    # Ray counts resources in fixed point (1/10000 of a unit), not float: 2 // 0.1 is 19.0, yet 20 such tasks fit.
+    unit = round(task_cpus * 10000)
+    if unit <= 0 or num_workers < round(cluster_cpus * 10000) // unit:
         return num_workers
     return 2 * num_workers
 
