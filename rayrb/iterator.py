@@ -39,7 +39,9 @@ class BatchIterator:
     last reference, as ``break`` out of a ``for`` loop does) gives back the batches
     it drew and did not hand over, as a handle's plain ``sample()`` loop does: the
     stream goes on as if they had never been drawn, so an abandoned iterator skips
-    no row of an epoch without replacement. The batches handed over are reported to
+    no row of an epoch without replacement. If another caller drew in between, the
+    draws stand and the batches are dropped (their rows are missed by that epoch).
+    The batches handed over are reported to
     the coordinator with each request for more (no call of their own), and before a
     ``state_dict`` or ``dumps`` from this process, so such a save leaves out exactly
     the batches drawn ahead; one from another process may also leave out those

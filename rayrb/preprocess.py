@@ -389,8 +389,10 @@ def _run(units, job, fn, dest: Path, batched, num_workers, pbar, resume, task_op
         raise
     finally:
         bar.close()
-        # Let running tasks finish rather than cancel them: a task cancelled while its worker imports
-        # torch leaves that pooled worker half-initialized, and the next preprocess fails on it.
+        # Let submitted tasks finish rather than cancel them: a task cancelled while its worker imports
+        # torch leaves that pooled worker half-initialized, and the next preprocess fails on it. Which of
+        # them already run cannot be told, so the queued ones (at most num_workers) run too; their chunks
+        # count for a resumed run.
         if in_flight:
             ray.wait(list(in_flight), num_returns=len(in_flight), timeout=120)
     for i in sorted(set(infos) - set(todo)):  # chunks kept from an earlier run; new ones were checked above

@@ -246,3 +246,17 @@ def test_a_failed_fallocate_is_ignored(tmp_path, monkeypatch):
     chunks.write_chunk(arrays, tmp_path / "c")
     assert calls == [80]
     np.testing.assert_array_equal(TensorDict.load_memmap(tmp_path / "c")["a"].numpy(), arrays["a"])
+
+
+def test_a_zero_width_column_round_trips(tmp_path):
+    data = {"x": np.arange(6, dtype=np.float32).reshape(3, 2), "empty": np.zeros((3, 0), np.float32)}
+    ds = write_dataset(data, tmp_path / "ds")
+    again = ChunkDataset.open(tmp_path / "ds", verify=True)
+    np.testing.assert_array_equal(again.read()["x"], data["x"])
+    assert again.read()["empty"].shape == (3, 0) and ds.gather(np.array([2, 0]))["empty"].shape == (2, 0)
+
+
+def test_a_pwrite_that_writes_nothing_raises_instead_of_looping(tmp_path, monkeypatch):
+    monkeypatch.setattr(os, "pwrite", lambda fd, data, offset: 0)
+    with pytest.raises(OSError, match="pwrite wrote nothing"):
+        chunks.write_chunk({"a": np.arange(10, dtype=np.int64)}, tmp_path / "c")
