@@ -357,10 +357,14 @@ def _start_actors(dataset: ChunkDataset, name: str, capacity: int, m: int, k: in
             started.append(ray.remote(**cls_opts)(OnlineShard).options(**on_opts).remote(
                 dataset.spec.to_json(), c, f"{name}/on-{i}", kinds[ONLINE], sampler_options=so,
                 state_dir=shard_directory(storage_dir, instance, f"on-{i}"), device=table))
-        coord = ray.remote(Coordinator).options(name=name, **coord_opts).remote(
+        # The coordinator restarts too when it can keep its state on disk: the stream, settings and
+        # version there, the write counts in the shards.
+        coord_restart = restart if storage_dir is not None else {}
+        coord = ray.remote(Coordinator).options(name=name, **coord_restart, **coord_opts).remote(
             started[:m], [b - a for a, b in ranges], started[m:], capacities, offline_fraction=schedule,
             sampler=dict(kinds), epoch_end=epoch_end, seed=seed, name=name, transport=transport, device=device,
-            beta=prio["beta"], rate_limiter=rate_limiter)
+            beta=prio["beta"], rate_limiter=rate_limiter,
+            state_dir=shard_directory(storage_dir, instance, "coordinator"))
     except BaseException:
         for actor in started:
             ray.kill(actor)

@@ -18,6 +18,7 @@ A draw that raises leaves the planner's state as it was.
 """
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any, Sequence
 
@@ -27,8 +28,20 @@ from rayrb.metrics import ActorMetrics
 from rayrb.planner import MAX_AHEAD, AheadLog, Planner, Reads, Refused
 from rayrb.plans import OFFLINE, ONLINE, SIDES, BatchPlan, Blocked, Dispatch, GroupDispatch, assemble_slice
 from rayrb.plans import route_priorities
+from rayrb.storage import CoordinatorState
 from rayrb.validation import BETA, positive_int
 from rayrb.writelog import WriteLog
+
+
+def _persists(method):
+    """Save the coordinator's state after ``method`` returns (it changed the stream, settings or version)."""
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        out = method(self, *args, **kwargs)
+        self._save()
+        return out
+
+    return wrapper
 
 
 class Coordinator:
@@ -49,6 +62,7 @@ class Coordinator:
         device: str | None = "cpu",
         beta: float = BETA,
         rate_limiter: Any = None,
+        state_dir: str | None = None,
     ):
         self._shards = {OFFLINE: list(offline_shards), ONLINE: list(online_shards)}
         self._offline_sizes = np.asarray(offline_sizes, np.int64)
@@ -73,6 +87,44 @@ class Coordinator:
         # drawn ahead at an older version gives them back (sizes no staler than the previous sample call).
         self._version = 0
         self._version_file = _VersionFile(name)
+        # With a state directory, a restarted coordinator (Ray re-runs this with the same arguments) picks up
+        # its sampling state there and its write counts from the shards.
+        self._state = None
+        if state_dir is not None:
+            import ray
+
+            self._state = CoordinatorState(state_dir)
+            if ray.get_runtime_context().was_current_actor_reconstructed:
+                self._restart(self._state.load())
+            else:
+                self._state.clear()
+                self._save()
+
+    def _save(self) -> None:
+        """Keep what a restart needs; called after every call that changes it."""
+        if self._state is not None:
+            self._state.save({"planner": self._planner.state_dict(), "side_rng": self._side_rng.bit_generator.state,
+                              "version": self._version, "version_path": self._version_file.path})
+
+    def _restart(self, saved: dict[str, Any] | None) -> None:
+        """Pick up where the previous process left off. Without its state (restarted on another node) the
+        stream starts afresh from the seed, but the write counts still come from the shards."""
+        import ray
+
+        if saved is not None:
+            self._planner.load_state_dict(saved["planner"])
+            self._side_rng.bit_generator.state = saved["side_rng"]
+            self._version = int(saved["version"]) + 1  # handles give back what they drew before the restart
+            self._version_file.reopen(saved.get("version_path"), self._version)
+        if self._log is not None:
+            written = ray.get([s.written.remote() for s in self._shards[ONLINE]])
+            self._log.reset(written)
+            for write_id, pieces in self._state.writes():  # those that landed whole are answered, not redone
+                plan = self._log.rebuild(pieces)
+                if all(w.first + w.rows <= written[w.shard] for w in plan):
+                    self._log.remember(write_id, plan, None)
+        self._metrics.count("restarts")
+        self._save()
 
     def _changed(self, settings: bool = False) -> None:
         self._version += 1
@@ -87,8 +139,11 @@ class Coordinator:
         return ray.get_runtime_context().get_node_id(), self._version_file.open(self._version)
 
     def close(self) -> None:
-        """Remove the version file: the buffer is being shut down."""
+        """Remove the version file and the state files: the buffer is being shut down."""
         self._version_file.remove()
+        if self._state is not None:
+            self._state.remove()
+            self._state = None
 
     def seen(self, ahead: str, served: int) -> int:
         """Handle ``ahead`` has served its draws up to number ``served``; returns the version (a counter of
@@ -113,20 +168,24 @@ class Coordinator:
     def offline_fraction(self) -> float:
         return self._planner.fraction(self._sizes())
 
+    @_persists
     def set_offline_fraction(self, value: Any) -> float:
         self._changed(settings=True)
         self._planner.set_fraction(value)
         return self.offline_fraction()
 
+    @_persists
     def anneal(self, step: int, total_steps: int) -> float:
         """TorchRL's ``anneal``: linear from the base fraction to 0 over ``total_steps``."""
         self._changed(settings=True)
         return self._planner.anneal(step, total_steps, self._sizes())
 
+    @_persists
     def set_step(self, step: int) -> None:
         self._changed(settings=True)
         self._planner.set_step(step)
 
+    @_persists
     def base_fraction(self, value: float | None = None) -> float:
         """The fraction ``anneal`` decays from; set it with ``value``."""
         if value is not None:
@@ -177,6 +236,7 @@ class Coordinator:
         return refs
 
     # sampling ---------------------------------------------------------------
+    @_persists
     def sample(self, batch_size: int, waited: float = 0.0) -> Dispatch | Blocked:
         """Plan one batch and submit its shard reads (or say that the rate limiter holds it back)."""
         t0 = time.perf_counter()
@@ -204,6 +264,7 @@ class Coordinator:
             self._planner.limiter.record_blocked(side, float(seconds))
             self._metrics.observe(f"{side}_blocked_ms", float(seconds) * 1e3)
 
+    @_persists
     def sample_group(self, batch_size: int, num_batches: int, waited: float = 0.0,
                      ahead: str | None = None, submit: bool = True, served: int | None = None
                      ) -> GroupDispatch | Blocked:
@@ -248,14 +309,16 @@ class Coordinator:
         for (side, i), items in by_shard.items():
             counts, seeds, epochs = (list(x) for x in zip(*items))
             group.reads.append((side, i))
+            # The caller's read may reach an online shard before a write planned with here; with the reads
+            # submitted here, the caller reads again from these if this process dies owning the rows.
+            written = int(self._log.written[i]) if side == ONLINE else None
+            group.args.append((counts, seeds, epochs, written))
             if submit:
                 group.refs.append(self._shards[side][i].sample_many.remote(counts, seeds, epochs))
-            else:  # the caller's read may reach an online shard before a write planned with here
-                written = int(self._log.written[i]) if side == ONLINE else None
-                group.args.append((counts, seeds, epochs, written))
         self._planned(t0)
         return group
 
+    @_persists
     def undo(self, ahead: str, count: int | None) -> str:
         """Give back the last ``count`` batches that handle ``ahead`` drew and did not serve (None: all of them,
         as an iterator that is closed does).
@@ -285,6 +348,7 @@ class Coordinator:
         self._metrics.count("batches_undone", count)
         return "undone"
 
+    @_persists
     def sample_side(self, side: str, batch_size: int) -> Dispatch:
         """``batch_size`` rows of one side, uniformly from the union of its shards, for buffer-like views.
 
@@ -309,6 +373,7 @@ class Coordinator:
         """Refs to each shard's state arrays, behind every write sent so far."""
         return [s.state.remote() for s in self._shards[side]]
 
+    @_persists
     def load_shard_states(self, side: str, states: Sequence[dict]) -> list[Any]:
         """Give each shard of ``side`` its state; the acks, then :meth:`resync`, complete it.
 
@@ -322,6 +387,7 @@ class Coordinator:
         self._changed()
         return [s.load_state.remote(st) for s, st in zip(self._shards[side], states)]
 
+    @_persists
     def sample_slices(self, batch_size: int, *, num_slices: int = 1, return_info: bool = False,
                       node_ids: Sequence[str | None] | None = None, postprocess: Any = None,
                       split_info: bool = False, waited: float = 0.0) -> list[Any] | Blocked:
@@ -368,6 +434,7 @@ class Coordinator:
             counts[t] = counts.get(t, 0) + 1
         return counts
 
+    @_persists
     def feed(self, method: str, batch_size: int, args: Sequence[Any] = (), waited: float = 0.0) -> list[Any] | Blocked:
         """Sample one global batch, slice it over the connected learners, call ``method`` on each.
 
@@ -389,6 +456,7 @@ class Coordinator:
         return out
 
     # writing ----------------------------------------------------------------
+    @_persists
     def extend(self, rows_ref: Sequence[Any], rows: int, write_id: str | None = None, prefill: bool = False,
                waited: float = 0.0) -> tuple[np.ndarray, list[Any]] | Blocked:
         """Send contiguous pieces of one batch of ``rows`` rows (``rows_ref[0]``, an ObjectRef) to shards.
@@ -401,6 +469,8 @@ class Coordinator:
         if self._log is None:
             raise RuntimeError("this buffer has no online shards")
         seen = self._log.seen(write_id)
+        if seen is not None and seen[1] is None:  # applied before a restart: the shards hold it
+            return seen[0], []
         if seen is not None and not _failed(seen[1]):
             return seen  # a retry: applied once, and its acknowledgements are the first call's
         rows, size = positive_int("rows", rows), int(self._log.sizes.sum())
@@ -409,6 +479,8 @@ class Coordinator:
         except Refused as b:
             return self._blocked(b)
         plan = self._log.plan(self._log.cut(rows))
+        if self._state is not None and write_id is not None:  # before the shards get it: a restart must know
+            self._state.journal(write_id, [(w.shard, w.start, w.stop, w.first) for w in plan])
         # The ref came nested in a list, so it is still unresolved: each shard fetches its piece itself.
         acks = [self._shards[ONLINE][w.shard].extend.remote(rows_ref[0], w.start, w.stop, first=w.first)
                 for w in plan]
@@ -420,6 +492,7 @@ class Coordinator:
         self._metrics.count("rows_written", int(rows))
         return self._log.indices(plan), acks
 
+    @_persists
     def update_priority(self, offline: np.ndarray, shard: np.ndarray, index: np.ndarray, generation: np.ndarray,
                         priority: np.ndarray) -> tuple[int, list[Any]]:
         """Route priority updates to the shards that own the rows; return the row count and the shards' acks.
@@ -437,6 +510,7 @@ class Coordinator:
             self._requery_masses(side, [i])
         return sum(len(args[0]) for _, _, args in routes), acks
 
+    @_persists
     def resync(self) -> dict[str, list[int]]:
         """Take the online shards' own write counts (after a failed write or a restore)."""
         import ray
@@ -464,6 +538,7 @@ class Coordinator:
         """The sampling state, as if a handle's batches drawn ahead and not yet served were given back."""
         return self._planner.state_dict(at=self._ahead.first_unserved())
 
+    @_persists
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the sampling state; checked whole before anything changes."""
         self._changed(settings=True)
@@ -506,6 +581,17 @@ class _VersionFile:
                 return None
         self.write(version)
         return self.path
+
+    def reopen(self, path: str | None, version: int) -> None:
+        """After a restart: the file handles on this node already map, if it is still there."""
+        import os
+
+        if path is not None and os.path.exists(path):
+            try:
+                self._map, self.path = np.memmap(path, dtype=np.int64, mode="r+", shape=(1,)), path
+            except (OSError, ValueError):
+                return
+            self.write(version)
 
     def write(self, version: int) -> None:
         if self._map is not None:

@@ -15,6 +15,24 @@ from rayrb.plans import Blocked, assemble, split_group
 from rayrb.validation import optional_positive_int, positive_int
 
 
+def fetch_group(rb: Any, group: Any) -> list:
+    """The rows of a planned group. If the coordinator that submitted its reads died owning them (it is
+    restarted), they are read again from here, with the same counts and seeds: the same rows."""
+    from rayrb.client import BufferUnavailableError
+
+    try:
+        return rb._get(group.refs)
+    except BufferUnavailableError as e:
+        from ray.exceptions import OwnerDiedError
+
+        if not isinstance(e.__cause__, OwnerDiedError) or len(group.args) != len(group.reads):
+            raise
+    m = len(rb.sizes()["offline"])  # waits for the restarted coordinator
+    shards = {"offline": rb._shards[:m], "online": rb._shards[m:]}
+    return rb._get([shards[side][i].sample_many.remote(counts, seeds, epochs)
+                    for (side, i), (counts, seeds, epochs, _) in zip(group.reads, group.args)])
+
+
 def copy_batch(out: Any) -> Any:
     """A batch copied out of its group's object, so that handing it over does not pin the whole group."""
     if isinstance(out, tuple):
@@ -143,7 +161,7 @@ class BatchIterator:
                 waited = self._rb._backoff(waited, group)
                 self._fill()
                 continue
-            results = self._rb._get(group.refs) if self._direct is None else self._fetch_direct(group)
+            results = fetch_group(self._rb, group) if self._direct is None else self._fetch_direct(group)
             if self._direct is not None:
                 from rayrb.transport import receive, split_flat
 

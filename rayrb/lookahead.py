@@ -40,7 +40,7 @@ import uuid
 from collections import deque
 from typing import Any
 
-from rayrb.iterator import copy_batch
+from rayrb.iterator import copy_batch, fetch_group
 from rayrb.plans import Blocked, assemble, split_group
 from rayrb.validation import non_negative_int
 
@@ -176,7 +176,7 @@ class Lookahead:
     def _unpack(self, group: Any) -> None:
         """Fetch a planned group's rows into ``_ready``; if that fails (a timeout), the group stays first in line."""
         try:
-            results = self._rb._get(group.refs)
+            results = fetch_group(self._rb, group)
         except BaseException:
             self._pending.appendleft(_Planned(group))
             raise

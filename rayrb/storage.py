@@ -35,7 +35,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -138,3 +138,101 @@ def shard_directory(root: str | os.PathLike | None, buffer_id: str, shard: str) 
     if root is None:
         return None
     return str(Path(root) / buffer_id / shard)
+
+
+class CoordinatorState:
+    """The coordinator's sampling state and write journal, in files under one directory on its node.
+
+    ``state.pkl`` holds what the coordinator cannot ask the shards for: the planner's
+    state (RNG, step, schedule, epochs, rate limiter), the side views' RNG and the
+    version; it is replaced whole (temporary file, then rename) after every call that
+    changes it. ``writes.log`` gets one line per identified write, appended before the
+    shards are sent their pieces: ``[write_id, [[shard, start, stop, first], ...]]``.
+    A restarted coordinator takes the write counts from the shards and remembers the
+    journalled writes whose every piece they hold, so a retry of such a write is
+    answered, not applied again. A torn last line (a crash mid-append) is skipped.
+
+    Examples:
+        >>> import tempfile
+        >>> s = CoordinatorState(tempfile.mkdtemp(), remember=2)
+        >>> s.load() is None
+        True
+        >>> s.save({"version": 3}); s.load()
+        {'version': 3}
+        >>> for i in range(5):
+        ...     s.journal(f"w{i}", [(0, 0, 10, 10 * i)])
+        >>> [w for w, _ in s.writes()]  # the last ``remember``
+        ['w3', 'w4']
+    """
+
+    def __init__(self, directory: str | os.PathLike, remember: int = 4096):
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._remember = int(remember)
+        self._lines = sum(1 for _ in self._read_lines())
+
+    @property
+    def _state(self) -> Path:
+        return self.directory / "state.pkl"
+
+    @property
+    def _journal(self) -> Path:
+        return self.directory / "writes.log"
+
+    def save(self, state: dict[str, Any]) -> None:
+        import pickle
+
+        tmp = self.directory / "state.pkl.tmp"
+        with open(tmp, "wb") as f:
+            f.write(pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL))
+        os.replace(tmp, self._state)
+
+    def load(self) -> dict[str, Any] | None:
+        import pickle
+
+        try:
+            return pickle.loads(self._state.read_bytes())
+        except (OSError, EOFError, pickle.UnpicklingError):
+            return None
+
+    def journal(self, write_id: str, pieces: list[tuple[int, int, int, int]]) -> None:
+        line = json.dumps([write_id, [[int(x) for x in p] for p in pieces]]) + "\n"
+        fd = os.open(self._journal, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            os.write(fd, line.encode())
+        finally:
+            os.close(fd)
+        self._lines += 1
+        if self._lines > 2 * self._remember:  # keep the journal about as long as what is remembered
+            keep = self.writes()
+            tmp = self.directory / "writes.log.tmp"
+            tmp.write_text("".join(json.dumps([w, p]) + "\n" for w, p in keep))
+            os.replace(tmp, self._journal)
+            self._lines = len(keep)
+
+    def writes(self) -> list[tuple[str, list[list[int]]]]:
+        """The last ``remember`` journalled writes, oldest first."""
+        out = []
+        for line in self._read_lines():
+            try:
+                write_id, pieces = json.loads(line)
+            except ValueError:
+                continue  # torn by a crash mid-append
+            out.append((write_id, pieces))
+        return out[-self._remember:]
+
+    def _read_lines(self) -> Iterator[str]:
+        try:
+            with open(self._journal) as f:
+                yield from f
+        except FileNotFoundError:
+            return
+
+    def clear(self) -> None:
+        """Start afresh (a new coordinator, not a restarted one)."""
+        for p in (self._state, self._journal):
+            p.unlink(missing_ok=True)
+        self._lines = 0
+
+    def remove(self) -> None:
+        _remove(self.directory)

@@ -124,9 +124,23 @@ class WriteLog:
         for w in plan:
             self.written[w.shard] += w.rows
         if write_id is not None:
-            self._ids[write_id] = (self.indices(plan), receipt)
-            while len(self._ids) > self._remember:
-                self._ids.popitem(last=False)
+            self.remember(write_id, plan, receipt)
+
+    def rebuild(self, pieces: Sequence[Sequence[int]]) -> list[Write]:
+        """The plan of a journalled write, from its pieces ``[shard, start, stop, first]``.
+
+        >>> log = WriteLog([3, 2])
+        >>> [(w.shard, w.slots.tolist()) for w in log.rebuild([[1, 0, 3, 1]])]
+        [(1, [1, 0, 1])]
+        """
+        return [Write(int(sh), int(a), int(b), int(f), slots(int(f), int(b) - int(a), self.capacity[int(sh)]))
+                for sh, a, b, f in pieces]
+
+    def remember(self, write_id: Hashable, plan: Sequence[Write], receipt: Any = None) -> None:
+        """Record a write applied before (found in a journal), so that a retry of it is not applied again."""
+        self._ids[write_id] = (self.indices(plan), receipt)
+        while len(self._ids) > self._remember:
+            self._ids.popitem(last=False)
 
     def seen(self, write_id: Hashable | None) -> tuple[np.ndarray, Any] | None:
         """``(indices, receipt)`` of an earlier write with this identity, or None."""

@@ -1,0 +1,146 @@
+"""A killed coordinator comes back with its stream, settings and write counts (contract 9)."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from rayrb.allocation import offline_count
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+KW = {"online_capacity": 200, "num_offline_shards": 2, "num_online_shards": 2, "seed": 7, "batch_size": 16,
+      "prefetch": 0}
+
+
+def rows(start, n):
+    ids = torch.arange(start, start + n, dtype=torch.int64)
+    return TensorDict({"obs": ids.float()[:, None], "id": ids}, [n])
+
+
+def kill_coordinator(rb):
+    """Kill the coordinator's process as a crash would, and wait until Ray has restarted it."""
+    import ray
+
+    ray.kill(rb._coord, no_restart=False)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            ray.get(rb._coord.ping.remote(), timeout=10)
+            return
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+@pytest.mark.parametrize("sampler", ["uniform", "without_replacement", "prioritized"])
+def test_a_killed_coordinator_comes_back_where_the_stream_was(make_buffer, sampler):
+    a, b = (make_buffer(rows(0, 300), **KW, sampler=sampler) for _ in range(2))
+    for rb in (a, b):
+        rb.extend(rows(1000, 100))
+        rb.offline_fraction = 0.25
+    for i in range(25):
+        if i == 5:
+            kill_coordinator(a)
+        (x, ix), (y, iy) = (rb.sample(return_info=True) for rb in (a, b))
+        assert torch.equal(x["id"], y["id"]), i
+        assert torch.equal(ix["offline"], iy["offline"])
+        assert int(ix["offline"].sum()) == offline_count(len(x), 0.25)  # the setting made before the crash holds
+    assert a.stats()["coordinator"]["restarts"] == 1
+
+
+def test_writes_after_a_restart_go_after_every_acknowledged_row(make_buffer):
+    rb = make_buffer(rows(0, 50), **KW)
+    first = rb.extend(rows(1000, 60))
+    kill_coordinator(rb)
+    assert rb.write_count == 60 and len(rb) == 50 + 60
+    second = rb.extend(rows(2000, 60))
+    assert set(first.tolist()).isdisjoint(second.tolist())
+    rb.offline_fraction = 0.0
+    seen = set(torch.cat([rb.sample(64)["id"] for _ in range(40)]).tolist())
+    assert seen == set(range(1000, 1060)) | set(range(2000, 2060))
+
+
+def test_a_write_retried_after_a_restart_lands_once(make_buffer):
+    rb = make_buffer(rows(0, 50), **KW)
+    indices = rb.extend(rows(1000, 30), write_id="collector-1/step-1")
+    kill_coordinator(rb)
+    again = rb.extend(rows(1000, 30), write_id="collector-1/step-1")
+    assert torch.equal(again, indices) and rb.write_count == 30
+
+
+def test_an_epoch_without_replacement_serves_every_row_once_across_a_restart(make_buffer):
+    # the handle holds a few batches drawn ahead when the coordinator dies, and draws the rest after
+    rb = make_buffer(rows(0, 320), online_capacity=10, seed=1, batch_size=32, sampler="without_replacement",
+                     prefetch=2)
+    got = [rb.sample()["id"] for _ in range(4)]
+    kill_coordinator(rb)
+    got += [rb.sample()["id"] for _ in range(6)]
+    assert sorted(torch.cat(got).tolist()) == list(range(320))
+
+
+def test_writers_that_retry_through_a_restart_land_every_row_once(make_buffer):
+    rb = make_buffer(rows(0, 50), **{**KW, "online_capacity": 4000})
+    writer = rb.client()
+    done, errors = [], []
+
+    def write():
+        for i in range(60):
+            for _ in range(50):  # a failed call is retried with its write_id until it is acknowledged
+                try:
+                    writer.extend(rows(10_000 + 40 * i, 40), write_id=f"w{i}")
+                    done.append(i)
+                    break
+                except Exception as e:  # the coordinator is restarting
+                    errors.append(type(e).__name__)
+                    time.sleep(0.05)
+
+    t = threading.Thread(target=write)
+    t.start()
+    time.sleep(0.3)
+    kill_coordinator(rb)
+    t.join(timeout=120)
+    assert sorted(done) == list(range(60))
+    assert rb.write_count == 60 * 40  # each write once, retried or not
+    rb.offline_fraction = 0.0
+    ids = torch.cat([rb.sample(400)["id"] for _ in range(60)])
+    assert set(ids.tolist()) == set(range(10_000, 10_000 + 2400))
+
+
+def test_a_shut_down_buffer_leaves_no_coordinator_state(make_buffer, tmp_path):
+    rb = make_buffer(rows(0, 50), **KW)
+    rb.extend(rows(1000, 10))
+    state = list((tmp_path / "state").rglob("coordinator"))
+    assert state and (state[0] / "state.pkl").exists()
+    rb.shutdown()
+    assert not any((tmp_path / "state").rglob("coordinator"))
+
+
+def test_rows_planned_by_a_coordinator_that_died_are_read_again_from_the_shards(make_buffer):
+    import numpy as np
+    import ray
+
+    from rayrb.iterator import fetch_group
+
+    a, b = (make_buffer(rows(0, 300), **KW) for _ in range(2))
+    for rb in (a, b):
+        rb.extend(rows(1000, 100))
+    ga, gb = (ray.get(rb._coord.sample_group.remote(16, 3)) for rb in (a, b))
+    kill_coordinator(a)  # the owner of ga's reads is gone with their rows
+    def same(x, y):
+        if isinstance(x, dict):
+            assert x.keys() == y.keys()
+            for k in x:
+                same(x[k], y[k])
+        elif isinstance(x, (tuple, list)):
+            assert len(x) == len(y)
+            for u, v in zip(x, y):
+                same(u, v)
+        else:
+            np.testing.assert_array_equal(x, y)
+
+    same(fetch_group(a, ga), fetch_group(b, gb))
