@@ -168,6 +168,7 @@ def write_chunk(arrays: Mapping[str, np.ndarray], directory: str | os.PathLike, 
     import torch  # only where chunks are written: readers need numpy alone
     from tensordict import TensorDict
 
+    arrays = {k: _native(a) for k, a in arrays.items()}
     spec = spec or RowSpec.from_arrays(arrays)
     rows = spec.validate(arrays, what="chunk")
     directory = Path(directory)
@@ -200,6 +201,12 @@ def write_chunk(arrays: Mapping[str, np.ndarray], directory: str | os.PathLike, 
         finally:
             os.close(fd)
     return ChunkInfo(path=directory.name, rows=rows, hash=h.hexdigest())
+
+
+def _native(a: Any) -> np.ndarray:
+    """Files hold native byte order (readers map them as such): other arrays are swapped, values kept."""
+    a = np.asarray(a)
+    return a if a.dtype.isnative else a.astype(a.dtype.newbyteorder("="))
 
 
 def _linux_fallocate():

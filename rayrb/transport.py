@@ -65,6 +65,8 @@ def to_numpy_dict(data: Any) -> dict[str, np.ndarray]:
 def _tensor(a: np.ndarray | torch.Tensor) -> torch.Tensor:
     if isinstance(a, torch.Tensor):
         return a
+    if not a.dtype.isnative:  # torch takes native byte order only: the same values, swapped (a copy)
+        a = a.astype(a.dtype.newbyteorder("="))
     if not a.flags.writeable:
         # A view into the object store: torch warns about it; the module docstring documents it.
         with warnings.catch_warnings():

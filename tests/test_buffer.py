@@ -369,3 +369,18 @@ def test_a_dataset_id_needs_batch_size_but_a_dataset_path_does_not(make_buffer, 
     path = write_dataset(offline_rows(50), tmp_path / "ds").root
     rb = make_buffer(str(path), online_capacity=10)  # a chunk dataset's directory, named by a string
     assert len(rb.sample(8)) == 8
+
+
+def test_big_endian_rows_go_in_as_their_values(make_buffer):
+    import numpy as np
+
+    base = offline_rows(40)
+    offline = {"obs": base["obs"].numpy().astype(">f4"), "id": base["id"].numpy().astype(">i8")}
+    rb = make_buffer(offline, online_capacity=20, seed=0)
+    online = online_rows(0, 20)
+    rb.extend({"obs": online["obs"].numpy().astype(">f4"), "id": online["id"].numpy().astype(">i8")})
+    rb.offline_fraction = 0.5
+    batch = rb.sample(64)
+    on = batch["id"] >= 1_000_000
+    assert torch.equal(batch["obs"][~on], base["obs"][batch["id"][~on]])
+    assert torch.equal(batch["obs"][on][:, 0], -(batch["id"][on] - 1_000_000).float())

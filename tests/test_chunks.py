@@ -260,3 +260,13 @@ def test_a_pwrite_that_writes_nothing_raises_instead_of_looping(tmp_path, monkey
     monkeypatch.setattr(os, "pwrite", lambda fd, data, offset: 0)
     with pytest.raises(OSError, match="pwrite wrote nothing"):
         chunks.write_chunk({"a": np.arange(10, dtype=np.int64)}, tmp_path / "c")
+
+
+def test_big_endian_rows_are_written_as_their_values(tmp_path):
+    values = np.arange(12, dtype=np.float32).reshape(6, 2)
+    data = {"x": values.astype(">f4"), "i": np.arange(6).astype(">i8")}
+    ds = write_dataset(data, tmp_path / "ds", chunk_rows=4)
+    back = ChunkDataset.open(tmp_path / "ds", verify=True).read()
+    np.testing.assert_array_equal(back["x"], values)
+    np.testing.assert_array_equal(back["i"], np.arange(6))
+    assert back["x"].dtype == np.float32 and ds[5]["x"].tolist() == [10.0, 11.0]
