@@ -278,15 +278,15 @@ class Coordinator:
 
         ``ahead`` names a handle that draws batches before they are asked for (its
         plain ``sample()`` loop) and can give back those it did not serve (:meth:`undo`).
-        Its group stops early, with what was drawn, where a draw would be refused; with
-        a rate limiter that can hold calls back it is one batch. ``served`` reports, as
+        Its group stops early, with what was drawn, where a draw would be refused (an
+        epoch's end, the rate limiter). ``served`` reports, as
         :meth:`seen` does, the last of its draws the handle has handed over.
         """
         t0 = time.perf_counter()
         if ahead is not None and served is not None:
             self._ahead.served(ahead, int(served))
-        if ahead is not None:
-            num_batches = positive_int("num_batches", num_batches) if not self._planner.limiter.limits else 1
+        if ahead is not None:  # stops early, below, rather than draw past a refusal
+            num_batches = positive_int("num_batches", num_batches)
         else:
             num_batches = positive_int("num_batches", num_batches) if self._planner.alloc.groups_batches else 1
         drawn = []
