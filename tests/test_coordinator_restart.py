@@ -144,3 +144,16 @@ def test_rows_planned_by_a_coordinator_that_died_are_read_again_from_the_shards(
             np.testing.assert_array_equal(x, y)
 
     same(fetch_group(a, ga), fetch_group(b, gb))
+
+
+def test_an_iterator_goes_on_through_a_restart_with_exact_batches(make_buffer):
+    rb = make_buffer(rows(0, 300), **{**KW, "prefetch": 8})
+    rb.extend(rows(1000, 150))
+    rb.offline_fraction = 0.5
+    it = rb.iter_batches(prefetch=8, return_info=True)
+    for i in range(30):
+        if i == 5:
+            kill_coordinator(rb)  # groups asked for, planned or being read are in flight
+        batch, info = next(it)
+        assert len(batch) == 16 and int(info["offline"].sum()) == 8, i
+        assert torch.equal(info["offline"], batch["id"] < 1000)
