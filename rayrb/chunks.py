@@ -168,7 +168,7 @@ def write_chunk(arrays: Mapping[str, np.ndarray], directory: str | os.PathLike, 
     import torch  # only where chunks are written: readers need numpy alone
     from tensordict import TensorDict
 
-    arrays = {k: _native(a) for k, a in arrays.items()}
+    arrays = {k: native_order(a) for k, a in arrays.items()}
     spec = spec or RowSpec.from_arrays(arrays)
     rows = spec.validate(arrays, what="chunk")
     directory = Path(directory)
@@ -203,8 +203,9 @@ def write_chunk(arrays: Mapping[str, np.ndarray], directory: str | os.PathLike, 
     return ChunkInfo(path=directory.name, rows=rows, hash=h.hexdigest())
 
 
-def _native(a: Any) -> np.ndarray:
-    """Files hold native byte order (readers map them as such): other arrays are swapped, values kept."""
+def native_order(a: Any) -> np.ndarray:
+    """``a`` in native byte order, as files hold it (readers map them so) and torch takes it: other arrays
+    are swapped, values kept (a copy)."""
     a = np.asarray(a)
     return a if a.dtype.isnative else a.astype(a.dtype.newbyteorder("="))
 

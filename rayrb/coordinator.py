@@ -328,16 +328,11 @@ class Coordinator:
         answer says what the handle does with its batches: ``"keep"`` them without
         replacement (each row of an epoch is served once), else ``"drop"`` them.
         """
-        if count is None:  # all of them (none left is "undone" too); -1: another caller drew since
-            count = self._ahead.unserved(ahead)
-            if count == 0:
-                return "undone"
-            taken = self._ahead.take_back(ahead, count) if count > 0 else None
-        else:
-            count = int(count)
-            if count <= 0:
-                return "undone"
-            taken = self._ahead.take_back(ahead, count)
+        # None: all of them, -1 when another caller drew since (refused below); none left is "undone" too
+        count = self._ahead.unserved(ahead) if count is None else max(0, int(count))
+        if count == 0:
+            return "undone"
+        taken = self._ahead.take_back(ahead, count)
         if taken is None:
             self._metrics.count("undo_refused")
             return "keep" if getattr(self._planner.alloc, "epoch_end", None) is not None else "drop"

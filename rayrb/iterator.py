@@ -27,8 +27,7 @@ def fetch_group(rb: Any, group: Any) -> list:
 
         if not isinstance(e.__cause__, OwnerDiedError) or len(group.args) != len(group.reads):
             raise
-    m = len(rb.sizes()["offline"])  # waits for the restarted coordinator
-    shards = {"offline": rb._shards[:m], "online": rb._shards[m:]}
+    shards = _shards_by_side(rb)  # waits for the restarted coordinator
     return rb._get([shards[side][i].sample_many.remote(counts, seeds, epochs)
                     for (side, i), (counts, seeds, epochs, _) in zip(group.reads, group.args)])
 
@@ -128,9 +127,10 @@ class BatchIterator:
         outstanding = sum(k for _, k in self._pending) + len(self._ready)
         self._pending.clear()
         self._ready.clear()
-        if self._direct is None:
-            self.report()  # even with nothing outstanding: once dropped, a later save cannot ask this iterator
-        if outstanding and self._direct is None and not self._rb._closed:
+        if self._direct is not None:
+            return
+        self.report()  # even with nothing outstanding: once dropped, a later save cannot ask this iterator
+        if outstanding and not self._rb._closed:
             # Queued after this iterator's draws at the coordinator, which runs one caller's calls in order,
             # so nothing needs to be waited for.
             self._rb._coord.undo.remote(self._id, None)
@@ -259,5 +259,10 @@ def _direct_reads(rb: Any, device: Any) -> dict[str, list] | None:
     if not all(choose(Place(str(i), p["node"], tuple(p["gpus"])), mine) == "cuda_ipc"
                for i, p in enumerate(shard_places)):
         return None
+    return _shards_by_side(rb)
+
+
+def _shards_by_side(rb: Any) -> dict[str, list]:
+    """A handle's shard actors by side (its list holds the offline shards first)."""
     m = len(rb.sizes()["offline"])
     return {"offline": rb._shards[:m], "online": rb._shards[m:]}

@@ -313,26 +313,24 @@ class AheadLog:
         if handle == self.handle:
             self._entries = [e for e in self._entries if e[0] > number]
 
-    def take_back(self, handle: str, count: int | None = None) -> tuple[tuple, int] | None:
-        """Remove ``handle``'s last ``count`` draws (None: all it has not served): the snapshot before them and
-        their rows, or None if they are not all in the log (another caller drew since, or they were served).
-
-        >>> log = AheadLog(limit=8)
-        >>> [log.record("it", ("state", i), rows=5) for i in range(3)]
-        [0, 1, 2]
-        >>> log.served("it", 0)
-        >>> log.take_back("it")  # draws 1 and 2
-        (('state', 1), 10)
-        """
-        if count is None:
-            count = self.unserved(handle)
+    def take_back(self, handle: str, count: int) -> tuple[tuple, int] | None:
+        """Remove ``handle``'s last ``count`` draws: the snapshot before them and their rows, or None if they
+        are not all in the log (another caller drew since, or they were served)."""
         if handle != self.handle or not 0 < count <= len(self._entries):
             return None
         taken, self._entries = self._entries[-count:], self._entries[:-count]
         return taken[0][1], sum(e[2] for e in taken)
 
     def unserved(self, handle: str) -> int:
-        """How many of ``handle``'s draws are in the log and not served; -1 if the log is another caller's."""
+        """How many of ``handle``'s draws are in the log and not served; -1 if the log is another caller's.
+
+        >>> log = AheadLog(limit=8)
+        >>> [log.record("it", ("state", i), rows=5) for i in range(3)]
+        [0, 1, 2]
+        >>> log.served("it", 0)
+        >>> log.unserved("it"), log.take_back("it", log.unserved("it")), log.unserved("other")
+        (2, (('state', 1), 10), -1)
+        """
         return len(self._entries) if handle == self.handle else -1
 
     def first_unserved(self) -> tuple | None:

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
+from rayrb.chunks import native_order
 from rayrb.plans import BatchPlan, concat, nest, provenance
 from rayrb.schema import SEP
 
@@ -65,8 +66,7 @@ def to_numpy_dict(data: Any) -> dict[str, np.ndarray]:
 def _tensor(a: np.ndarray | torch.Tensor) -> torch.Tensor:
     if isinstance(a, torch.Tensor):
         return a
-    if not a.dtype.isnative:  # torch takes native byte order only: the same values, swapped (a copy)
-        a = a.astype(a.dtype.newbyteorder("="))
+    a = native_order(a)
     if not a.flags.writeable:
         # A view into the object store: torch warns about it; the module docstring documents it.
         with warnings.catch_warnings():
