@@ -22,19 +22,26 @@ def rows(start, n):
 
 
 def kill_coordinator(rb):
-    """Kill the coordinator's process as a crash would, and wait until Ray has restarted it."""
+    """Kill the coordinator's process as a crash would, and wait until the restarted one answers.
+
+    ``ray.kill`` returns before the process is gone, and a call the old process answers then dies
+    replying to is re-sent and draws the next batch; waiting for the new process's count of
+    restarts keeps that case out of the tests that compare streams.
+    """
     import ray
 
+    before = ray.get(rb._coord.stats.remote(False))["coordinator"].get("restarts", 0)
     ray.kill(rb._coord, no_restart=False)
     deadline = time.monotonic() + 60
     while True:
         try:
-            ray.get(rb._coord.ping.remote(), timeout=10)
-            return
+            if ray.get(rb._coord.stats.remote(False), timeout=10)["coordinator"].get("restarts", 0) > before:
+                return
         except Exception:
             if time.monotonic() > deadline:
                 raise
-            time.sleep(0.1)
+        assert time.monotonic() < deadline, "the coordinator was not restarted within 60 s"
+        time.sleep(0.1)
 
 
 @pytest.mark.parametrize("sampler", ["uniform", "without_replacement", "prioritized"])
@@ -157,3 +164,4 @@ def test_an_iterator_goes_on_through_a_restart_with_exact_batches(make_buffer):
         batch, info = next(it)
         assert len(batch) == 16 and int(info["offline"].sum()) == 8, i
         assert torch.equal(info["offline"], batch["id"] < 1000)
+
