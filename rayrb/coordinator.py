@@ -101,10 +101,19 @@ class Coordinator:
                 self._save()
 
     def _save(self) -> None:
-        """Keep what a restart needs; called after every call that changes it."""
-        if self._state is not None:
+        """Keep what a restart needs; called after every call that changes it.
+
+        A save that fails (a full or broken disk) does not fail the call, which has already
+        changed the stream or sent a write: the answer stays true, a restart resumes from the
+        last save that succeeded, and ``stats()`` counts ``state_save_failed``.
+        """
+        if self._state is None:
+            return
+        try:
             self._state.save({"planner": self._planner.state_dict(), "side_rng": self._side_rng.bit_generator.state,
                               "version": self._version, "version_path": self._version_file.path})
+        except OSError:
+            self._metrics.count("state_save_failed")
 
     def _restart(self, saved: dict[str, Any] | None) -> None:
         """Pick up where the previous process left off. Without its state (restarted on another node) the

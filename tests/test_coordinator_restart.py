@@ -165,3 +165,14 @@ def test_an_iterator_goes_on_through_a_restart_with_exact_batches(make_buffer):
         assert len(batch) == 16 and int(info["offline"].sum()) == 8, i
         assert torch.equal(info["offline"], batch["id"] < 1000)
 
+
+def test_a_state_save_that_fails_does_not_fail_the_call_that_changed_the_state(make_buffer, tmp_path):
+    rb = make_buffer(rows(0, 50), **KW)
+    state = next((tmp_path / "state").rglob("coordinator")) / "state.pkl"
+    state.unlink()
+    state.mkdir()  # the rename over it now fails, as on a broken disk
+    (state / "blocker").write_text("x")
+    indices = rb.extend(rows(1000, 20))  # sent to the shards: it must be reported as done
+    assert len(indices) == 20 and rb.write_count == 20
+    assert len(rb.sample()) == 16
+    assert rb.stats()["coordinator"]["state_save_failed"] >= 2
