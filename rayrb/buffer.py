@@ -205,12 +205,15 @@ class OfflineToOnlineReplayBuffer(BufferClient):
                     "prefetch": 0 if limiter.limits else non_negative_int("prefetch", prefetch),
                     "storage_device": storage_device}
 
-        from rayrb.datasets.registry import as_chunk_dataset
+        from rayrb.datasets.registry import as_chunk_dataset, load_dataset
 
         if isinstance(offline_dataset, (str, os.PathLike)):  # options such as root= go to the dataset's loader
-            dataset, owned = as_chunk_dataset(offline_dataset, **dataset_kwargs)
-        else:
-            dataset, owned = as_chunk_dataset(offline_dataset, root=dataset_root, **dataset_kwargs)
+            if batch_size is not None and _is_dataset_id(offline_dataset):  # as TorchRL forwards it
+                dataset_kwargs = {"batch_size": batch_size, **dataset_kwargs}
+            offline_dataset, dataset_kwargs = load_dataset(offline_dataset, **dataset_kwargs), {}
+            if sampler is None and offline_sampler is None and not isinstance(offline_dataset, ChunkDataset):
+                kinds[OFFLINE] = _default_offline_kind(offline_dataset)  # a TorchRL dataset's own sampler
+        dataset, owned = as_chunk_dataset(offline_dataset, root=dataset_root, **dataset_kwargs)
         self._owned_dirs = [dataset.root.parent] if owned and dataset_root is None else []
         if len(dataset) == 0:
             self._remove_owned()
@@ -405,7 +408,8 @@ def prefill_replay_buffer(rb: Any, dataset: Any, n_samples: int | None = None, c
     from rayrb.datasets.registry import as_chunk_dataset
 
     chunk_size = positive_int("chunk_size", chunk_size)
-    ds, owned = as_chunk_dataset(dataset)
+    # TorchRL builds a dataset id with batch_size=chunk_size; rayrb's own loaders ignore it
+    ds, owned = as_chunk_dataset(dataset, **({"batch_size": chunk_size} if isinstance(dataset, str) else {}))
     try:
         total = len(ds) if n_samples is None else min(positive_int("n_samples", n_samples), len(ds))
         order = np.random.default_rng(seed).permutation(len(ds))[:total]

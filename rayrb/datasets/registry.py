@@ -1,8 +1,12 @@
 """Dataset ids: ``load_dataset("openml:adult_num")``, ``register_dataset(prefix, factory)``.
 
 An id is ``"<prefix>:<name>"``; a path to a chunk-dataset directory is accepted
-too. ``batch_size`` is accepted and ignored, since TorchRL's loaders take it and
-code that calls them ports over unchanged.
+too. ``openml`` is rayrb's own loader (TorchRL's recipes, written as chunks); it
+accepts ``batch_size`` and ignores it, since TorchRL's loaders take it. TorchRL's
+other prefixes (``d4rl``, ``minari``, ``atari``, ...) route to TorchRL's dataset
+classes, imported when used, as TorchRL's registry does; a buffer copies the rows
+such a dataset holds into chunks. A factory may be a callable or a
+``"module:attribute"`` string resolved when the prefix is used.
 
 Examples:
     >>> def toy(name, root):
@@ -15,6 +19,7 @@ Examples:
 """
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 from pathlib import Path
@@ -22,24 +27,33 @@ from typing import Any, Callable
 
 from rayrb.chunks import MANIFEST, ChunkDataset
 
-Factory = Callable[..., ChunkDataset]
-_REGISTRY: dict[str, Factory] = {}
+Factory = Callable[..., Any]
+_REGISTRY: dict[str, Factory | str] = {}
+_DATASET_REGISTRY = _REGISTRY  # TorchRL's name for it
 
 
 class DatasetOptionError(TypeError, ValueError):
     """Dataset options that do not apply to the source given (a ``ValueError``, as TorchRL raises, and a ``TypeError``)."""
 
 
-def register_dataset(prefix: str, factory: Factory, *, overwrite: bool = False, replace: bool = False) -> None:
+def register_dataset(prefix: str, factory: Factory | str, *, overwrite: bool = False,
+                     replace: bool = False) -> None:
     """Make ``load_dataset("<prefix>:<name>", **kw)`` call ``factory(name, **kw)``.
 
+    ``factory`` is a callable, or a ``"module:attribute"`` string imported when the
+    prefix is first used (so a module patched later is the one called).
     ``replace`` is TorchRL's name for ``overwrite``.
     """
     overwrite = overwrite or replace
     if not prefix or ":" in prefix or not prefix.isidentifier():
         raise ValueError(f"expected a prefix like 'openml' (an identifier, no ':'), got {prefix!r}")
-    if not callable(factory):
-        raise TypeError(f"expected a callable factory(name, **kwargs), got {type(factory).__name__}")
+    if isinstance(factory, str):
+        module, _, attribute = factory.partition(":")
+        if not module or not attribute:
+            raise ValueError(f"expected a factory string 'module:attribute', got {factory!r}")
+    elif not callable(factory):
+        raise TypeError(f"expected a callable factory(name, **kwargs) or a 'module:attribute' string, "
+                        f"got {type(factory).__name__}")
     if prefix in _REGISTRY and not overwrite:
         raise ValueError(f"dataset prefix {prefix!r} is already registered; pass overwrite=True to replace it")
     _REGISTRY[prefix] = factory
@@ -49,11 +63,13 @@ def registered_prefixes() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def load_dataset(dataset_id: str | os.PathLike, **kwargs: Any) -> ChunkDataset:
+def load_dataset(dataset_id: str | os.PathLike, **kwargs: Any) -> Any:
     """Open a dataset by id (``"openml:shuttle"``, a registered prefix) or by chunk-dataset path.
 
     Options go to the prefix's factory, as TorchRL forwards them; rayrb's own OpenML
-    factory ignores ``batch_size`` (a buffer's batch size is the buffer's).
+    factory ignores ``batch_size`` (a buffer's batch size is the buffer's). Returns
+    what the factory returns: a :class:`ChunkDataset` for ``openml`` and paths, a
+    TorchRL dataset for TorchRL's prefixes (see :func:`as_chunk_dataset`).
     """
     path = Path(dataset_id)
     if (path / MANIFEST).is_file():
@@ -64,14 +80,14 @@ def load_dataset(dataset_id: str | os.PathLike, **kwargs: Any) -> ChunkDataset:
     dataset_id = str(dataset_id)
     prefix, sep, name = dataset_id.partition(":")
     if sep and prefix in _REGISTRY:
-        return _REGISTRY[prefix](name, **kwargs)
+        return _factory(prefix)(name, **kwargs)
     if not sep:
         raise ValueError(f"dataset_id must be prefixed with a source identifier ('<prefix>:<name>', prefix in "
                          f"{registered_prefixes()}) or be a chunk-dataset directory holding {MANIFEST}; "
                          f"got {dataset_id!r}")
     raise ValueError(f"Unknown dataset source {prefix!r} in {dataset_id!r}: expected a dataset id "
-                     f"'<prefix>:<name>' with prefix in {registered_prefixes()} (TorchRL's other loaders need the "
-                     f"network), or a chunk-dataset directory holding {MANIFEST}")
+                     f"'<prefix>:<name>' with prefix in {registered_prefixes()}, or a chunk-dataset directory "
+                     f"holding {MANIFEST}")
 
 
 def _openml(name: str, **kwargs: Any) -> ChunkDataset:
@@ -81,7 +97,31 @@ def _openml(name: str, **kwargs: Any) -> ChunkDataset:
     return load_openml(name, **kwargs)
 
 
+def _factory(prefix: str) -> Factory:
+    factory = _REGISTRY[prefix]
+    if not isinstance(factory, str):
+        return factory
+    module, _, attribute = factory.partition(":")
+    try:
+        return getattr(importlib.import_module(module), attribute)
+    except ImportError as e:
+        raise ImportError(f"dataset prefix {prefix!r} loads through {factory}, which could not be imported ({e}); "
+                          "TorchRL's loaders need `pip install torchrl` and their own extras") from e
+
+
 register_dataset("openml", _openml)
+for _prefix, _factory_name in {  # TorchRL's other loaders, as its registry names them
+    "atari": "torchrl.data.datasets.atari_dqn:AtariDQNExperienceReplay",
+    "atari_dqn": "torchrl.data.datasets.atari_dqn:AtariDQNExperienceReplay",
+    "d4rl": "torchrl.data.datasets.d4rl:D4RLExperienceReplay",
+    "gen_dgrl": "torchrl.data.datasets.gen_dgrl:GenDGRLExperienceReplay",
+    "lerobot": "torchrl.data.datasets.lerobot:LeRobotExperienceReplay",
+    "minari": "torchrl.data.datasets.minari_data:MinariExperienceReplay",
+    "openx": "torchrl.data.datasets.openx:OpenXExperienceReplay",
+    "roboset": "torchrl.data.datasets.roboset:RobosetExperienceReplay",
+    "vd4rl": "torchrl.data.datasets.vd4rl:VD4RLExperienceReplay",
+}.items():
+    register_dataset(_prefix, _factory_name)
 
 
 def _torchrl_rows(obj: Any):
@@ -116,7 +156,10 @@ def as_chunk_dataset(source: Any, *, root: str | os.PathLike | None = None, **kw
     from rayrb.chunks import write_dataset
 
     if isinstance(source, (str, os.PathLike)):  # root= is the dataset's own option here: where it is prepared
-        return load_dataset(source, **({"root": root} if root is not None else {}), **kwargs), False
+        loaded = load_dataset(source, **({"root": root} if root is not None else {}), **kwargs)
+        if isinstance(loaded, ChunkDataset):
+            return loaded, False
+        return as_chunk_dataset(loaded)  # a TorchRL dataset's rows, copied into chunks
     if kwargs:
         raise DatasetOptionError(f"dataset options {sorted(kwargs)} apply only to dataset ids (dataset_kwargs are "
                                  f"only forwarded when offline_dataset is a string), got a {type(source).__name__}")
