@@ -47,8 +47,19 @@ EXAMPLES = {
 def prepare(dataset: str, data_home: str | None, root: str | None, dtype: str) -> str:
     from rayrb.datasets.registry import load_dataset
 
-    kw = {"data_home": data_home, "root": root, "dtype": dtype} if dataset.startswith("openml:") else {}
-    return str(load_dataset(dataset, **kw).root)
+    from rayrb.chunks import ChunkDataset
+
+    if dataset.startswith("openml:"):
+        return str(load_dataset(dataset, data_home=data_home, root=root, dtype=dtype).root)
+    loaded = load_dataset(dataset, batch_size=1)  # TorchRL's dataset classes require one; copying samples nothing
+    if isinstance(loaded, ChunkDataset):
+        return str(loaded.root)
+    from rayrb.datasets.openml import default_root
+    from rayrb.datasets.registry import as_chunk_dataset
+
+    prefix, _, name = dataset.partition(":")  # another loader's object (TorchRL's): its rows written as chunks
+    dest = Path(root or default_root()) / prefix / name.replace("/", "--")
+    return str(as_chunk_dataset(loaded, root=dest)[0].root)
 
 
 def info(path: str) -> dict[str, Any]:

@@ -31,6 +31,22 @@ def test_prepare_openml(tmp_path, capsys, data_home):
     assert capsys.readouterr().out.strip().endswith("magic-float32")
 
 
+def test_prepare_writes_another_loaders_rows_as_chunks(tmp_path, capsys, monkeypatch):
+    import torch
+    from tensordict import TensorDict
+
+    from rayrb.datasets import registry
+
+    seen = []
+    monkeypatch.setitem(registry._REGISTRY, "scratch_source", lambda name, **kw: seen.append((name, kw)) or TensorDict(
+        {"obs": torch.arange(10.0)}, [10]))
+    assert main(["prepare", "scratch_source:suite/task-v0", "--root", str(tmp_path)]) == 0
+    out = capsys.readouterr().out.strip().splitlines()[-1]
+    assert seen == [("suite/task-v0", {"batch_size": 1})]
+    assert out == str(tmp_path / "scratch_source" / "suite--task-v0")
+    np.testing.assert_array_equal(ChunkDataset.open(out).gather(np.arange(10))["obs"], np.arange(10.0))
+
+
 def test_exit_codes_for_usage_errors_and_failures(tmp_path, capsys):
     assert main(["info"]) == 2  # missing argument
     assert main(["frobnicate"]) == 2
