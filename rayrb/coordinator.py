@@ -128,10 +128,8 @@ class Coordinator:
         if self._log is not None:
             written = ray.get([s.written.remote() for s in self._shards[ONLINE]])
             self._log.reset(written)
-            for write_id, pieces in self._state.writes():  # those that landed whole are answered, not redone
-                plan = self._log.rebuild(pieces)
-                if all(w.first + w.rows <= written[w.shard] for w in plan):
-                    self._log.remember(write_id, plan, None)
+            for write_id, pieces in self._state.writes():  # a retry is answered, and only missing pieces sent
+                self._log.remember(write_id, self._log.rebuild(pieces), None)
         self._metrics.count("restarts")
         self._save()
 
@@ -473,10 +471,10 @@ class Coordinator:
         if self._log is None:
             raise RuntimeError("this buffer has no online shards")
         seen = self._log.seen(write_id)
-        if seen is not None and seen[1] is None:  # applied before a restart: the shards hold it
-            return seen[0], []
-        if seen is not None and not _failed(seen[1]):
+        if seen is not None and seen[1] is not None and not _failed(seen[1]):
             return seen  # a retry: applied once, and its acknowledgements are the first call's
+        if seen is not None:  # journalled before a restart, or a shard failed its piece
+            return self._resume(rows_ref, write_id, failed=seen[1] is not None)
         rows, size = positive_int("rows", rows), int(self._log.sizes.sum())
         try:
             self._planner.admit_insert(rows, size, prefill=prefill)
@@ -495,6 +493,26 @@ class Coordinator:
         self._requery_masses(ONLINE, [w.shard for w in plan])
         self._metrics.count("rows_written", int(rows))
         return self._log.indices(plan), acks
+
+    def _resume(self, rows_ref: Sequence[Any], write_id: str, failed: bool) -> tuple[np.ndarray, list[Any]]:
+        """Finish a write whose pieces may not all have landed: send only those the shards lack."""
+        import ray
+
+        if failed:  # the shards' own counts tell which pieces they hold
+            self._log.reset(ray.get([s.written.remote() for s in self._shards[ONLINE]]))
+        whole, send = self._log.resume(write_id)
+        if send:
+            if self._state is not None:
+                self._state.journal(write_id, [(w.shard, w.start, w.stop, w.first) for w in whole])
+            acks = [self._shards[ONLINE][w.shard].extend.remote(rows_ref[0], w.start, w.stop, first=w.first)
+                    for w in send]
+            self._log.remember(write_id, whole, acks)
+            self._changed()
+            self._requery_masses(ONLINE, [w.shard for w in send])
+            self._metrics.count("rows_written", sum(w.rows for w in send))
+            self._metrics.count("writes_resumed")
+            return self._log.indices(whole), acks
+        return self._log.indices(whole), []
 
     @_persists
     def update_priority(self, offline: np.ndarray, shard: np.ndarray, index: np.ndarray, generation: np.ndarray,

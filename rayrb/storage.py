@@ -149,8 +149,9 @@ class CoordinatorState:
     changes it. ``writes.log`` gets one line per identified write, appended before the
     shards are sent their pieces: ``[write_id, [[shard, start, stop, first], ...]]``.
     A restarted coordinator takes the write counts from the shards and remembers the
-    journalled writes whose every piece they hold, so a retry of such a write is
-    answered, not applied again. A torn last line (a crash mid-append) is skipped.
+    journalled writes, so a retry of one is answered, and only the pieces the shards
+    lack are sent (:meth:`rayrb.writelog.WriteLog.resume`). A torn last line (a crash
+    mid-append) is skipped.
 
     Examples:
         >>> import tempfile

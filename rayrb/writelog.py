@@ -15,7 +15,10 @@ applies it once the shards hold the rows.
 A write may carry an identity. A write whose identity was committed before is
 not applied again: :meth:`WriteLog.seen` returns the indices it got (and the
 receipt the caller kept with them, such as the shards' acknowledgements), so a
-caller that retries after a timeout writes its rows once.
+caller that retries after a timeout writes its rows once. A write whose pieces
+did not all land (a shard failed, or the coordinator died between sending its
+pieces) is finished by :meth:`WriteLog.resume`: the pieces the shards hold stay
+where they are, and only the others are sent, so no row lands twice.
 
 Examples:
     >>> log = WriteLog([3, 2])
@@ -31,7 +34,7 @@ Examples:
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Hashable, Sequence
 
 import numpy as np
@@ -68,7 +71,7 @@ class WriteLog:
             raise ValueError(f"expected positive shard capacities, got {list(capacities)!r}")
         self.offsets = np.concatenate([[0], np.cumsum(self.capacity)[:-1]]).astype(np.int64)
         self.written = np.zeros(self.capacity.size, dtype=np.int64)
-        self._ids: OrderedDict[Hashable, tuple[np.ndarray, Any]] = OrderedDict()
+        self._ids: OrderedDict[Hashable, tuple[np.ndarray, Any, list[Write]]] = OrderedDict()
         self._remember = int(remember)
 
     @property
@@ -137,21 +140,68 @@ class WriteLog:
                 for sh, a, b, f in pieces]
 
     def remember(self, write_id: Hashable, plan: Sequence[Write], receipt: Any = None) -> None:
-        """Record a write applied before (found in a journal), so that a retry of it is not applied again."""
-        self._ids[write_id] = (self.indices(plan), receipt)
+        """Record a write (committed here, or found in a journal), so that a retry of it is not applied again.
+
+        Its pieces that end beyond a shard's write count are not held by that shard: they
+        are marked missing, for :meth:`resume`.
+        """
+        plan = list(plan)
+        missing = {i for i, w in enumerate(plan) if w.first + w.rows > self.written[w.shard]}
+        self._ids[write_id] = (self.indices(plan), receipt, plan, missing)
+        self._ids.move_to_end(write_id)
         while len(self._ids) > self._remember:
             self._ids.popitem(last=False)
 
     def seen(self, write_id: Hashable | None) -> tuple[np.ndarray, Any] | None:
         """``(indices, receipt)`` of an earlier write with this identity, or None."""
-        return None if write_id is None else self._ids.get(write_id)
+        found = None if write_id is None else self._ids.get(write_id)
+        return None if found is None else found[:2]
+
+    def resume(self, write_id: Hashable) -> tuple[list[Write], list[Write]]:
+        """Finish an earlier write; return its whole plan and the pieces to send now (committed here).
+
+        The pieces missing (see :meth:`reset`) are sent again to the rows first planned
+        for them when those are still their shard's next rows, and planned anew
+        otherwise (another write took them since). The pieces the shards hold keep their
+        indices, so no row lands twice.
+
+        >>> log = WriteLog([4, 4])
+        >>> plan = log.plan([2, 2]); log.commit(plan, "w")
+        >>> log.reset([2, 0])  # shard 0 holds its piece, shard 1 never got its own
+        >>> whole, send = log.resume("w")
+        >>> [(w.shard, w.start, w.first) for w in send], log.indices(whole).tolist()
+        ([(1, 2, 0)], [0, 1, 4, 5])
+        >>> log.resume("w")[1]  # finished: nothing more to send
+        []
+        >>> log = WriteLog([4, 4]); log.commit(log.plan([2, 2]), "w"); log.reset([2, 0])
+        >>> log.commit(log.plan([3]))  # another write took shard 1's rows since
+        >>> whole, send = log.resume("w")
+        >>> [(w.shard, w.start, w.first) for w in send], log.indices(whole).tolist()
+        ([(0, 2, 2)], [0, 1, 2, 3])
+        """
+        _, _, plan, missing = self._ids[write_id]
+        again = [w for i, w in enumerate(plan) if i in missing and self.written[w.shard] == w.first]
+        self.commit(again)
+        fresh = [w for i, w in enumerate(plan) if i in missing and not any(w is a for a in again)]
+        new = [replace(n, start=f.start, stop=f.stop) for n, f in zip(self.plan([w.rows for w in fresh]), fresh)]
+        self.commit(new)
+        send = again + new
+        whole = sorted([w for i, w in enumerate(plan) if i not in missing] + send, key=lambda w: w.start)
+        self.remember(write_id, whole)
+        return whole, send
 
     def reset(self, written: Sequence[int]) -> None:
-        """Take the shards' own write counts (after a failure or a restore)."""
+        """Take the shards' own write counts (after a failure or a restore).
+
+        Rows planned beyond them are free again: a remembered write's pieces there are
+        marked missing, so that :meth:`resume` sends them again.
+        """
         written = np.asarray(written, dtype=np.int64)
         if written.shape != self.written.shape or np.any(written < 0):
             raise ValueError(f"expected {self.written.size} non-negative write counts, got {written.tolist()}")
         self.written = written.copy()
+        for _, _, plan, missing in self._ids.values():
+            missing.update(i for i, w in enumerate(plan) if w.first + w.rows > written[w.shard])
 
     def state_dict(self) -> dict:
         return {"written": self.written.tolist(), "capacity": self.capacity.tolist()}

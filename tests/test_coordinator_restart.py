@@ -176,3 +176,56 @@ def test_a_state_save_that_fails_does_not_fail_the_call_that_changed_the_state(m
     assert len(indices) == 20 and rb.write_count == 20
     assert len(rb.sample()) == 16
     assert rb.stats()["coordinator"]["state_save_failed"] >= 2
+
+
+def _half_sent_write(rb, tmp_path, write_id, data):
+    """What a coordinator that died between sending the pieces of a write leaves: the write journalled,
+    the first piece on shard 0, the second never sent (shard 1 gets nothing)."""
+    import ray
+
+    from rayrb.iterator import _shards_by_side
+    from rayrb.storage import CoordinatorState
+
+    arrays = rb._rows(data, "online data")
+    n = len(data)
+    online = _shards_by_side(rb)["online"]
+    ray.get(online[0].extend.remote(ray.put(arrays), 0, n // 2, first=0))
+    journal = CoordinatorState(next((tmp_path / "state").rglob("coordinator")))
+    journal.journal(write_id, [(0, 0, n // 2, 0), (1, n // 2, n, 0)])
+    kill_coordinator(rb)
+
+
+def _online_ids(rb):
+    """Every online row's id, as many times as the shards hold it."""
+    import ray
+
+    from rayrb.iterator import _shards_by_side
+
+    out = []
+    for state in ray.get([s.state.remote() for s in _shards_by_side(rb)["online"]]):
+        held = state["generation"] > 0
+        out += state["rows/id"][held].tolist()
+    return sorted(out)
+
+
+def test_a_write_half_sent_by_a_coordinator_that_died_is_finished_once(make_buffer, tmp_path):
+    rb = make_buffer(rows(0, 50), **KW)  # two online shards of 100 rows: 150 rows go in two pieces
+    _half_sent_write(rb, tmp_path, "collector-1/step-7", rows(1000, 150))
+    assert len(rb) == 50 + 75  # the piece shard 0 got is there; the other is not
+    indices = rb.extend(rows(1000, 150), write_id="collector-1/step-7")  # the writer's retry
+    assert indices.tolist() == list(range(75)) + list(range(100, 175))  # the held piece keeps its place
+    assert rb.write_count == 150 and len(rb) == 50 + 150
+    assert _online_ids(rb) == list(range(1000, 1150))  # every row once
+    again = rb.extend(rows(1000, 150), write_id="collector-1/step-7")
+    assert torch.equal(again, indices) and _online_ids(rb) == list(range(1000, 1150))
+
+
+def test_a_half_sent_write_whose_place_was_taken_lands_its_missing_piece_elsewhere(make_buffer, tmp_path):
+    rb = make_buffer(rows(0, 50), **KW)
+    _half_sent_write(rb, tmp_path, "w", rows(1000, 150))
+    other = rb.extend(rows(5000, 20))  # another writer's rows take shard 1's next slots
+    assert other.tolist() == list(range(100, 120))
+    indices = rb.extend(rows(1000, 150), write_id="w")
+    assert indices[:75].tolist() == list(range(75)) and set(indices[75:].tolist()).isdisjoint(other.tolist())
+    assert len(set(indices.tolist())) == 150 and rb.write_count == 170
+    assert _online_ids(rb) == list(range(1000, 1150)) + list(range(5000, 5020))
