@@ -18,8 +18,10 @@ A draw that raises leaves the planner's state as it was.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
+from collections import OrderedDict
 from typing import Any, Sequence
 
 import numpy as np
@@ -31,6 +33,9 @@ from rayrb.plans import route_priorities
 from rayrb.storage import CoordinatorState
 from rayrb.validation import BETA, positive_int
 from rayrb.writelog import WriteLog
+
+
+ANSWERS_KEPT = 4  # calls whose reply a crash can lose: the one running, and replies not yet flushed
 
 
 def _persists(method):
@@ -87,6 +92,9 @@ class Coordinator:
         # drawn ahead at an older version gives them back (sizes no staler than the previous sample call).
         self._version = 0
         self._version_file = _VersionFile(name)
+        # The last groups handed out, by the caller's call id: a call Ray re-sends after a restart (its reply
+        # was lost with the old process) gets the same batches again, not the next ones.
+        self._answers: OrderedDict[str, GroupDispatch] = OrderedDict()
         # With a state directory, a restarted coordinator (Ray re-runs this with the same arguments) picks up
         # its sampling state there and its write counts from the shards.
         self._state = None
@@ -111,7 +119,8 @@ class Coordinator:
             return
         try:
             self._state.save({"planner": self._planner.state_dict(), "side_rng": self._side_rng.bit_generator.state,
-                              "version": self._version, "version_path": self._version_file.path})
+                              "version": self._version, "version_path": self._version_file.path,
+                              "answers": list(self._answers.items())})
         except OSError:
             self._metrics.count("state_save_failed")
 
@@ -125,6 +134,7 @@ class Coordinator:
             self._side_rng.bit_generator.state = saved["side_rng"]
             self._version = int(saved["version"]) + 1  # handles give back what they drew before the restart
             self._version_file.reopen(saved.get("version_path"), self._version)
+            self._answers = OrderedDict(saved.get("answers", ()))
         if self._log is not None:
             written = ray.get([s.written.remote() for s in self._shards[ONLINE]])
             self._log.reset(written)
@@ -273,8 +283,8 @@ class Coordinator:
 
     @_persists
     def sample_group(self, batch_size: int, num_batches: int, waited: float = 0.0,
-                     ahead: str | None = None, submit: bool = True, served: int | None = None
-                     ) -> GroupDispatch | Blocked:
+                     ahead: str | None = None, submit: bool = True, served: int | None = None,
+                     call: str | None = None) -> GroupDispatch | Blocked:
         """Plan ``num_batches`` consecutive batches with one read task per shard.
 
         The batches are exactly those of as many :meth:`sample` calls; each shard
@@ -288,7 +298,12 @@ class Coordinator:
         Its group stops early, with what was drawn, where a draw would be refused (an
         epoch's end, the rate limiter). ``served`` reports, as
         :meth:`seen` does, the last of its draws the handle has handed over.
+
+        ``call`` names the call: the same call made again (Ray re-sends it to a restarted
+        coordinator when the reply was lost) gets the same batches, read again.
         """
+        if call is not None and call in self._answers:
+            return self._answer_again(self._answers[call], submit)
         t0 = time.perf_counter()
         if ahead is not None and served is not None:
             self._ahead.served(ahead, int(served))
@@ -322,8 +337,19 @@ class Coordinator:
             group.args.append((counts, seeds, epochs, written))
             if submit:
                 group.refs.append(self._shards[side][i].sample_many.remote(counts, seeds, epochs))
+        if call is not None:
+            self._answers[call] = dataclasses.replace(group, refs=[])
+            while len(self._answers) > ANSWERS_KEPT:
+                self._answers.popitem(last=False)
         self._planned(t0)
         return group
+
+    def _answer_again(self, group: GroupDispatch, submit: bool) -> GroupDispatch:
+        """A group handed out before, with its reads submitted again: the same counts and seeds, the same rows."""
+        refs = [self._shards[side][i].sample_many.remote(counts, seeds, epochs)
+                for (side, i), (counts, seeds, epochs, _) in zip(group.reads, group.args)] if submit else []
+        self._metrics.count("calls_answered_again")
+        return dataclasses.replace(group, refs=refs)
 
     @_persists
     def undo(self, ahead: str, count: int | None) -> str:

@@ -98,7 +98,7 @@ class BatchIterator:
             if self._direct is None:
                 served, self._reported = self._unreported(), max(self._served, self._reported)
                 self._pending.append((self._rb._coord.sample_group.remote(self._batch_size, k, ahead=self._id,
-                                                                          served=served), k))
+                                                                          served=served, call=uuid.uuid4().hex), k))
             else:
                 self._pending.append((self._submit_direct(k), k))
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
@@ -190,7 +190,8 @@ class BatchIterator:
 
         This actor owns the reads' refs, as Ray's one-sided CUDA IPC transport needs.
         """
-        group = self._rb._get(self._rb._coord.sample_group.remote(self._batch_size, k, submit=False))
+        group = self._rb._get(self._rb._coord.sample_group.remote(self._batch_size, k, submit=False,
+                                                                   call=uuid.uuid4().hex))
         if isinstance(group, Blocked):
             return _Ready(group)
         group.refs = [self._read_direct(side, i, args) for (side, i), args in zip(group.reads, group.args)]

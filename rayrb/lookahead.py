@@ -170,7 +170,8 @@ class Lookahead:
         kwargs = {"waited": waited} if waited else {}
         # without drawing ahead nothing is held to give back: the coordinator keeps no log for this handle
         ahead = self._id if self.depth else None
-        self._pending.append(self._rb._coord.sample_group.remote(self._batch_size, max(1, k), ahead=ahead, **kwargs))
+        self._pending.append(self._rb._coord.sample_group.remote(self._batch_size, max(1, k), ahead=ahead,
+                                                                 call=uuid.uuid4().hex, **kwargs))
         self.stats["groups"] += 1
 
     def _unpack(self, group: Any) -> None:
