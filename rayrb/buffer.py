@@ -45,7 +45,8 @@ class OfflineToOnlineReplayBuffer(BufferClient):
     Args:
         offline_dataset: a dataset id (``"openml:adult_num"``), a chunk-dataset
             directory, a :class:`~rayrb.ChunkDataset`, a TensorDict, or a TorchRL
-            replay buffer or storage.
+            replay buffer or storage (its rows are copied into chunks once, through the
+            buffer's own transforms, such as a TorchRL dataset's ``DoubleToFloat``).
 
     Keyword Args:
         online_capacity (int): rows the online buffer holds, split evenly over

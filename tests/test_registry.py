@@ -144,3 +144,22 @@ class TestThroughTheBuffer:
         prefill_replay_buffer(target, f"{prefix}:x", n_samples=12, chunk_size=5, seed=0)
         assert seen == [{"batch_size": 5}] and len(target) == 12
         assert len(set(target[:]["action"].tolist())) == 12  # distinct rows
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_a_torchrl_buffers_transforms_are_applied_to_the_rows_copied(make_buffer):
+    """TorchRL's SAC fine-tuning script does ``offline.append_transform(DoubleToFloat())``: the offline rows
+    must come out as that buffer's ``sample()`` gives them, or float32 online rows would not match them."""
+    from torchrl.envs import DoubleToFloat
+
+    offline = ReplayBuffer(storage=LazyTensorStorage(40))
+    offline.extend(TensorDict({"observation": torch.randn(40, 3, dtype=torch.float64),
+                               "id": torch.arange(40)}, [40]))
+    offline.append_transform(DoubleToFloat(in_keys=["observation"]))
+    rb = make_buffer(offline, online_capacity=16, batch_size=8, seed=0)
+    batch = rb.sample()
+    assert batch["observation"].dtype == torch.float32
+    want = offline.storage.get(batch["id"])["observation"].float()
+    assert torch.equal(batch["observation"], want)
+    rb.extend(TensorDict({"observation": torch.randn(4, 3), "id": torch.arange(100, 104)}, [4]))  # float32 fits
+    assert len(rb) == 44

@@ -19,6 +19,7 @@ Examples:
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import sys
@@ -125,14 +126,26 @@ for _prefix, _factory_name in {  # TorchRL's other loaders, as its registry name
 
 
 def _torchrl_rows(obj: Any):
-    """Rows held by a TorchRL replay buffer or storage, as a TensorDict (duck-typed: torchrl is optional)."""
+    """Rows held by a TorchRL replay buffer or storage, as a TensorDict (duck-typed: torchrl is optional).
+
+    A buffer's own transforms (a TorchRL dataset's ``DoubleToFloat``, say) are applied
+    once, here, as its ``sample()`` applies them to every batch.
+    """
     import torch
 
     storage = obj.storage if hasattr(obj, "storage") and hasattr(obj, "sample") else obj
     n = len(storage)
     if n == 0:
         raise ValueError(f"expected a non-empty offline dataset, got an empty {type(obj).__name__}")
-    return storage.get(torch.arange(n))
+    rows = storage.get(torch.arange(n))
+    transform = getattr(obj, "_transform", None) if storage is not obj else None
+    if transform is not None and len(transform):
+        with rows.unlock_() if hasattr(rows, "unlock_") else contextlib.nullcontext():
+            rows = transform(rows)
+        if rows.shape[:1] != (n,):
+            raise ValueError(f"expected the buffer's transforms to keep one row per stored row ({n}), "
+                             f"got a batch of shape {tuple(rows.shape)}")
+    return rows
 
 
 def _is_ray_dataset(obj: Any) -> bool:
