@@ -195,7 +195,7 @@ def write_chunk(arrays: Mapping[str, np.ndarray], directory: str | os.PathLike, 
             _reserve(fd, a.nbytes)
             offset = 0
             for block in _blocks(a):
-                _pwrite_all(fd, block, offset)
+                pwrite_all(fd, block, offset)
                 h.update(block)
                 offset += len(block)
         finally:
@@ -235,7 +235,8 @@ def _reserve(fd: int, nbytes: int) -> None:
         _FALLOCATE(fd, 0, 0, nbytes)
 
 
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    """``pwrite`` all of ``data`` at ``offset`` (a write may be short); raise if one writes nothing."""
     while len(data):
         n = os.pwrite(fd, data, offset)
         if n <= 0:

@@ -34,11 +34,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
+import xxhash
 
+from rayrb.chunks import pwrite_all
 from rayrb.schema import SEP, RowSpec
 
 LAYOUT = "layout.json"
@@ -140,13 +143,20 @@ def shard_directory(root: str | os.PathLike | None, buffer_id: str, shard: str) 
     return str(Path(root) / buffer_id / shard)
 
 
+_MAGIC = b"RRBS"
+_HEADER = struct.Struct("<4sQQQ")  # magic, sequence number, payload length, xxh3_64 of the payload
+
+
 class CoordinatorState:
     """The coordinator's sampling state and write journal, in files under one directory on its node.
 
-    ``state.pkl`` holds what the coordinator cannot ask the shards for: the planner's
-    state (RNG, step, schedule, epochs, rate limiter), the side views' RNG and the
-    version; it is replaced whole (temporary file, then rename) after every call that
-    changes it. ``writes.log`` gets one line per identified write, appended before the
+    ``state.0`` and ``state.1`` hold what the coordinator cannot ask the shards for:
+    the planner's state (RNG, step, schedule, epochs, rate limiter), the side views'
+    RNG and the version. Saves (after every call that changes it) go to the two files
+    in turn, each a header (sequence number, length, xxh3 of the payload) and the
+    pickled state written in place: a save torn by a crash fails its check, and the
+    other file, one save older, is loaded. (A rename per save cost 0.13-0.5 ms here;
+    this costs about 5 us plus the pickling.) ``writes.log`` gets one line per identified write, appended before the
     shards are sent their pieces: ``[write_id, [[shard, start, stop, first], ...]]``.
     A restarted coordinator takes the write counts from the shards and remembers the
     journalled writes, so a retry of one is answered, and only the pieces the shards
@@ -158,7 +168,11 @@ class CoordinatorState:
         >>> s = CoordinatorState(tempfile.mkdtemp(), remember=2)
         >>> s.load() is None
         True
-        >>> s.save({"version": 3}); s.load()
+        >>> s.save({"version": 3}); s.save({"version": 4}); s.load()
+        {'version': 4}
+        >>> with open(s.directory / "state.0", "r+b") as f:  # the newest save, torn by a crash
+        ...     _ = f.seek(30); _ = f.write(b"garbage")
+        >>> s.load()  # the one before it
         {'version': 3}
         >>> for i in range(5):
         ...     s.journal(f"w{i}", [(0, 0, 10, 10 * i)])
@@ -171,10 +185,10 @@ class CoordinatorState:
         self.directory.mkdir(parents=True, exist_ok=True)
         self._remember = int(remember)
         self._lines = sum(1 for _ in self._read_lines())
+        self._sequence = 0
 
-    @property
-    def _state(self) -> Path:
-        return self.directory / "state.pkl"
+    def _slot(self, sequence: int) -> Path:
+        return self.directory / f"state.{sequence % 2}"
 
     @property
     def _journal(self) -> Path:
@@ -183,18 +197,37 @@ class CoordinatorState:
     def save(self, state: dict[str, Any]) -> None:
         import pickle
 
-        tmp = self.directory / "state.pkl.tmp"
-        with open(tmp, "wb") as f:
-            f.write(pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL))
-        os.replace(tmp, self._state)
+        payload = pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
+        sequence = self._sequence + 1
+        header = _HEADER.pack(_MAGIC, sequence, len(payload), xxhash.xxh3_64_intdigest(payload))
+        fd = os.open(self._slot(sequence), os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            pwrite_all(fd, memoryview(header + payload), 0)
+        finally:
+            os.close(fd)
+        self._sequence = sequence
 
     def load(self) -> dict[str, Any] | None:
+        """The newest state whose save completed, or None."""
         import pickle
 
-        try:
-            return pickle.loads(self._state.read_bytes())
-        except (OSError, EOFError, pickle.UnpicklingError):
+        best: tuple[int, bytes] | None = None
+        for slot in (0, 1):
+            try:
+                raw = self._slot(slot).read_bytes()
+            except OSError:
+                continue
+            if len(raw) < _HEADER.size:
+                continue
+            magic, sequence, length, digest = _HEADER.unpack_from(raw)
+            payload = raw[_HEADER.size:_HEADER.size + length]
+            if magic == _MAGIC and len(payload) == length and xxhash.xxh3_64_intdigest(payload) == digest:
+                if best is None or sequence > best[0]:
+                    best = (sequence, payload)
+        if best is None:
             return None
+        self._sequence = best[0]
+        return pickle.loads(best[1])
 
     def journal(self, write_id: str, pieces: list[tuple[int, int, int, int]]) -> None:
         line = json.dumps([write_id, [[int(x) for x in p] for p in pieces]]) + "\n"
@@ -231,9 +264,9 @@ class CoordinatorState:
 
     def clear(self) -> None:
         """Start afresh (a new coordinator, not a restarted one)."""
-        for p in (self._state, self._journal):
+        for p in (self._slot(0), self._slot(1), self._journal):
             p.unlink(missing_ok=True)
-        self._lines = 0
+        self._lines, self._sequence = 0, 0
 
     def remove(self) -> None:
         _remove(self.directory)

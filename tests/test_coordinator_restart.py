@@ -122,7 +122,7 @@ def test_a_shut_down_buffer_leaves_no_coordinator_state(make_buffer, tmp_path):
     rb = make_buffer(rows(0, 50), **KW)
     rb.extend(rows(1000, 10))
     state = list((tmp_path / "state").rglob("coordinator"))
-    assert state and (state[0] / "state.pkl").exists()
+    assert state and (state[0] / "state.1").exists()
     rb.shutdown()
     assert not any((tmp_path / "state").rglob("coordinator"))
 
@@ -168,10 +168,11 @@ def test_an_iterator_goes_on_through_a_restart_with_exact_batches(make_buffer):
 
 def test_a_state_save_that_fails_does_not_fail_the_call_that_changed_the_state(make_buffer, tmp_path):
     rb = make_buffer(rows(0, 50), **KW)
-    state = next((tmp_path / "state").rglob("coordinator")) / "state.pkl"
-    state.unlink()
-    state.mkdir()  # the rename over it now fails, as on a broken disk
-    (state / "blocker").write_text("x")
+    directory = next((tmp_path / "state").rglob("coordinator"))
+    for slot in (directory / "state.0", directory / "state.1"):
+        slot.unlink(missing_ok=True)
+        slot.mkdir()  # a save into it now fails, as on a broken disk
+        (slot / "blocker").write_text("x")
     indices = rb.extend(rows(1000, 20))  # sent to the shards: it must be reported as done
     assert len(indices) == 20 and rb.write_count == 20
     assert len(rb.sample()) == 16
@@ -279,3 +280,23 @@ def test_a_coordinator_killed_while_sampling_goes_on_with_the_twins_stream(make_
     assert a.stats()["coordinator"]["restarts"] == 1
     for i, (x, y) in enumerate(zip(got, want)):
         assert torch.equal(x, y), i
+
+
+def test_a_save_torn_by_the_crash_restarts_from_the_save_before_it(make_buffer, tmp_path):
+    """A crash in the middle of writing the state leaves that save torn; the restart loads the one before,
+    as if the crash had come just before the last call's save: that call's batch is drawn again, and the
+    stream goes on as a never-killed twin's."""
+    a, b = (make_buffer(rows(0, 300), **KW) for _ in range(2))
+    for rb in (a, b):
+        rb.extend(rows(1000, 100))
+    want = [b.sample()["id"] for _ in range(8)]
+    for i in range(4):
+        assert torch.equal(a.sample()["id"], want[i])
+    (directory,) = (d for d in (tmp_path / "state").rglob("coordinator") if d.parent.name.startswith(a._name))
+    newest = max(directory.glob("state.*"), key=lambda p: p.stat().st_mtime_ns)  # saved after the 4th sample
+    raw = bytearray(newest.read_bytes())
+    raw[-5:] = bytes(5)  # torn at the end of its payload
+    newest.write_bytes(bytes(raw))
+    kill_coordinator(a)
+    for i in range(3, 8):
+        assert torch.equal(a.sample()["id"], want[i]), i
