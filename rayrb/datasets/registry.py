@@ -104,10 +104,14 @@ def _factory(prefix: str) -> Factory:
         return factory
     module, _, attribute = factory.partition(":")
     try:
-        return getattr(importlib.import_module(module), attribute)
-    except ImportError as e:
+        found = getattr(importlib.import_module(module), attribute)
+    except (ImportError, AttributeError) as e:  # a missing attribute is an ImportError, as `from m import a` says
         raise ImportError(f"dataset prefix {prefix!r} loads through {factory}, which could not be imported ({e}); "
                           "TorchRL's loaders need `pip install torchrl` and their own extras") from e
+    if not callable(found):
+        raise TypeError(f"dataset prefix {prefix!r} loads through {factory}: expected a callable factory(name, "
+                        f"**kwargs) there, got {type(found).__name__}")
+    return found
 
 
 register_dataset("openml", _openml)
@@ -172,6 +176,9 @@ def as_chunk_dataset(source: Any, *, root: str | os.PathLike | None = None, **kw
         loaded = load_dataset(source, **({"root": root} if root is not None else {}), **kwargs)
         if isinstance(loaded, ChunkDataset):
             return loaded, False
+        if isinstance(loaded, (str, os.PathLike)):  # taken as an id again, it could name itself without end
+            raise TypeError(f"expected the loader of {str(source)!r} to return a dataset, got the "
+                            f"{type(loaded).__name__} {str(loaded)!r}")
         return as_chunk_dataset(loaded)  # a TorchRL dataset's rows, copied into chunks
     if kwargs:
         raise DatasetOptionError(f"dataset options {sorted(kwargs)} apply only to dataset ids (dataset_kwargs are "
