@@ -94,7 +94,7 @@ class Coordinator:
         self._version_file = _VersionFile(name)
         # The last groups handed out, by the caller's call id: a call Ray re-sends after a restart (its reply
         # was lost with the old process) gets the same batches again, not the next ones.
-        self._answers: OrderedDict[str, GroupDispatch] = OrderedDict()
+        self._answers: OrderedDict[str, tuple[tuple, GroupDispatch]] = OrderedDict()  # call -> (its request, group)
         # With a state directory, a restarted coordinator (Ray re-runs this with the same arguments) picks up
         # its sampling state there and its write counts from the shards.
         self._state = None
@@ -138,8 +138,7 @@ class Coordinator:
         if self._log is not None:
             written = ray.get([s.written.remote() for s in self._shards[ONLINE]])
             self._log.reset(written)
-            for write_id, pieces in self._state.writes():  # a retry is answered, and only missing pieces sent
-                self._log.remember(write_id, self._log.rebuild(pieces), None)
+            self._log.recall(self._state.writes())  # a retry is answered, and only missing pieces sent
         self._metrics.count("restarts")
         self._save()
 
@@ -302,8 +301,13 @@ class Coordinator:
         ``call`` names the call: the same call made again (Ray re-sends it to a restarted
         coordinator when the reply was lost) gets the same batches, read again.
         """
+        request = (batch_size, num_batches, ahead)
         if call is not None and call in self._answers:
-            return self._answer_again(self._answers[call], submit)
+            asked, group = self._answers[call]
+            if asked != request:  # not a re-sent call: its batches would be of another size or handle
+                raise ValueError(f"call {call!r} was answered for (batch_size, num_batches, ahead)={asked}, got "
+                                 f"{request}: a call id names one call; use a new id for a new call")
+            return self._answer_again(group, submit)
         t0 = time.perf_counter()
         if ahead is not None and served is not None:
             self._ahead.served(ahead, int(served))
@@ -338,7 +342,7 @@ class Coordinator:
             if submit:
                 group.refs.append(self._shards[side][i].sample_many.remote(counts, seeds, epochs))
         if call is not None:
-            self._answers[call] = dataclasses.replace(group, refs=[])
+            self._answers[call] = (request, dataclasses.replace(group, refs=[]))
             while len(self._answers) > ANSWERS_KEPT:
                 self._answers.popitem(last=False)
         self._planned(t0)
@@ -496,12 +500,15 @@ class Coordinator:
         """
         if self._log is None:
             raise RuntimeError("this buffer has no online shards")
-        seen = self._log.seen(write_id)
+        rows, seen = positive_int("rows", rows), self._log.seen(write_id)
+        if seen is not None and len(seen[0]) != rows:  # its pieces would be cut from other rows
+            raise ValueError(f"write_id {write_id!r} names a write of {len(seen[0])} rows, got a retry of {rows} "
+                             "rows: a retry must send the same rows (or use a new write_id)")
         if seen is not None and seen[1] is not None and not _failed(seen[1]):
             return seen  # a retry: applied once, and its acknowledgements are the first call's
         if seen is not None:  # journalled before a restart, or a shard failed its piece
             return self._resume(rows_ref, write_id, failed=seen[1] is not None)
-        rows, size = positive_int("rows", rows), int(self._log.sizes.sum())
+        size = int(self._log.sizes.sum())
         try:
             self._planner.admit_insert(rows, size, prefill=prefill)
         except Refused as b:

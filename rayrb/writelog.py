@@ -33,6 +33,7 @@ Examples:
 """
 from __future__ import annotations
 
+import bisect
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Any, Hashable, Sequence
@@ -152,6 +153,33 @@ class WriteLog:
         while len(self._ids) > self._remember:
             self._ids.popitem(last=False)
 
+    def recall(self, journal: Sequence[tuple[Hashable, Sequence[Sequence[int]]]]) -> None:
+        """Remember journalled writes, oldest first, after :meth:`reset` took the shards' counts.
+
+        A piece is missing where its shard's count falls short of it, and also where a later
+        write was planned over its rows: the coordinator put that write there because the
+        piece had not landed, so a count past those rows holds the later write's rows.
+
+        >>> log = WriteLog([4, 4]); log.reset([2, 3])  # shard 1 holds 3 rows: the second write's, not the first's
+        >>> log.recall([("a", [[0, 0, 2, 0], [1, 2, 4, 0]]), ("b", [[1, 0, 3, 0]])])
+        >>> [(w.shard, w.first) for w in log.resume("a")[1]]
+        [(0, 2)]
+        """
+        later: dict[int, tuple[list[int], list[int]]] = {}  # per shard: later pieces' rows, disjoint runs
+        recalled, ids = [], set()
+        for write_id, pieces in reversed(journal):
+            if write_id in ids:  # a resumed write is journalled again: its latest line is the one that holds
+                continue
+            ids.add(write_id)
+            plan = self.rebuild(pieces)
+            over = {i for i, w in enumerate(plan) if _overlaps(later.get(w.shard), w.first, w.first + w.rows)}
+            for w in plan:
+                _insert(later.setdefault(w.shard, ([], [])), w.first, w.first + w.rows)
+            recalled.append((write_id, plan, over))
+        for write_id, plan, over in reversed(recalled):
+            self.remember(write_id, plan)
+            self._ids[write_id][3].update(over)
+
     def seen(self, write_id: Hashable | None) -> tuple[np.ndarray, Any] | None:
         """``(indices, receipt)`` of an earlier write with this identity, or None."""
         found = None if write_id is None else self._ids.get(write_id)
@@ -205,3 +233,21 @@ class WriteLog:
 
     def state_dict(self) -> dict:
         return {"written": self.written.tolist(), "capacity": self.capacity.tolist()}
+
+
+def _overlaps(runs: tuple[list[int], list[int]] | None, a: int, b: int) -> bool:
+    """Whether rows ``[a, b)`` meet one of ``runs`` (sorted disjoint ``[start, end)``, as two lists)."""
+    if runs is None:
+        return False
+    starts, ends = runs
+    j = bisect.bisect_left(starts, b) - 1  # the last run that starts before b
+    return j >= 0 and ends[j] > a
+
+
+def _insert(runs: tuple[list[int], list[int]], a: int, b: int) -> None:
+    """Add rows ``[a, b)`` to ``runs``, merging the runs it meets."""
+    starts, ends = runs
+    lo, hi = bisect.bisect_left(ends, a), bisect.bisect_right(starts, b)
+    if lo < hi:
+        a, b = min(a, starts[lo]), max(b, ends[hi - 1])
+    starts[lo:hi], ends[lo:hi] = [a], [b]
