@@ -21,7 +21,7 @@ Examples:
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Collection, Sequence
 
 import numpy as np
 
@@ -110,16 +110,30 @@ def write_pieces(n: int, num_shards: int, min_piece: int = 1024) -> np.ndarray:
     return split_evenly(n, pieces)
 
 
-def assign_pieces(pieces: Sequence[int], written: Sequence[int]) -> list[int]:
+def assign_pieces(pieces: Sequence[int], written: Sequence[int], local: Collection[int] = (),
+                  slack: int = 0) -> list[int]:
     """Shard for each piece: largest pieces to the least-written shards, each shard at most once.
 
     Keeps shard fill levels within one piece of each other over a stream of writes.
+    A shard in ``local`` (one on the writer's node) takes the piece instead while it is
+    at most ``slack`` rows ahead of the least-written shard left, so levels stay within
+    ``slack`` plus one piece of each other.
+
+    >>> assign_pieces([10], [0, 0, 0]), assign_pieces([10], [0, 0, 0], local={2}, slack=5)
+    ([0], [2])
+    >>> assign_pieces([10], [0, 0, 6], local={2}, slack=5)  # too far ahead: the least-written shard
+    [0]
+    >>> assign_pieces([10, 5], [0, 3, 4], local={2}, slack=5)  # the largest piece goes local
+    [2, 0]
     """
-    order = np.argsort(np.asarray(written, dtype=np.int64), kind="stable")
-    by_size = np.argsort(-np.asarray(pieces, dtype=np.int64), kind="stable")
+    written = np.asarray(written, dtype=np.int64)
+    free = [int(s) for s in np.argsort(written, kind="stable")]
     out = [0] * len(pieces)
-    for rank, piece in enumerate(by_size):
-        out[int(piece)] = int(order[rank])
+    for piece in np.argsort(-np.asarray(pieces, dtype=np.int64), kind="stable"):
+        near = [s for s in free if s in local and written[s] <= written[free[0]] + slack]
+        shard = near[0] if near else free[0]
+        free.remove(shard)
+        out[int(piece)] = shard
     return out
 
 

@@ -13,7 +13,7 @@ import shutil
 import tempfile
 import uuid
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -21,6 +21,7 @@ from rayrb.allocation import row_ranges, split_evenly
 from rayrb.chunks import ChunkDataset
 from rayrb.client import PREFETCH, BufferClient, BufferUnavailableError
 from rayrb.allocators import epoch_end_option
+from rayrb.placement import online_nodes_option
 from rayrb.plans import OFFLINE, ONLINE
 from rayrb.samplers import sampler_class
 from rayrb.schedules import Schedule, make_schedule
@@ -77,6 +78,10 @@ class OfflineToOnlineReplayBuffer(BufferClient):
         name (str): the coordinator's actor name (default: a unique one).
         dataset_root: where in-memory offline data is written as a chunk dataset.
         actor_options (dict): extra ``.options(...)`` for the actors (default ``num_cpus=0``).
+        online_nodes (list): a node id (or None) per online shard, to place it beside
+            the collectors that feed it (a soft preference). A write prefers the online
+            shards on the writer's node while they are at most an eighth of a shard
+            ahead of the others, wherever they were placed.
         timeout (float): seconds to wait on any call before raising ``TimeoutError``.
         max_batch_bytes (int): the largest batch a call may ask for, in bytes of rows
             (default 8 GiB); larger requests are refused before anything is drawn.
@@ -146,6 +151,7 @@ class OfflineToOnlineReplayBuffer(BufferClient):
         name: str | None = None,
         dataset_root: str | os.PathLike | None = None,
         actor_options: dict | None = None,
+        online_nodes: Sequence[str | None] | None = None,
         timeout: float | None = None,
         transport: str = "object_store",
         alpha: float = ALPHA,
@@ -186,6 +192,7 @@ class OfflineToOnlineReplayBuffer(BufferClient):
         epoch_end = epoch_end_option(epoch_end, drop_last)
         prio = priority_options(alpha, beta, eps)
         transport = check_transport(transport)
+        online_nodes = online_nodes_option(online_nodes, num_online_shards, actor_options or {})
         storage_device = check_storage_device(storage_device)
         if transport == "nccl" and "num_gpus" not in (actor_options or {}):
             import ray
@@ -230,6 +237,7 @@ class OfflineToOnlineReplayBuffer(BufferClient):
             coord, shards = _start_actors(dataset, name, online_capacity, num_offline_shards, num_online_shards,
                                           schedule=schedule, kinds=kinds, epoch_end=epoch_end, seed=seed,
                                           actor_options=actor_options or {}, transport=transport, prio=prio,
+                                          online_nodes=online_nodes,
                                           storage_dir=None if storage_dir is None else str(storage_dir),
                                           rate_limiter=limiter.config(), storage_device=storage_device)
         except BaseException:
@@ -331,12 +339,13 @@ class OfflineToOnlineReplayBuffer(BufferClient):
 def _start_actors(dataset: ChunkDataset, name: str, capacity: int, m: int, k: int, *, schedule: Schedule,
                   kinds: dict[str, str], epoch_end: str, seed: int | None, actor_options: dict, transport: str,
                   prio: dict[str, float], storage_dir: str | None, rate_limiter: dict,
-                  storage_device: str = "cpu") -> tuple[Any, list]:
+                  storage_device: str = "cpu", online_nodes: list[str | None] | None = None
+                  ) -> tuple[Any, list]:
     """Start ``m`` offline shards, ``k`` online shards and the coordinator; kill them all if one fails to start."""
     import ray
 
     from rayrb.coordinator import Coordinator
-    from rayrb.placement import group_options, shard_placement
+    from rayrb.placement import group_options, on_node, shard_placement
     from rayrb.shards import OfflineShard, OnlineShard
     from rayrb.storage import shard_directory
 
@@ -358,7 +367,8 @@ def _start_actors(dataset: ChunkDataset, name: str, capacity: int, m: int, k: in
                            .remote(str(dataset.root), a, b, f"{name}/off-{i}", kinds[OFFLINE], sampler_options=so,
                                    state_dir=shard_directory(storage_dir, instance, f"off-{i}"), device=table))
         for i, c in enumerate(capacities):
-            started.append(ray.remote(**cls_opts)(OnlineShard).options(**on_opts).remote(
+            started.append(ray.remote(**cls_opts)(OnlineShard).options(
+                **on_node(on_opts, online_nodes[i] if online_nodes else None)).remote(
                 dataset.spec.to_json(), c, f"{name}/on-{i}", kinds[ONLINE], sampler_options=so,
                 state_dir=shard_directory(storage_dir, instance, f"on-{i}"), device=table))
         # The coordinator restarts too when it can keep its state on disk: the stream, settings and

@@ -12,6 +12,7 @@ by ``timeout`` and turns Ray's failures into ``TimeoutError``,
 """
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 from typing import Any
@@ -177,7 +178,8 @@ class BufferClient:
         write_id = write_id if write_id is not None else uuid.uuid4().hex
         ref = ray.put(arrays)  # one object; each shard copies its own contiguous piece out of it
         try:
-            indices, acks = self._call(self._coord.extend, [ref], n, write_id=write_id, prefill=bool(prefill))
+            indices, acks = self._call(self._coord.extend, [ref], n, write_id=write_id, prefill=bool(prefill),
+                                       node=_node_id())
             self._get(acks)
         except TimeoutError as e:  # the write may still land: name it, so that a retry lands it once
             raise WriteTimeoutError(f"{e}; the write may still be applied: retry it with write_id={write_id!r} "
@@ -450,3 +452,14 @@ def _to_device(td: Any, device: Any):
     if device.type == "cuda":
         return td.pin_memory().to(device, non_blocking=True)
     return td.to(device)
+
+
+@functools.cache
+def _node_id() -> str | None:
+    """This process's node, which writes prefer (None where Ray does not say)."""
+    import ray
+
+    try:
+        return ray.get_runtime_context().get_node_id()
+    except Exception:
+        return None

@@ -92,6 +92,7 @@ class Coordinator:
         # drawn ahead at an older version gives them back (sizes no staler than the previous sample call).
         self._version = 0
         self._version_file = _VersionFile(name)
+        self._online_nodes: list[str] | None = None  # each online shard's node, once a writer names its own
         # The last groups handed out, by the caller's call id: a call Ray re-sends after a restart (its reply
         # was lost with the old process) gets the same batches again, not the next ones.
         self._answers: OrderedDict[str, tuple[tuple, GroupDispatch]] = OrderedDict()  # call -> (its request, group)
@@ -490,13 +491,15 @@ class Coordinator:
     # writing ----------------------------------------------------------------
     @_persists
     def extend(self, rows_ref: Sequence[Any], rows: int, write_id: str | None = None, prefill: bool = False,
-               waited: float = 0.0) -> tuple[np.ndarray, list[Any]] | Blocked:
+               waited: float = 0.0, node: str | None = None) -> tuple[np.ndarray, list[Any]] | Blocked:
         """Send contiguous pieces of one batch of ``rows`` rows (``rows_ref[0]``, an ObjectRef) to shards.
 
         Returns the rows' global online indices and the shards' acknowledgements; the
         caller waits on those before it reports the write as done. A ``write_id`` seen
         before returns that write's indices and acknowledgements, and writes nothing.
-        The rate limiter may hold a write back; ``prefill`` writes past it.
+        The rate limiter may hold a write back; ``prefill`` writes past it. A write
+        from ``node`` (the writer's node id) prefers the online shards there, while
+        they are at most :attr:`~rayrb.writelog.WriteLog.slack` rows ahead of the rest.
         """
         if self._log is None:
             raise RuntimeError("this buffer has no online shards")
@@ -513,7 +516,8 @@ class Coordinator:
             self._planner.admit_insert(rows, size, prefill=prefill)
         except Refused as b:
             return self._blocked(b)
-        plan = self._log.plan(self._log.cut(rows))
+        local = self._local_shards(node)
+        plan = self._log.plan(self._log.cut(rows), local)
         if self._state is not None and write_id is not None:  # before the shards get it: a restart must know
             self._state.journal(write_id, [(w.shard, w.start, w.stop, w.first) for w in plan])
         # The ref came nested in a list, so it is still unresolved: each shard fetches its piece itself.
@@ -525,7 +529,19 @@ class Coordinator:
         self._waited("insert", waited)
         self._requery_masses(ONLINE, [w.shard for w in plan])
         self._metrics.count("rows_written", int(rows))
+        if local:
+            self._metrics.count("rows_written_local", sum(w.rows for w in plan if w.shard in local))
         return self._log.indices(plan), acks
+
+    def _local_shards(self, node: str | None) -> set[int]:
+        """The online shards on ``node`` (asked of the shards once; a restarted shard may have moved: a hint)."""
+        if node is None:
+            return set()
+        if self._online_nodes is None:
+            import ray
+
+            self._online_nodes = [p["node"] for p in ray.get([s.place.remote() for s in self._shards[ONLINE]])]
+        return {i for i, n in enumerate(self._online_nodes) if n == node}
 
     def _resume(self, rows_ref: Sequence[Any], write_id: str, failed: bool) -> tuple[np.ndarray, list[Any]]:
         """Finish a write whose pieces may not all have landed: send only those the shards lack."""
@@ -571,6 +587,7 @@ class Coordinator:
         import ray
 
         self._changed()
+        self._online_nodes = None  # a shard that failed may run elsewhere now
         if self._log is not None:
             self._log.reset(ray.get([s.written.remote() for s in self._shards[ONLINE]]))
         for side in SIDES:

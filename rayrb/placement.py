@@ -1,7 +1,8 @@
-"""Where actors go: offline shards beside their chunks, learner slices beside their learners."""
+"""Where actors go: offline shards beside their chunks, online shards beside their writers (``online_nodes``),
+learner slices beside their learners."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 from rayrb.chunks import ChunkDataset
 
@@ -24,6 +25,43 @@ def shard_placement(dataset: ChunkDataset, start: int, stop: int, opts: dict) ->
     node = max(rows_by_node, key=rows_by_node.get)
     if node not in alive:
         return opts
+    return {**opts, "scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=True)}
+
+
+def online_nodes_option(nodes: Sequence[str | None] | None, num_online_shards: int,
+                        actor_options: dict) -> list[str | None] | None:
+    """Check ``online_nodes``: one live node id (or None) per online shard, and no scheduling strategy besides."""
+    if nodes is None:
+        return None
+    if isinstance(nodes, str) or not isinstance(nodes, Sequence):
+        raise TypeError(f"expected online_nodes as a list of node ids (or None), one per online shard, "
+                        f"got {type(nodes).__name__}")
+    nodes = list(nodes)
+    if len(nodes) != num_online_shards:
+        raise ValueError(f"expected one entry of online_nodes per online shard ({num_online_shards}), "
+                         f"got {len(nodes)}: {nodes!r}")
+    bad = [n for n in nodes if n is not None and not isinstance(n, str)]
+    if bad:
+        raise TypeError(f"expected node ids (str) or None in online_nodes, got {bad!r}")
+    if "scheduling_strategy" in actor_options and any(n is not None for n in nodes):
+        raise ValueError("online_nodes and actor_options['scheduling_strategy'] both place the online shards: "
+                         "give one of them")
+    import ray
+
+    alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+    unknown = sorted({n for n in nodes if n is not None and n not in alive})
+    if unknown:
+        raise ValueError(f"online_nodes names nodes that are not alive in this cluster: {unknown}; "
+                         f"alive: {sorted(alive)}")
+    return nodes
+
+
+def on_node(opts: dict, node: str | None) -> dict:
+    """``opts`` preferring ``node`` (a soft hint: a shard restarted after its node is lost runs elsewhere)."""
+    if node is None:
+        return opts
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
     return {**opts, "scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=True)}
 
 

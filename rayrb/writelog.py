@@ -36,7 +36,7 @@ from __future__ import annotations
 import bisect
 from collections import OrderedDict
 from dataclasses import dataclass, replace
-from typing import Any, Hashable, Sequence
+from typing import Any, Collection, Hashable, Sequence
 
 import numpy as np
 
@@ -100,15 +100,21 @@ class WriteLog:
             pieces += 1
         return split_evenly(n, pieces).tolist()
 
-    def plan(self, piece_rows: Sequence[int]) -> list[Write]:
-        """Where each piece of a write goes; changes nothing."""
+    @property
+    def slack(self) -> int:
+        """How far (rows) a shard on the writer's node may run ahead of the others: an eighth of the smallest."""
+        return int(self.capacity.min()) // 8
+
+    def plan(self, piece_rows: Sequence[int], local: Collection[int] = ()) -> list[Write]:
+        """Where each piece of a write goes, preferring the shards in ``local`` within :attr:`slack`;
+        changes nothing."""
         if len(piece_rows) > self.capacity.size:
             raise ValueError(f"expected at most {self.capacity.size} pieces, one per online shard, "
                              f"got {len(piece_rows)}")
         if any(int(r) <= 0 for r in piece_rows):
             raise ValueError(f"expected positive piece sizes, got {list(piece_rows)!r}")
         out, start = [], 0
-        for rows, shard in zip(piece_rows, assign_pieces(piece_rows, self.written)):
+        for rows, shard in zip(piece_rows, assign_pieces(piece_rows, self.written, local, self.slack)):
             first = int(self.written[shard])
             out.append(Write(shard, start, start + int(rows), first, slots(first, int(rows), self.capacity[shard])))
             start += int(rows)
