@@ -351,8 +351,8 @@ class Coordinator:
 
     def _answer_again(self, group: GroupDispatch, submit: bool) -> GroupDispatch:
         """A group handed out before, with its reads submitted again: the same counts and seeds, the same rows."""
-        refs = [self._shards[side][i].sample_many.remote(counts, seeds, epochs)
-                for (side, i), (counts, seeds, epochs, _) in zip(group.reads, group.args)] if submit else []
+        refs = [self._shards[side][i].sample_many.remote(counts, seeds, epochs, written)
+                for (side, i), (counts, seeds, epochs, written) in zip(group.reads, group.args)] if submit else []
         self._metrics.count("calls_answered_again")
         return dataclasses.replace(group, refs=refs)
 

@@ -28,8 +28,8 @@ def fetch_group(rb: Any, group: Any) -> list:
         if not isinstance(e.__cause__, OwnerDiedError) or len(group.args) != len(group.reads):
             raise
     shards = _shards_by_side(rb)  # waits for the restarted coordinator
-    return rb._get([shards[side][i].sample_many.remote(counts, seeds, epochs)
-                    for (side, i), (counts, seeds, epochs, _) in zip(group.reads, group.args)])
+    return rb._get([shards[side][i].sample_many.remote(counts, seeds, epochs, written)
+                    for (side, i), (counts, seeds, epochs, written) in zip(group.reads, group.args)])
 
 
 def copy_batch(out: Any) -> Any:

@@ -97,15 +97,17 @@ class _Shard:
         self._metrics.count("priority_updates_dropped", int((~keep).sum()))
         return int(keep.sum())
 
-    def sample_many(self, counts: list[int], seeds: list[int], epochs: list[Epoch | None] | None = None
-                    ) -> tuple[Rows, Info]:
+    def sample_many(self, counts: list[int], seeds: list[int], epochs: list[Epoch | None] | None = None,
+                    written: int | None = None) -> tuple[Rows, Info]:
         """Several reads' rows, in order, gathered in one pass into one object.
 
         Read ``j`` draws ``counts[j]`` rows from ``seeds[j]``; without replacement,
-        ``epochs[j]`` says which epoch it belongs to and where in it it starts.
+        ``epochs[j]`` says which epoch it belongs to and where in it it starts. A read
+        made again later passes ``written``, the write count it was planned at, so that
+        it draws over the rows there were then (the same rows, unless overwritten since).
         """
         t0 = time.perf_counter()
-        idx = self._indices(counts, seeds, epochs)
+        idx = self._indices(counts, seeds, epochs, written)
         rows, info = self._gather(idx), self._info(idx)
         self._metrics.count("rows_sampled", len(idx))
         self._metrics.observe("sample_ms", (time.perf_counter() - t0) * 1e3)
@@ -115,10 +117,16 @@ class _Shard:
         """``count`` local rows drawn by this shard's sampler from ``seed``, with their provenance."""
         return self.sample_many([count], [seed], [epoch])
 
-    def _indices(self, counts: list[int], seeds: list[int], epochs: list[Epoch | None] | None) -> np.ndarray:
+    def _indices(self, counts: list[int], seeds: list[int], epochs: list[Epoch | None] | None,
+                 written: int | None = None) -> np.ndarray:
         epochs = epochs or [None] * len(counts)
-        return np.concatenate([self._sampler.sample(int(c), self.size(), np.random.default_rng(s), epoch=e)
+        size = self.size() if written is None else min(self.size(), self._size_at(int(written)))
+        return np.concatenate([self._sampler.sample(int(c), size, np.random.default_rng(s), epoch=e)
                                for c, s, e in zip(counts, seeds, epochs)]) if counts else np.empty(0, np.int64)
+
+    def _size_at(self, written: int) -> int:
+        """Rows held when ``written`` rows had been written (an offline shard's never change)."""
+        return self.size()
 
     def sample_tensors(self, count: int, seed: int, epoch: Epoch | None = None, device: str | None = None
                        ) -> dict[str, Any]:
@@ -317,6 +325,9 @@ class OnlineShard(_Shard):
     def written(self) -> int:
         """Rows ever written (the write count); ``size()`` is this capped at the capacity."""
         return self._store.written
+
+    def _size_at(self, written: int) -> int:
+        return min(written, self._capacity)
 
     def _written_count(self) -> int:
         return self._store.written
