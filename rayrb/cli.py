@@ -45,21 +45,33 @@ EXAMPLES = {
 # ---------------------------------------------------------------------------- the work of each command
 # Module-level functions, so that with --address they run unchanged as Ray tasks on the cluster.
 def prepare(dataset: str, data_home: str | None, root: str | None, dtype: str) -> str:
-    from rayrb.datasets.registry import load_dataset
+    import shutil
+    import uuid
 
-    from rayrb.chunks import ChunkDataset
+    from rayrb.chunks import MANIFEST, ChunkDataset
+    from rayrb.datasets.openml import default_root
+    from rayrb.datasets.registry import as_chunk_dataset, load_dataset
 
     if dataset.startswith("openml:"):
         return str(load_dataset(dataset, data_home=data_home, root=root, dtype=dtype).root)
+    prefix, _, name = dataset.partition(":")  # another loader's object (TorchRL's): its rows written as chunks
+    folder = name.replace("/", "--")
+    if folder in ("", ".", ".."):
+        raise ValueError(f"expected a dataset name after {prefix + ':'!r}, got {name!r}")
+    dest = Path(root or default_root()) / prefix / folder
+    if (dest / MANIFEST).is_file():  # prepared before: reused, as openml ids are
+        return str(dest)
     loaded = load_dataset(dataset, batch_size=1)  # TorchRL's dataset classes require one; copying samples nothing
     if isinstance(loaded, ChunkDataset):
         return str(loaded.root)
-    from rayrb.datasets.openml import default_root
-    from rayrb.datasets.registry import as_chunk_dataset
-
-    prefix, _, name = dataset.partition(":")  # another loader's object (TorchRL's): its rows written as chunks
-    dest = Path(root or default_root()) / prefix / name.replace("/", "--")
-    return str(as_chunk_dataset(loaded, root=dest)[0].root)
+    tmp = dest.parent / f".{folder}.{uuid.uuid4().hex[:8]}.tmp"  # moved into place whole: no half-written dataset
+    try:
+        as_chunk_dataset(loaded, root=tmp)
+        shutil.rmtree(dest, ignore_errors=True)  # what an interrupted run of an older version left
+        os.replace(tmp, dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(dest)
 
 
 def info(path: str) -> dict[str, Any]:

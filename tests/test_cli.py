@@ -45,6 +45,34 @@ def test_prepare_writes_another_loaders_rows_as_chunks(tmp_path, capsys, monkeyp
     assert seen == [("suite/task-v0", {"batch_size": 1})]
     assert out == str(tmp_path / "scratch_source" / "suite--task-v0")
     np.testing.assert_array_equal(ChunkDataset.open(out).gather(np.arange(10))["obs"], np.arange(10.0))
+    assert main(["prepare", "scratch_source:suite/task-v0", "--root", str(tmp_path)]) == 0  # reused
+    assert len(seen) == 1 and capsys.readouterr().out.strip().splitlines()[-1] == out
+
+
+def test_prepare_that_fails_leaves_no_half_written_dataset(tmp_path, capsys, monkeypatch):
+    import torch
+    from tensordict import TensorDict
+
+    from rayrb import chunks
+    from rayrb.datasets import registry
+
+    monkeypatch.setitem(registry._REGISTRY, "scratch_source", lambda name, **kw: TensorDict(
+        {"obs": torch.arange(10.0)}, [10]))
+    real = chunks.write_chunk
+
+    def failing(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(chunks, "write_chunk", failing)
+    assert main(["prepare", "scratch_source:x", "--root", str(tmp_path)]) == 1
+    assert "disk full" in capsys.readouterr().err
+    assert not any((tmp_path / "scratch_source").iterdir())  # nothing half-written is left, nor reused
+    monkeypatch.setattr(chunks, "write_chunk", real)
+    assert main(["prepare", "scratch_source:x", "--root", str(tmp_path)]) == 0
+    assert len(ChunkDataset.open(tmp_path / "scratch_source" / "x")) == 10
+    for bad in ("scratch_source:", "scratch_source:.."):
+        assert main(["prepare", bad, "--root", str(tmp_path)]) == 1
+    assert "expected a dataset name after 'scratch_source:'" in capsys.readouterr().err
 
 
 def test_exit_codes_for_usage_errors_and_failures(tmp_path, capsys):

@@ -9,7 +9,7 @@ such a dataset holds into chunks. A factory may be a callable or a
 ``"module:attribute"`` string resolved when the prefix is used.
 
 Examples:
-    >>> def toy(name, root):
+    >>> def toy(name, root, **options):  # options: what the caller passes, batch_size included
     ...     import numpy as np
     ...     from rayrb.chunks import write_dataset
     ...     return write_dataset({"x": np.arange(int(name), dtype="int64")}, root)
