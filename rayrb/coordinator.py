@@ -137,8 +137,7 @@ class Coordinator:
             self._version_file.reopen(saved.get("version_path"), self._version)
             self._answers = OrderedDict(saved.get("answers", ()))
         if self._log is not None:
-            written = ray.get([s.written.remote() for s in self._shards[ONLINE]])
-            self._log.reset(written)
+            self._log.reset(*self._write_states())
             self._log.recall(self._state.writes())  # a retry is answered, and only missing pieces sent
         self._metrics.count("restarts")
         self._save()
@@ -517,7 +516,7 @@ class Coordinator:
         except Refused as b:
             return self._blocked(b)
         local = self._local_shards(node)
-        plan = self._log.plan(self._log.cut(rows), local)
+        plan = self._log.place(rows, local)
         if self._state is not None and write_id is not None:  # before the shards get it: a restart must know
             self._state.journal(write_id, [(w.shard, w.start, w.stop, w.first) for w in plan])
         # The ref came nested in a list, so it is still unresolved: each shard fetches its piece itself.
@@ -532,6 +531,13 @@ class Coordinator:
         if local:
             self._metrics.count("rows_written_local", sum(w.rows for w in plan if w.shard in local))
         return self._log.indices(plan), acks
+
+    def _write_states(self) -> tuple[list[int], list[list[tuple[int, int]]]]:
+        """Each online shard's write count, and the rows it holds beyond it (for :meth:`WriteLog.reset`)."""
+        import ray
+
+        states = ray.get([s.write_state.remote() for s in self._shards[ONLINE]])
+        return [c for c, _ in states], [runs for _, runs in states]
 
     def _local_shards(self, node: str | None) -> set[int]:
         """The online shards on ``node`` (asked of the shards once; a restarted shard may have moved: a hint)."""
@@ -548,7 +554,7 @@ class Coordinator:
         import ray
 
         if failed:  # the shards' own counts tell which pieces they hold
-            self._log.reset(ray.get([s.written.remote() for s in self._shards[ONLINE]]))
+            self._log.reset(*self._write_states())
         whole, send = self._log.resume(write_id)
         if send:
             if self._state is not None:
@@ -589,7 +595,7 @@ class Coordinator:
         self._changed()
         self._online_nodes = None  # a shard that failed may run elsewhere now
         if self._log is not None:
-            self._log.reset(ray.get([s.written.remote() for s in self._shards[ONLINE]]))
+            self._log.reset(*self._write_states())
         for side in SIDES:
             self._requery_masses(side, range(len(self._shards[side])))
         return self.sizes()

@@ -29,6 +29,7 @@ from rayrb.samplers import make_sampler
 from rayrb.schema import RowSpec
 from rayrb.storage import OnlineStorage, PriorityStore
 from rayrb.validation import ALPHA, EPS, positive_int
+from rayrb.writelog import held_runs
 
 Rows = dict[str, np.ndarray]
 Info = dict[str, np.ndarray]
@@ -309,7 +310,9 @@ class OnlineShard(_Shard):
         self._capacity = int(capacity)
         self._store = OnlineStorage(self._spec, self._capacity, state_dir)
         self._data, self._gen = self._store.rows, self._store.generation
-        self._ahead: dict[int, int] = {}  # writes applied beyond the write count: first row -> end
+        # writes applied beyond the write count (behind a piece still to come): first row -> end; a
+        # restarted shard finds them again from the generations
+        self._ahead: dict[int, int] = dict(held_runs(self._gen, self._store.written))
         self._mirror()
         if self._store.reopened:
             self._sampler.on_write(np.arange(self.size()))
@@ -328,6 +331,10 @@ class OnlineShard(_Shard):
 
     def _size_at(self, written: int) -> int:
         return min(written, self._capacity)
+
+    def write_state(self) -> tuple[int, list[tuple[int, int]]]:
+        """The write count, and the runs of rows held beyond it (written behind a piece that has not landed)."""
+        return self._store.written, held_runs(self._gen, self._store.written)
 
     def _written_count(self) -> int:
         return self._store.written

@@ -20,6 +20,13 @@ did not all land (a shard failed, or the coordinator died between sending its
 pieces) is finished by :meth:`WriteLog.resume`: the pieces the shards hold stay
 where they are, and only the others are sent, so no row lands twice.
 
+A piece that never lands leaves a hole in its shard's write stream; the rows
+written after it there are held, but not counted (a shard counts contiguous rows
+only: :func:`held_runs`). :meth:`WriteLog.reset` takes both from the shards: the
+log then plans after every row a shard holds, and the next writes fill the holes
+first (:meth:`WriteLog.place`), so held rows are never planned over and the count
+moves on past them.
+
 Examples:
     >>> log = WriteLog([3, 2])
     >>> plan = log.plan([4])  # one piece of 4 rows, to the least-written shard
@@ -72,6 +79,8 @@ class WriteLog:
             raise ValueError(f"expected positive shard capacities, got {list(capacities)!r}")
         self.offsets = np.concatenate([[0], np.cumsum(self.capacity)[:-1]]).astype(np.int64)
         self.written = np.zeros(self.capacity.size, dtype=np.int64)
+        # per shard: rows [a, b) below ``written`` that no write holds (pieces that never landed)
+        self.holes: list[list[tuple[int, int]]] = [[] for _ in range(self.capacity.size)]
         self._ids: OrderedDict[Hashable, tuple[np.ndarray, Any, list[Write]]] = OrderedDict()
         self._remember = int(remember)
 
@@ -120,6 +129,31 @@ class WriteLog:
             start += int(rows)
         return out
 
+    def place(self, n: int, local: Collection[int] = ()) -> list[Write]:
+        """Where a write of ``n`` rows goes: its first rows into holes, the rest :meth:`cut` and
+        :meth:`plan`-ned; changes nothing.
+
+        >>> log = WriteLog([8, 8]); log.commit(log.plan([4, 4])); log.reset([1, 4], [[(3, 4)], []])
+        >>> log.holes, log.written.tolist()  # shard 0 holds row 0 and row 3; rows 1-2 never landed
+        ([[(1, 3)], []], [4, 4])
+        >>> [(w.shard, w.start, w.stop, w.first) for w in log.place(5)]
+        [(0, 0, 2, 1), (0, 2, 5, 4)]
+        """
+        out, start = [], 0
+        for shard, holes in enumerate(self.holes):
+            for a, b in holes:
+                k = min(b - a, n - start)
+                if k > 0:
+                    out.append(Write(shard, start, start + k, a, slots(a, k, self.capacity[shard])))
+                    start += k
+        if start < n:
+            out += [replace(w, start=w.start + start, stop=w.stop + start)
+                    for w in self.plan(self.cut(n - start), local)]
+        return out
+
+    def _in_hole(self, w: Write) -> bool:
+        return any(a <= w.first and w.first + w.rows <= b for a, b in self.holes[w.shard])
+
     def indices(self, plan: Sequence[Write]) -> np.ndarray:
         """Global online indices of a planned write's rows, in the write's order."""
         if not plan:
@@ -128,11 +162,14 @@ class WriteLog:
 
     def commit(self, plan: Sequence[Write], write_id: Hashable | None = None, receipt: Any = None) -> None:
         for w in plan:
-            if self.written[w.shard] != w.first:
+            if self.written[w.shard] != w.first and not self._in_hole(w):
                 raise RuntimeError(f"write to online shard {w.shard} planned at row {w.first}, but the shard "
-                                   f"is at row {int(self.written[w.shard])}")
+                                   f"is at row {int(self.written[w.shard])} with holes {self.holes[w.shard]}")
         for w in plan:
-            self.written[w.shard] += w.rows
+            if self._in_hole(w):
+                self.holes[w.shard] = _cut_out(self.holes[w.shard], w.first, w.first + w.rows)
+            else:
+                self.written[w.shard] += w.rows
         if write_id is not None:
             self.remember(write_id, plan, receipt)
 
@@ -153,7 +190,7 @@ class WriteLog:
         are marked missing, for :meth:`resume`.
         """
         plan = list(plan)
-        missing = {i for i, w in enumerate(plan) if w.first + w.rows > self.written[w.shard]}
+        missing = {i for i, w in enumerate(plan) if w.first + w.rows > self.written[w.shard] or self._meets_hole(w)}
         self._ids[write_id] = (self.indices(plan), receipt, plan, missing)
         self._ids.move_to_end(write_id)
         while len(self._ids) > self._remember:
@@ -214,31 +251,94 @@ class WriteLog:
         ([(0, 2, 2)], [0, 1, 2, 3])
         """
         _, _, plan, missing = self._ids[write_id]
-        again = [w for i, w in enumerate(plan) if i in missing and self.written[w.shard] == w.first]
-        self.commit(again)
-        fresh = [w for i, w in enumerate(plan) if i in missing and not any(w is a for a in again)]
-        new = [replace(n, start=f.start, stop=f.stop) for n, f in zip(self.plan([w.rows for w in fresh]), fresh)]
-        self.commit(new)
-        send = again + new
+        again = []
+        for i, w in enumerate(plan):  # one by one: two pieces of a write may share a shard
+            if i in missing and (self.written[w.shard] == w.first or self._in_hole(w)):
+                self.commit([w])
+                again.append(w)
+        send = list(again)
+        for i, w in enumerate(plan):
+            if i in missing and not any(w is a for a in again):
+                placed = [replace(n, start=n.start + w.start, stop=n.stop + w.start) for n in self.place(w.rows)]
+                self.commit(placed)
+                send += placed
+        send.sort(key=lambda w: w.start)
         whole = sorted([w for i, w in enumerate(plan) if i not in missing] + send, key=lambda w: w.start)
         self.remember(write_id, whole)
         return whole, send
 
-    def reset(self, written: Sequence[int]) -> None:
-        """Take the shards' own write counts (after a failure or a restore).
+    def reset(self, written: Sequence[int], parked: Sequence[Sequence[tuple[int, int]]] | None = None) -> None:
+        """Take the shards' own write counts (after a failure or a restore), and the runs of rows each holds
+        beyond its count (``parked``, see :func:`held_runs`).
 
-        Rows planned beyond them are free again: a remembered write's pieces there are
-        marked missing, so that :meth:`resume` sends them again.
+        Rows planned beyond what a shard holds are free again: the gaps below its last
+        held row become holes, which the next writes fill, and a remembered write's
+        pieces that the shard does not hold are marked missing, so that :meth:`resume`
+        sends them again.
+
+        >>> log = WriteLog([8]); log.commit(log.plan([2]), "a"); log.commit(log.plan([2]), "b")
+        >>> log.reset([0], [[(2, 4)]])  # "a" never landed, "b" did
+        >>> log.holes, log.written.tolist()
+        ([[(0, 2)]], [4])
+        >>> log.resume("b")[1], [w.first for w in log.resume("a")[1]], log.holes  # "a" goes back into its hole
+        ([], [0], [[]])
         """
         written = np.asarray(written, dtype=np.int64)
         if written.shape != self.written.shape or np.any(written < 0):
             raise ValueError(f"expected {self.written.size} non-negative write counts, got {written.tolist()}")
-        self.written = written.copy()
+        parked = [sorted((int(a), int(b)) for a, b in runs) for runs in (parked or [[] for _ in written])]
+        if len(parked) != written.size or any(a < c or b <= a for runs, c in zip(parked, written) for a, b in runs):
+            raise ValueError(f"expected per shard runs [a, b) of rows at or beyond its count {written.tolist()}, "
+                             f"got {parked}")
+        self.written = np.array([max([int(c)] + [b for _, b in runs]) for c, runs in zip(written, parked)], np.int64)
+        self.holes = [_gaps(int(c), runs) for c, runs in zip(written, parked)]
         for _, _, plan, missing in self._ids.values():
-            missing.update(i for i, w in enumerate(plan) if w.first + w.rows > written[w.shard])
+            missing.update(i for i, w in enumerate(plan)
+                           if w.first + w.rows > self.written[w.shard] or self._meets_hole(w))
+
+    def _meets_hole(self, w: Write) -> bool:
+        return any(a < w.first + w.rows and w.first < b for a, b in self.holes[w.shard])
 
     def state_dict(self) -> dict:
         return {"written": self.written.tolist(), "capacity": self.capacity.tolist()}
+
+
+def held_runs(generation: np.ndarray, written: int) -> list[tuple[int, int]]:
+    """Runs ``[a, b)`` of rows a circular shard holds beyond its count ``written`` (within one lap).
+
+    The ``w``-th row ever written sits in slot ``w mod capacity`` with generation
+    ``w // capacity + 1``, so a slot's generation says whether it holds row ``w``.
+
+    >>> gen = np.array([1, 1, 0, 1, 0])  # capacity 5; rows 0 and 1 counted, row 3 written after a gap
+    >>> held_runs(gen, 2)
+    [(3, 4)]
+    """
+    capacity = len(generation)
+    w = int(written) + np.arange(capacity, dtype=np.int64)
+    held = np.asarray(generation)[w % capacity] == w // capacity + 1
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], held.astype(np.int8), [0]])))
+    return [(int(w[0] + a), int(w[0] + b)) for a, b in zip(edges[::2], edges[1::2])]
+
+
+def _gaps(start: int, runs: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The rows from ``start`` to the end of ``runs`` that no run covers."""
+    out, cursor = [], start
+    for a, b in runs:
+        if a > cursor:
+            out.append((cursor, a))
+        cursor = max(cursor, b)
+    return out
+
+
+def _cut_out(holes: list[tuple[int, int]], a: int, b: int) -> list[tuple[int, int]]:
+    """``holes`` less rows ``[a, b)``, which lie inside one of them."""
+    out = []
+    for x, y in holes:
+        if x <= a and b <= y:
+            out += [r for r in ((x, a), (b, y)) if r[1] > r[0]]
+        else:
+            out.append((x, y))
+    return out
 
 
 def _overlaps(runs: tuple[list[int], list[int]] | None, a: int, b: int) -> bool:
