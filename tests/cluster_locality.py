@@ -34,7 +34,7 @@ def main(tmp: str) -> None:
             time.sleep(0.2)
         nodes = [w.node_id for w in workers]
         capacity = 4000  # 2000 rows per shard; a shard may run 250 rows ahead of the other
-        for attempt in range(10):  # soft affinity is a preference: a node the scheduler has not heard from yet
+        for attempt in range(3):  # soft affinity is a preference: a node the scheduler has not heard from yet
             rb = OfflineToOnlineReplayBuffer({"x": np.arange(100, dtype=np.int64)}, online_capacity=capacity,
                                              num_online_shards=2, online_nodes=nodes, seed=0,
                                              storage_dir=os.path.join(tmp, "state"), timeout=60)
@@ -44,6 +44,9 @@ def main(tmp: str) -> None:
                 break
             rb.shutdown()
             time.sleep(1.0)
+        else:
+            report({"asked": nodes, "attempts": attempt + 1, "placed": [p["node"] for p in placed]})
+            return
         collectors = [Collector.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)).remote()
                       for n in nodes]
         # unequal rates: the first collector writes twice as many rows

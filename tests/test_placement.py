@@ -84,10 +84,9 @@ class TestOnlineNodesOption:
 @pytest.mark.cluster
 def test_collectors_write_to_the_online_shard_on_their_node(tmp_path):
     result = run_marked("cluster_locality.py", str(tmp_path))
-    if result["placed"] != result["asked"]:
-        pytest.skip(f"the scheduler did not honour the soft placement: {result}")
+    assert result["placed"] == result["asked"] and result["attempts"] == 1, result  # the hint is honoured
     assert result["written"] == 20 * 50 + 10 * 50
-    # the busier collector's shard fills to the slack ahead, then spills; the other stays local
-    assert result["local"][1] == 1.0, result
-    assert result["local"][0] > 0.5, result
+    # each collector's shard takes its rows while it is no more than the slack (250 rows) ahead; the busier
+    # one spills the rest (an even spread would give each collector's shard half of its rows)
+    assert min(result["local"]) >= 0.7 and result["local_rows"] >= 0.7 * result["written"], result
     assert abs(result["sizes"][0] - result["sizes"][1]) <= 250 + 50, result
