@@ -337,7 +337,7 @@ class Coordinator:
             group.reads.append((side, i))
             # The caller's read may reach an online shard before a write planned with here; with the reads
             # submitted here, the caller reads again from these if this process dies owning the rows.
-            written = int(self._log.written[i]) if side == ONLINE else None
+            written = int(self._log.counted[i]) if side == ONLINE else None  # a shard counts none past a hole
             group.args.append((counts, seeds, epochs, written))
             if submit:
                 group.refs.append(self._shards[side][i].sample_many.remote(counts, seeds, epochs))

@@ -45,6 +45,8 @@ def online_nodes_option(nodes: Sequence[str | None] | None, num_online_shards: i
     if "scheduling_strategy" in actor_options and any(n is not None for n in nodes):
         raise ValueError("online_nodes and actor_options['scheduling_strategy'] both place the online shards: "
                          "give one of them")
+    if all(n is None for n in nodes):  # places nothing: Ray need not have started yet
+        return nodes
     import ray
 
     alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}

@@ -380,8 +380,12 @@ class OnlineShard(_Shard):
             self._ahead[first] = end
             return
         written = max(written, end)
-        while written in self._ahead:
-            written = max(written, self._ahead.pop(written))
+        # Every run the count reaches, also one that starts inside the rows it passed: a write wider than the
+        # shard keeps only its tail, and a restarted shard (or the log, after a resync) knows just that.
+        for a in sorted(self._ahead):
+            if a > written:
+                break
+            written = max(written, self._ahead.pop(a))
         self._store.written = written
 
     def _mirror(self) -> None:
@@ -416,7 +420,8 @@ class OnlineShard(_Shard):
                 self._data[k][...] = rows[k]
             self._gen[...] = gen
             self._store.written = int(state["written"])
-            self._ahead.clear()
+            self._ahead.clear()  # rows the saved shard held behind a hole: counted once it is filled
+            self._ahead.update(held_runs(self._gen, self._store.written))
             self._mirror()
 
         return apply

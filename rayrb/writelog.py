@@ -25,7 +25,8 @@ written after it there are held, but not counted (a shard counts contiguous rows
 only: :func:`held_runs`). :meth:`WriteLog.reset` takes both from the shards: the
 log then plans after every row a shard holds, and the next writes fill the holes
 first (:meth:`WriteLog.place`), so held rows are never planned over and the count
-moves on past them.
+moves on past them. Until then the shard's size counts the rows before its first hole
+only (:attr:`WriteLog.counted`), as the shard's own does.
 
 Examples:
     >>> log = WriteLog([3, 2])
@@ -85,8 +86,14 @@ class WriteLog:
         self._remember = int(remember)
 
     @property
+    def counted(self) -> np.ndarray:
+        """Rows each shard counts: up to its first hole (the rows written behind one are held, not counted)."""
+        return np.array([h[0][0] if h else w for w, h in zip(self.written.tolist(), self.holes)], np.int64)
+
+    @property
     def sizes(self) -> np.ndarray:
-        return np.minimum(self.written, self.capacity)
+        """Rows each shard samples from: its counted rows, at most its capacity."""
+        return np.minimum(self.counted, self.capacity)
 
     def cut(self, n: int, min_piece: int = 1024) -> list[int]:
         """Piece sizes for a write of ``n`` rows: :func:`~rayrb.allocation.write_pieces`, in more pieces
@@ -286,10 +293,14 @@ class WriteLog:
         written = np.asarray(written, dtype=np.int64)
         if written.shape != self.written.shape or np.any(written < 0):
             raise ValueError(f"expected {self.written.size} non-negative write counts, got {written.tolist()}")
-        parked = [sorted((int(a), int(b)) for a, b in runs) for runs in (parked or [[] for _ in written])]
+        bad = ValueError(f"expected per shard runs [a, b) of rows at or beyond its count {written.tolist()}, "
+                         f"got {parked!r}")
+        try:
+            parked = [sorted((int(a), int(b)) for a, b in runs) for runs in (parked or [[] for _ in written])]
+        except (TypeError, ValueError):  # a run that is not a pair of integers
+            raise bad from None
         if len(parked) != written.size or any(a < c or b <= a for runs, c in zip(parked, written) for a, b in runs):
-            raise ValueError(f"expected per shard runs [a, b) of rows at or beyond its count {written.tolist()}, "
-                             f"got {parked}")
+            raise bad
         self.written = np.array([max([int(c)] + [b for _, b in runs]) for c, runs in zip(written, parked)], np.int64)
         self.holes = [_gaps(int(c), runs) for c, runs in zip(written, parked)]
         for _, _, plan, missing in self._ids.values():
@@ -304,20 +315,23 @@ class WriteLog:
 
 
 def held_runs(generation: np.ndarray, written: int) -> list[tuple[int, int]]:
-    """Runs ``[a, b)`` of rows a circular shard holds beyond its count ``written`` (within one lap).
+    """Runs ``[a, b)`` of rows a circular shard holds beyond its count ``written``.
 
     The ``w``-th row ever written sits in slot ``w mod capacity`` with generation
-    ``w // capacity + 1``, so a slot's generation says whether it holds row ``w``.
+    ``w // capacity + 1``, so a slot's generation says which row it holds, however many
+    laps beyond the count (rows written behind a hole may wrap over the hole's slots).
 
     >>> gen = np.array([1, 1, 0, 1, 0])  # capacity 5; rows 0 and 1 counted, row 3 written after a gap
     >>> held_runs(gen, 2)
     [(3, 4)]
+    >>> held_runs(np.array([2, 2, 1, 1]), 1)  # rows 2-5 written behind row 1: rows 4-5 wrapped over slots 0-1
+    [(2, 6)]
     """
-    capacity = len(generation)
-    w = int(written) + np.arange(capacity, dtype=np.int64)
-    held = np.asarray(generation)[w % capacity] == w // capacity + 1
-    edges = np.flatnonzero(np.diff(np.concatenate([[0], held.astype(np.int8), [0]])))
-    return [(int(w[0] + a), int(w[0] + b)) for a, b in zip(edges[::2], edges[1::2])]
+    gen = np.asarray(generation, dtype=np.int64)
+    rows = (gen - 1) * len(gen) + np.arange(len(gen), dtype=np.int64)
+    rows = np.sort(rows[(gen > 0) & (rows >= int(written))])
+    cuts = np.flatnonzero(np.diff(rows) != 1) + 1
+    return [(int(r[0]), int(r[-1]) + 1) for r in np.split(rows, cuts) if r.size]
 
 
 def _gaps(start: int, runs: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
