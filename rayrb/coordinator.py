@@ -128,8 +128,6 @@ class Coordinator:
     def _restart(self, saved: dict[str, Any] | None) -> None:
         """Pick up where the previous process left off. Without its state (restarted on another node) the
         stream starts afresh from the seed, but the write counts still come from the shards."""
-        import ray
-
         if saved is not None:
             self._planner.load_state_dict(saved["planner"])
             self._side_rng.bit_generator.state = saved["side_rng"]
@@ -551,8 +549,6 @@ class Coordinator:
 
     def _resume(self, rows_ref: Sequence[Any], write_id: str, failed: bool) -> tuple[np.ndarray, list[Any]]:
         """Finish a write whose pieces may not all have landed: send only those the shards lack."""
-        import ray
-
         if failed:  # the shards' own counts tell which pieces they hold
             self._log.reset(*self._write_states())
         whole, send = self._log.resume(write_id)
@@ -590,8 +586,6 @@ class Coordinator:
     @_persists
     def resync(self) -> dict[str, list[int]]:
         """Take the online shards' own write counts (after a failed write or a restore)."""
-        import ray
-
         self._changed()
         self._online_nodes = None  # a shard that failed may run elsewhere now
         if self._log is not None:

@@ -10,30 +10,16 @@ from tensordict import TensorDict
 from rayrb.datasets import registry
 from rayrb.writelog import WriteLog
 
+from restart_util import kill_coordinator, online_ids, rows
+from write_model import ModelShard
+
 
 # ------------------------------------------------------------------ writes cut short, restarts (no Ray)
-class _Shard:
-    """A shard as WriteLog assumes it: rows land at positions ``first + i``; the count covers contiguous rows."""
-
-    def __init__(self):
-        self.rows, self.ahead, self.written = {}, {}, 0
-
-    def extend(self, first, rows):
-        for i, r in enumerate(rows):
-            self.rows.setdefault(first + i, r)
-        if first > self.written:
-            self.ahead[first] = first + len(rows)
-            return
-        self.written = max(self.written, first + len(rows))
-        while self.written in self.ahead:
-            self.written = max(self.written, self.ahead.pop(self.written))
-
-
 class _Coordinator:
     """What the coordinator does with a WriteLog and its journal, and what a restart leaves of it."""
 
     def __init__(self, capacities):
-        self.capacities, self.shards, self.journal = capacities, [_Shard() for _ in capacities], []
+        self.capacities, self.shards, self.journal = capacities, [ModelShard() for _ in capacities], []
         self.log = WriteLog(capacities)
 
     def send(self, write_id, pieces, skip=()):
@@ -189,47 +175,6 @@ KW = {"online_capacity": 1000, "num_offline_shards": 1, "num_online_shards": 2, 
       "prefetch": 0}
 
 
-def _rows(start, n):
-    ids = torch.arange(start, start + n, dtype=torch.int64)
-    return TensorDict({"obs": ids.float()[:, None], "id": ids}, [n])
-
-
-def _online_ids(rb):
-    import ray
-
-    from rayrb.iterator import _shards_by_side
-
-    out = []
-    for state in ray.get([s.state.remote() for s in _shards_by_side(rb)["online"]]):
-        out += state["rows/id"][state["generation"] > 0].tolist()
-    return sorted(out)
-
-
-def kill_coordinator(rb):
-    """Kill the coordinator's process as a crash would, and wait until a new process answers (its count of
-    restarts starts afresh in each process, so the process id tells a second restart)."""
-    import os
-    import time
-
-    import ray
-
-    def pid():
-        return ray.get(rb._coord.__ray_call__.remote(lambda self: os.getpid()), timeout=10)
-
-    before = pid()
-    ray.kill(rb._coord, no_restart=False)
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if pid() != before:
-                return
-        except Exception:
-            if time.monotonic() > deadline:
-                raise
-        assert time.monotonic() < deadline, "the coordinator was not restarted within 60 s"
-        time.sleep(0.1)
-
-
 def _half_sent(rb, tmp_path, write_id, data):
     """A coordinator that died between the pieces of a journalled write: shard 0 got its half, shard 1 nothing."""
     import ray
@@ -246,31 +191,31 @@ def _half_sent(rb, tmp_path, write_id, data):
 
 @pytest.mark.usefixtures("ray_session")
 def test_a_retry_with_another_row_count_is_refused_and_changes_nothing(make_buffer, tmp_path):
-    rb = make_buffer(_rows(0, 50), **KW)
-    _half_sent(rb, tmp_path, "half", _rows(2000, 150))  # 75 rows on shard 0, shard 1's 75 never sent
-    done = rb.extend(_rows(1000, 30), write_id="done")
+    rb = make_buffer(rows(0, 50), **KW)
+    _half_sent(rb, tmp_path, "half", rows(2000, 150))  # 75 rows on shard 0, shard 1's 75 never sent
+    done = rb.extend(rows(1000, 30), write_id="done")
     with pytest.raises(ValueError, match=r"'done'.*30 rows.*retry of 20"):
-        rb.extend(_rows(1000, 20), write_id="done")  # answering it would give 30 indices for 20 rows
-    before = (rb.write_count, _online_ids(rb))
+        rb.extend(rows(1000, 20), write_id="done")  # answering it would give 30 indices for 20 rows
+    before = (rb.write_count, online_ids(rb))
     with pytest.raises(ValueError, match=r"'half'.*150 rows.*retry of 100"):
-        rb.extend(_rows(2000, 100), write_id="half")  # its missing piece would be cut from rows it lacks
-    assert (rb.write_count, _online_ids(rb)) == before
-    indices = rb.extend(_rows(2000, 150), write_id="half")  # the true retry still finishes it, once
+        rb.extend(rows(2000, 100), write_id="half")  # its missing piece would be cut from rows it lacks
+    assert (rb.write_count, online_ids(rb)) == before
+    indices = rb.extend(rows(2000, 150), write_id="half")  # the true retry still finishes it, once
     assert len(set(indices.tolist()) | set(done.tolist())) == 180
-    assert _online_ids(rb) == list(range(1000, 1030)) + list(range(2000, 2150))
-    after = rb.extend(_rows(3000, 10))  # and later writes go after every row
+    assert online_ids(rb) == list(range(1000, 1030)) + list(range(2000, 2150))
+    after = rb.extend(rows(3000, 10))  # and later writes go after every row
     assert set(after.tolist()).isdisjoint(indices.tolist()) and rb.write_count == 190
 
 
 @pytest.mark.usefixtures("ray_session")
 def test_a_half_sent_write_whose_place_was_taken_survives_a_second_restart(make_buffer, tmp_path):
-    rb = make_buffer(_rows(0, 50), **KW)
-    _half_sent(rb, tmp_path, "w", _rows(1000, 150))
-    other = rb.extend(_rows(5000, 90), write_id="other")  # takes shard 1's rows 0-89, past w's piece there
+    rb = make_buffer(rows(0, 50), **KW)
+    _half_sent(rb, tmp_path, "w", rows(1000, 150))
+    other = rb.extend(rows(5000, 90), write_id="other")  # takes shard 1's rows 0-89, past w's piece there
     kill_coordinator(rb)  # the journal still says w's piece is at shard 1's rows 0-74
-    indices = rb.extend(_rows(1000, 150), write_id="w")
+    indices = rb.extend(rows(1000, 150), write_id="w")
     assert set(indices.tolist()).isdisjoint(other.tolist()) and len(set(indices.tolist())) == 150
-    assert _online_ids(rb) == list(range(1000, 1150)) + list(range(5000, 5090))
+    assert online_ids(rb) == list(range(1000, 1150)) + list(range(5000, 5090))
     rb.offline_fraction = 0.0
     got = {}
     for _ in range(30):

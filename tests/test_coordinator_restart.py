@@ -6,42 +6,15 @@ import time
 
 import pytest
 import torch
-from tensordict import TensorDict
 
 from rayrb.allocation import offline_count
+
+from restart_util import kill_coordinator, online_ids, rows
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
 KW = {"online_capacity": 200, "num_offline_shards": 2, "num_online_shards": 2, "seed": 7, "batch_size": 16,
       "prefetch": 0}
-
-
-def rows(start, n):
-    ids = torch.arange(start, start + n, dtype=torch.int64)
-    return TensorDict({"obs": ids.float()[:, None], "id": ids}, [n])
-
-
-def kill_coordinator(rb):
-    """Kill the coordinator's process as a crash would, and wait until the restarted one answers.
-
-    ``ray.kill`` returns before the process is gone, and a call the old process answers then dies
-    replying to is re-sent and draws the next batch; waiting for the new process's count of
-    restarts keeps that case out of the tests that compare streams.
-    """
-    import ray
-
-    before = ray.get(rb._coord.stats.remote(False))["coordinator"].get("restarts", 0)
-    ray.kill(rb._coord, no_restart=False)
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if ray.get(rb._coord.stats.remote(False), timeout=10)["coordinator"].get("restarts", 0) > before:
-                return
-        except Exception:
-            if time.monotonic() > deadline:
-                raise
-        assert time.monotonic() < deadline, "the coordinator was not restarted within 60 s"
-        time.sleep(0.1)
 
 
 @pytest.mark.parametrize("sampler", ["uniform", "without_replacement", "prioritized"])
@@ -196,19 +169,6 @@ def _half_sent_write(rb, tmp_path, write_id, data):
     kill_coordinator(rb)
 
 
-def _online_ids(rb):
-    """Every online row's id, as many times as the shards hold it."""
-    import ray
-
-    from rayrb.iterator import _shards_by_side
-
-    out = []
-    for state in ray.get([s.state.remote() for s in _shards_by_side(rb)["online"]]):
-        held = state["generation"] > 0
-        out += state["rows/id"][held].tolist()
-    return sorted(out)
-
-
 def test_a_write_half_sent_by_a_coordinator_that_died_is_finished_once(make_buffer, tmp_path):
     rb = make_buffer(rows(0, 50), **KW)  # two online shards of 100 rows: 150 rows go in two pieces
     _half_sent_write(rb, tmp_path, "collector-1/step-7", rows(1000, 150))
@@ -216,9 +176,9 @@ def test_a_write_half_sent_by_a_coordinator_that_died_is_finished_once(make_buff
     indices = rb.extend(rows(1000, 150), write_id="collector-1/step-7")  # the writer's retry
     assert indices.tolist() == list(range(75)) + list(range(100, 175))  # the held piece keeps its place
     assert rb.write_count == 150 and len(rb) == 50 + 150
-    assert _online_ids(rb) == list(range(1000, 1150))  # every row once
+    assert online_ids(rb) == list(range(1000, 1150))  # every row once
     again = rb.extend(rows(1000, 150), write_id="collector-1/step-7")
-    assert torch.equal(again, indices) and _online_ids(rb) == list(range(1000, 1150))
+    assert torch.equal(again, indices) and online_ids(rb) == list(range(1000, 1150))
 
 
 def test_a_half_sent_write_whose_place_was_taken_lands_its_missing_piece_elsewhere(make_buffer, tmp_path):
@@ -229,7 +189,7 @@ def test_a_half_sent_write_whose_place_was_taken_lands_its_missing_piece_elsewhe
     indices = rb.extend(rows(1000, 150), write_id="w")
     assert indices[:75].tolist() == list(range(75)) and set(indices[75:].tolist()).isdisjoint(other.tolist())
     assert len(set(indices.tolist())) == 150 and rb.write_count == 170
-    assert _online_ids(rb) == list(range(1000, 1150)) + list(range(5000, 5020))
+    assert online_ids(rb) == list(range(1000, 1150)) + list(range(5000, 5020))
 
 
 def test_a_sample_call_whose_reply_died_with_the_coordinator_gets_the_same_batch_again(make_buffer):

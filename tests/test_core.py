@@ -60,6 +60,8 @@ from rayrb.validation import (
 )
 from rayrb.writelog import WriteLog, slots
 
+from write_model import ModelShard
+
 
 # ---------------------------------------------------------------------------------------------------------------
 # The coordinator over stand-in shard handles
@@ -877,33 +879,6 @@ def test_the_last_batch_of_an_epoch_is_marked_for_every_epoch_end(epoch_end, las
     assert marks == [False] * (last - 1) + [True]
 
 
-class _Shard:
-    """A shard as WriteLog assumes it: rows land at positions ``first + i``; the count covers contiguous rows."""
-
-    def __init__(self):
-        self.rows, self.ahead, self.written = {}, {}, 0
-
-    def extend(self, first, rows):
-        for i, r in enumerate(rows):
-            self.rows.setdefault(first + i, r)  # a re-sent piece lands in the same place, once
-        if first > self.written:
-            self.ahead[first] = first + len(rows)
-            return
-        self.written = max(self.written, first + len(rows))
-        while self.written in self.ahead:
-            self.written = max(self.written, self.ahead.pop(self.written))
-
-    def write_state(self):
-        """The count, and the runs of rows held beyond it (what ``OnlineShard.write_state`` reports)."""
-        beyond, runs = sorted(p for p in self.rows if p >= self.written), []
-        for p in beyond:
-            if runs and runs[-1][1] == p:
-                runs[-1] = (runs[-1][0], p + 1)
-            else:
-                runs.append((p, p + 1))
-        return self.written, runs
-
-
 def test_resumed_writes_land_every_row_exactly_once():
     """Writes cut short (a coordinator dies between its sends; a shard fails one piece) are retried, in any
     order and between new writes, after the log took the shards' counts: every row is then held exactly once."""
@@ -912,7 +887,7 @@ def test_resumed_writes_land_every_row_exactly_once():
     rng = np.random.default_rng(0)
     for trial in range(40):
         k = int(rng.integers(2, 5))
-        log, shards, pending, rows = WriteLog([10 ** 6] * k), [_Shard() for _ in range(k)], [], {}
+        log, shards, pending, rows = WriteLog([10 ** 6] * k), [ModelShard() for _ in range(k)], [], {}
 
         def send(w, pieces, skip=()):
             for i, piece in enumerate(pieces):
@@ -952,7 +927,7 @@ def test_rows_written_behind_a_piece_that_never_lands_are_kept_and_counted_once_
     rng = np.random.default_rng(1)
     for trial in range(40):
         k = int(rng.integers(1, 4))
-        log, shards, acked, retry = WriteLog([10 ** 6] * k), [_Shard() for _ in range(k)], {}, []
+        log, shards, acked, retry = WriteLog([10 ** 6] * k), [ModelShard() for _ in range(k)], {}, []
 
         def send(w, pieces, skip=()):
             for i, piece in enumerate(pieces):
