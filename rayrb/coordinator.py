@@ -515,11 +515,7 @@ class Coordinator:
             return self._blocked(b)
         local = self._local_shards(node)
         plan = self._log.place(rows, local)
-        if self._state is not None and write_id is not None:  # before the shards get it: a restart must know
-            self._state.journal(write_id, [(w.shard, w.start, w.stop, w.first) for w in plan])
-        # The ref came nested in a list, so it is still unresolved: each shard fetches its piece itself.
-        acks = [self._shards[ONLINE][w.shard].extend.remote(rows_ref[0], w.start, w.stop, first=w.first)
-                for w in plan]
+        acks = self._send(rows_ref, write_id, plan, plan)
         self._log.commit(plan, write_id, acks)
         self._changed()
         self._planner.record_insert(rows, size, prefill=prefill)
@@ -529,6 +525,15 @@ class Coordinator:
         if local:
             self._metrics.count("rows_written_local", sum(w.rows for w in plan if w.shard in local))
         return self._log.indices(plan), acks
+
+    def _send(self, rows_ref: Sequence[Any], write_id: str | None, whole: Sequence[Any], send: Sequence[Any]
+              ) -> list[Any]:
+        """Journal a write's ``whole`` plan under ``write_id``, then send the pieces in ``send``; their acks."""
+        if self._state is not None and write_id is not None:  # before the shards get it: a restart must know
+            self._state.journal(write_id, [(w.shard, w.start, w.stop, w.first) for w in whole])
+        # The ref came nested in a list, so it is still unresolved: each shard fetches its piece itself.
+        return [self._shards[ONLINE][w.shard].extend.remote(rows_ref[0], w.start, w.stop, first=w.first)
+                for w in send]
 
     def _write_states(self) -> tuple[list[int], list[list[tuple[int, int]]]]:
         """Each online shard's write count, and the rows it holds beyond it (for :meth:`WriteLog.reset`)."""
@@ -553,10 +558,7 @@ class Coordinator:
             self._log.reset(*self._write_states())
         whole, send = self._log.resume(write_id)
         if send:
-            if self._state is not None:
-                self._state.journal(write_id, [(w.shard, w.start, w.stop, w.first) for w in whole])
-            acks = [self._shards[ONLINE][w.shard].extend.remote(rows_ref[0], w.start, w.stop, first=w.first)
-                    for w in send]
+            acks = self._send(rows_ref, write_id, whole, send)
             self._log.remember(write_id, whole, acks)
             self._changed()
             self._requery_masses(ONLINE, [w.shard for w in send])

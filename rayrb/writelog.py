@@ -197,7 +197,7 @@ class WriteLog:
         are marked missing, for :meth:`resume`.
         """
         plan = list(plan)
-        missing = {i for i, w in enumerate(plan) if w.first + w.rows > self.written[w.shard] or self._meets_hole(w)}
+        missing = {i for i, w in enumerate(plan) if not self._held(w)}
         self._ids[write_id] = (self.indices(plan), receipt, plan, missing)
         self._ids.move_to_end(write_id)
         while len(self._ids) > self._remember:
@@ -258,17 +258,17 @@ class WriteLog:
         ([(0, 2, 2)], [0, 1, 2, 3])
         """
         _, _, plan, missing = self._ids[write_id]
-        again = []
-        for i, w in enumerate(plan):  # one by one: two pieces of a write may share a shard
-            if i in missing and (self.written[w.shard] == w.first or self._in_hole(w)):
-                self.commit([w])
-                again.append(w)
-        send = list(again)
-        for i, w in enumerate(plan):
-            if i in missing and not any(w is a for a in again):
-                placed = [replace(n, start=n.start + w.start, stop=n.stop + w.start) for n in self.place(w.rows)]
-                self.commit(placed)
-                send += placed
+        again = set()
+        for i in sorted(missing):  # one by one: two pieces of a write may share a shard
+            if self.written[plan[i].shard] == plan[i].first or self._in_hole(plan[i]):
+                self.commit([plan[i]])
+                again.add(i)
+        send = [plan[i] for i in sorted(again)]
+        for i in sorted(missing - again):
+            w = plan[i]
+            placed = [replace(n, start=n.start + w.start, stop=n.stop + w.start) for n in self.place(w.rows)]
+            self.commit(placed)
+            send += placed
         send.sort(key=lambda w: w.start)
         whole = sorted([w for i, w in enumerate(plan) if i not in missing] + send, key=lambda w: w.start)
         self.remember(write_id, whole)
@@ -304,11 +304,12 @@ class WriteLog:
         self.written = np.array([max([int(c)] + [b for _, b in runs]) for c, runs in zip(written, parked)], np.int64)
         self.holes = [_gaps(int(c), runs) for c, runs in zip(written, parked)]
         for _, _, plan, missing in self._ids.values():
-            missing.update(i for i, w in enumerate(plan)
-                           if w.first + w.rows > self.written[w.shard] or self._meets_hole(w))
+            missing.update(i for i, w in enumerate(plan) if not self._held(w))
 
-    def _meets_hole(self, w: Write) -> bool:
-        return any(a < w.first + w.rows and w.first < b for a, b in self.holes[w.shard])
+    def _held(self, w: Write) -> bool:
+        """Whether the shard holds piece ``w``'s rows: below its count, and in no hole."""
+        return w.first + w.rows <= self.written[w.shard] and not any(
+            a < w.first + w.rows and w.first < b for a, b in self.holes[w.shard])
 
     def state_dict(self) -> dict:
         return {"written": self.written.tolist(), "capacity": self.capacity.tolist()}
