@@ -41,7 +41,7 @@ import shutil
 import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 
@@ -328,6 +328,24 @@ def write_dataset(
     chunks = [write_chunk(block, root / chunk_name(i), spec) for i, block in enumerate(blocks)]
     write_manifest(root, spec, chunks, source=source, recipe=recipe)
     return ChunkDataset.open(root)
+
+
+def build_in_place(dest: str | os.PathLike, write: Callable[[Path], Any]) -> Path:
+    """Run ``write(directory)`` for a directory beside ``dest``, then swap it in for ``dest``: readers never see a
+    half-built dataset, and a ``write`` that raises leaves ``dest`` as it was and nothing beside it."""
+    import tempfile
+
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
+    try:
+        write(tmp / "ds")
+        if dest.exists():
+            shutil.rmtree(dest)
+        os.replace(tmp / "ds", dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
 
 
 def read_manifest(root: str | os.PathLike) -> dict[str, Any]:

@@ -45,10 +45,7 @@ EXAMPLES = {
 # ---------------------------------------------------------------------------- the work of each command
 # Module-level functions, so that with --address they run unchanged as Ray tasks on the cluster.
 def prepare(dataset: str, data_home: str | None, root: str | None, dtype: str) -> str:
-    import shutil
-    import uuid
-
-    from rayrb.chunks import MANIFEST, ChunkDataset
+    from rayrb.chunks import MANIFEST, ChunkDataset, build_in_place
     from rayrb.datasets.openml import default_root
     from rayrb.datasets.registry import as_chunk_dataset, load_dataset
 
@@ -64,14 +61,7 @@ def prepare(dataset: str, data_home: str | None, root: str | None, dtype: str) -
     loaded = load_dataset(dataset, batch_size=1)  # TorchRL's dataset classes require one; copying samples nothing
     if isinstance(loaded, ChunkDataset):
         return str(loaded.root)
-    tmp = dest.parent / f".{folder}.{uuid.uuid4().hex[:8]}.tmp"  # moved into place whole: no half-written dataset
-    try:
-        as_chunk_dataset(loaded, root=tmp)
-        shutil.rmtree(dest, ignore_errors=True)  # what an interrupted run of an older version left
-        os.replace(tmp, dest)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return str(dest)
+    return str(build_in_place(dest, lambda d: as_chunk_dataset(loaded, root=d)))
 
 
 def info(path: str) -> dict[str, Any]:

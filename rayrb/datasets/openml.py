@@ -21,8 +21,6 @@ Examples:
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -30,7 +28,7 @@ from urllib.error import URLError
 
 import numpy as np
 
-from rayrb.chunks import ChunkDataset, ChunkError, read_manifest, write_dataset
+from rayrb.chunks import ChunkDataset, ChunkError, build_in_place, read_manifest, write_dataset
 
 RECIPE_VERSION = 1
 PARSER = "liac-arff"
@@ -200,15 +198,6 @@ def load_openml(
     X, y = fetch(openml_name, version, data_home=data_home)
     arrays = preprocess_frame(name, X, y)
     arrays["X"] = arrays["X"].astype(dtype, copy=False)
-    # Build beside the destination, then swap in: readers never see a half-built dataset.
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
-    try:
-        write_dataset(arrays, tmp / "ds", chunk_rows=chunk_rows, source={"openml": want["openml"]}, recipe=want,
-                      pbar=pbar)
-        if dest.exists():
-            shutil.rmtree(dest)
-        os.replace(tmp / "ds", dest)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    build_in_place(dest, lambda d: write_dataset(arrays, d, chunk_rows=chunk_rows, source={"openml": want["openml"]},
+                                                 recipe=want, pbar=pbar))
     return ChunkDataset.open(dest)
