@@ -18,13 +18,16 @@ def shard_placement(dataset: ChunkDataset, start: int, stop: int, opts: dict) ->
             rows_by_node[c.node] = rows_by_node.get(c.node, 0) + int(overlap)
     if not rows_by_node:
         return opts
-    import ray
-
-    alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
     node = max(rows_by_node, key=rows_by_node.get)
-    if node not in alive:
+    if node not in _alive_nodes():
         return opts
     return on_node(opts, node)
+
+
+def _alive_nodes() -> set[str]:
+    import ray
+
+    return {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
 
 
 def online_nodes_option(nodes: Sequence[str | None] | None, num_online_shards: int,
@@ -47,9 +50,7 @@ def online_nodes_option(nodes: Sequence[str | None] | None, num_online_shards: i
                          "give one of them")
     if all(n is None for n in nodes):  # places nothing: Ray need not have started yet
         return nodes
-    import ray
-
-    alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+    alive = _alive_nodes()
     unknown = sorted({n for n in nodes if n is not None and n not in alive})
     if unknown:
         raise ValueError(f"online_nodes names nodes that are not alive in this cluster: {unknown}; "
