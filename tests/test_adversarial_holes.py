@@ -29,6 +29,17 @@ def _resync(log, shards):
     log.reset(list(counts), list(parked))
 
 
+def _a_hole_then_a_write_behind_it(log, shard, n):
+    """Write a (2 rows, ids 100..) lands, b (2 rows) never does, c (``n`` rows, ids 300..) lands behind the hole;
+    then the log takes the shard's state."""
+    for rows, base, lands in [(2, 100, True), (2, 200, False), (n, 300, True)]:
+        plan = log.place(rows)
+        log.commit(plan)
+        if lands:
+            _send([shard], plan, np.arange(base, base + rows))
+    _resync(log, [shard])
+
+
 # ------------------------------------------------------------------ holes across a wrap of the circular buffer
 def test_rows_held_more_than_a_lap_beyond_the_count_are_all_reported():
     """Capacity 8, rows 0-1 counted, rows 2-3 never landed, rows 4-11 written behind them: slots 0-3 hold rows
@@ -45,12 +56,7 @@ def test_a_write_after_a_hole_that_the_next_lap_wrapped_over_keeps_its_rows():
     a's slots and b's. After the resync, the writes that follow are acknowledged with slots that hold their rows,
     not c's."""
     log, shard = WriteLog([8]), OnlineShard(SPEC, 8, "t/wrap")
-    for n, base, lands in [(2, 100, True), (2, 200, False), (8, 300, True)]:
-        plan = log.place(n)
-        log.commit(plan)
-        if lands:
-            _send([shard], plan, np.arange(base, base + n))
-    _resync(log, [shard])
+    _a_hole_then_a_write_behind_it(log, shard, 8)
     for base in (400, 500, 600):
         plan = log.place(2)
         log.commit(plan)
@@ -68,12 +74,7 @@ def test_a_piece_wider_than_the_shard_behind_a_hole_is_counted_when_the_hole_fil
     """A write larger than the shard lands behind a hole (the shard keeps its tail). Filling the hole counts it:
     the count reaches the log's, and later writes are counted as they land."""
     log, shard = WriteLog([8]), OnlineShard(SPEC, 8, "t/wide")
-    for n, base, lands in [(2, 100, True), (2, 200, False), (16, 300, True)]:
-        plan = log.place(n)
-        log.commit(plan)
-        if lands:
-            _send([shard], plan, np.arange(base, base + n))
-    _resync(log, [shard])
+    _a_hole_then_a_write_behind_it(log, shard, 16)
     while any(log.holes):
         plan = log.place(3)
         log.commit(plan)
