@@ -87,6 +87,7 @@ def test_collectors_write_to_the_online_shard_on_their_node(tmp_path):
     assert result["placed"] == result["asked"] and result["attempts"] == 1, result  # the hint is honoured
     assert result["written"] == 20 * 50 + 10 * 50
     # each collector's shard takes its rows while it is no more than the slack (250 rows) ahead; the busier
-    # one spills the rest (an even spread would give each collector's shard half of its rows)
-    assert min(result["local"]) >= 0.7 and result["local_rows"] >= 0.7 * result["written"], result
+    # one spills the rest. How much depends on when each collector runs (0.65-1.0 per collector, 0.77-0.93 in
+    # all over five runs); writes without the preference alternate between the shards: about half.
+    assert result["local_rows"] >= 0.7 * result["written"], result
     assert abs(result["sizes"][0] - result["sizes"][1]) <= 250 + 50, result
