@@ -160,7 +160,7 @@ def bench_sampling(cfg, offline, online, root, results):
                                        num_online_shards=2, offline_fraction=0.5, seed=1, sampler="prioritized")
     prio.extend(online)
     # The same buffer with a rate limiter whose window is never reached: what flow control costs when idle.
-    from rayrb.rate_limiter import SampleToInsertRatio
+    from rayrb.core.rate_limiter import SampleToInsertRatio
 
     limited = OfflineToOnlineReplayBuffer(str(ds_root), online_capacity=len(online), num_offline_shards=1,
                                           num_online_shards=2, offline_fraction=0.5, seed=1,

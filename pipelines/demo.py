@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     from rayrb import ChunkDataset, OfflineToOnlineReplayBuffer
-    from rayrb.allocation import offline_count
+    from rayrb.core.allocation import offline_count
 
     t0 = time.perf_counter()
     data_home = os.path.abspath(args.data_home) if args.data_home else None

@@ -45,9 +45,9 @@ EXAMPLES = {
 # ---------------------------------------------------------------------------- the work of each command
 # Module-level functions, so that with --address they run unchanged as Ray tasks on the cluster.
 def prepare(dataset: str, data_home: str | None, root: str | None, dtype: str) -> str:
-    from rayrb.chunks import MANIFEST, ChunkDataset, build_in_place
-    from rayrb.datasets.openml import default_root
-    from rayrb.datasets.registry import as_chunk_dataset, load_dataset
+    from rayrb.io.chunks import MANIFEST, ChunkDataset, build_in_place
+    from rayrb.io.datasets.openml import default_root
+    from rayrb.io.datasets.registry import as_chunk_dataset, load_dataset
 
     if dataset.startswith("openml:"):
         return str(load_dataset(dataset, data_home=data_home, root=root, dtype=dtype).root)
@@ -65,7 +65,7 @@ def prepare(dataset: str, data_home: str | None, root: str | None, dtype: str) -
 
 
 def info(path: str) -> dict[str, Any]:
-    from rayrb.chunks import ChunkDataset
+    from rayrb.io.chunks import ChunkDataset
 
     ds = ChunkDataset.open(path)
     return {"root": str(ds.root), "rows": len(ds), "chunks": len(ds.chunks), "spec": ds.spec.to_json(),
@@ -73,14 +73,14 @@ def info(path: str) -> dict[str, Any]:
 
 
 def verify(path: str) -> str:
-    from rayrb.chunks import ChunkDataset
+    from rayrb.io.chunks import ChunkDataset
 
     ChunkDataset.open(path, verify=True)
     return f"ok: {path}"
 
 
 def export(path: str, dest: str) -> list[str]:
-    from rayrb.preprocess import export_parquet
+    from rayrb.io.preprocess import export_parquet
 
     return [str(f) for f in export_parquet(path, dest)]
 
@@ -186,9 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # --help (0) or a usage error (2): argparse has printed why
         return int(e.code or 0)
 
-    from rayrb.chunks import ChunkError
-    from rayrb.datasets.openml import DatasetUnavailableError
-    from rayrb.preprocess import PreprocessError
+    from rayrb.io.chunks import ChunkError
+    from rayrb.io.datasets.openml import DatasetUnavailableError
+    from rayrb.io.preprocess import PreprocessError
 
     try:
         return run(args, rest)
@@ -216,7 +216,7 @@ def run(args: argparse.Namespace, rest: list[str]) -> int:
     elif args.cmd == "export-parquet":
         print("\n".join(run_here_or_on(args.address, export, args.path, args.dest)))
     elif args.cmd == "preprocess":
-        from rayrb.preprocess import preprocess
+        from rayrb.io.preprocess import preprocess
 
         with connected(args.address):
             _ship_by_value(args.fn)

@@ -17,7 +17,7 @@ def online_ids(rb) -> list[int]:
     """Every online row's id, as many times as the shards hold it."""
     import ray
 
-    from rayrb.iterator import _shards_by_side
+    from rayrb.handle.iterator import _shards_by_side
 
     out = []
     for state in ray.get([s.state.remote() for s in _shards_by_side(rb)["online"]]):

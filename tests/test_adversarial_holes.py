@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rayrb.allocation import assign_pieces
-from rayrb.schema import RowSpec
-from rayrb.shards import OnlineShard
-from rayrb.writelog import WriteLog, held_runs
+from rayrb.core.allocation import assign_pieces
+from rayrb.core.schema import RowSpec
+from rayrb.actors.shards import OnlineShard
+from rayrb.durability.writelog import WriteLog, held_runs
 
 SPEC = RowSpec.from_arrays({"id": np.zeros(1, np.int64)}).to_json()
 
@@ -116,7 +116,7 @@ def test_sizes_count_no_row_behind_a_hole():
 def test_the_coordinator_draws_only_from_counted_rows_and_reads_planned_behind_a_hole_are_not_behind_for_ever():
     """The coordinator's sizes and the write count its reads carry (a read made again, or a direct read, waits
     for the shard to reach it) are the counted rows, not the rows planned past a hole."""
-    from rayrb.coordinator import Coordinator
+    from rayrb.actors.coordinator import Coordinator
 
     shards = [OnlineShard(SPEC, 16, f"t/c{i}") for i in range(2)]
     c = Coordinator([object()], [100], shards, [16, 16], offline_fraction=0.0, seed=0)
@@ -350,7 +350,7 @@ def test_online_nodes_that_name_no_node_need_no_cluster(monkeypatch):
     the buffer starts it with its first actor)."""
     import ray
 
-    from rayrb.placement import online_nodes_option
+    from rayrb.actors.placement import online_nodes_option
 
     def no_cluster():
         raise RuntimeError("Ray has not been started yet")
@@ -370,7 +370,7 @@ def test_online_nodes_that_name_no_node_need_no_cluster(monkeypatch):
 def test_online_nodes_of_the_wrong_shape_are_refused_before_ray_is_asked(monkeypatch, nodes, error, match):
     import ray
 
-    from rayrb.placement import online_nodes_option
+    from rayrb.actors.placement import online_nodes_option
 
     monkeypatch.setattr(ray, "nodes", lambda: pytest.fail("asked Ray before the shape was checked"))
     with pytest.raises(error, match=match):
@@ -378,7 +378,7 @@ def test_online_nodes_of_the_wrong_shape_are_refused_before_ray_is_asked(monkeyp
 
 
 def test_on_node_asks_for_a_sliver_of_cpu_only_when_the_actor_asks_for_nothing():
-    from rayrb.placement import HINTED_CPUS, on_node
+    from rayrb.actors.placement import HINTED_CPUS, on_node
 
     node = "ab" * 28  # a node id's form
     assert on_node({"num_cpus": 0}, None) == {"num_cpus": 0}

@@ -1,4 +1,4 @@
-"""Hostile use of drawing ahead (rayrb.lookahead), of shards whose rows live in a DeviceTable, and of route planning.
+"""Hostile use of drawing ahead (rayrb.handle.lookahead), of shards whose rows live in a DeviceTable, and of route planning.
 
 The Ray tests run the same calls on a buffer that draws ahead and on one that does
 not (``prefetch=0``, the same seed), in long seeded interleavings, and compare every
@@ -19,9 +19,9 @@ import torch
 from tensordict import TensorDict
 
 from rayrb import write_dataset
-from rayrb.plans import BatchPlan, Epoch, ImportanceWeights, Part, assemble
-from rayrb.shards import OfflineShard, OnlineShard
-from rayrb.transport import Place, choose, plan_routes, receive, refuse_shared_gpus, shared_gpu
+from rayrb.core.plans import BatchPlan, Epoch, ImportanceWeights, Part, assemble
+from rayrb.actors.shards import OfflineShard, OnlineShard
+from rayrb.actors.transport import Place, choose, plan_routes, receive, refuse_shared_gpus, shared_gpu
 
 uses_ray = pytest.mark.usefixtures("ray_session")
 
@@ -303,7 +303,7 @@ def test_a_handle_with_a_tiny_timeout_keeps_every_batch_exact(make_buffer):
 def test_batches_over_the_lookahead_byte_cap_are_not_drawn_ahead(make_buffer):
     # Catches a cap that ignores the batch's bytes: 65 MiB batches drawn 32 ahead would hold 2 GiB in the
     # object store. Under the cap, rows in flight must stay within 64 MiB; the stream stays the same.
-    from rayrb.lookahead import MAX_BYTES
+    from rayrb.handle.lookahead import MAX_BYTES
 
     n = 80
     td = TensorDict({"x": torch.zeros(n, 1 << 18), "id": torch.arange(n)}, [n])  # 1 MiB rows
@@ -439,7 +439,7 @@ def test_offline_device_shard_matches_host_through_restarts_priorities_and_epoch
 def test_online_device_shard_matches_host_through_wraps_out_of_order_writes_and_restarts(odd_dataset, tmp_path):
     # Catches a device copy that misses a write (out of order, larger than the shard, wrapping), that keeps
     # stale rows after a restart or load_state, or that reads back a dtype or shape differently.
-    from rayrb.chunks import ChunkDataset
+    from rayrb.io.chunks import ChunkDataset
 
     spec = ChunkDataset.open(odd_dataset).spec.to_json()
     cap = 37
@@ -493,7 +493,7 @@ def test_online_device_shard_matches_host_through_wraps_out_of_order_writes_and_
 def test_device_shards_refuse_bad_writes_and_states_without_changing_anything(odd_dataset, tmp_path):
     # Catches a device shard that half-applies a refused write or state: every refusal is checked
     # before the memory maps or the device copy change.
-    from rayrb.chunks import ChunkDataset
+    from rayrb.io.chunks import ChunkDataset
 
     spec = ChunkDataset.open(odd_dataset).spec.to_json()
     dev = OnlineShard(spec, 20, "t/on-dev", "uniform", state_dir=str(tmp_path / "d"), device="cpu")

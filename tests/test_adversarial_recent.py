@@ -11,9 +11,9 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from rayrb import chunks
-from rayrb.chunks import ChunkDataset, ChunkError, write_chunk, write_dataset, write_manifest
-from rayrb.schema import RowSpec
+from rayrb.io import chunks
+from rayrb.io.chunks import ChunkDataset, ChunkError, write_chunk, write_dataset, write_manifest
+from rayrb.core.schema import RowSpec
 
 
 # chunks ---------------------------------------------------------------------------------------------------------
@@ -140,7 +140,7 @@ def ray_slots(cluster_cpus, task_cpus):
     (2, 0.6, 0.2), (29, 3.0, 0.1), (5, 2.0, 0.5), (7, 7.0, 1.0), (1, 0.0, 1),
 ])
 def test_tasks_queued_ahead_never_let_more_than_num_workers_run(num_workers, cluster_cpus, task_cpus):
-    from rayrb.preprocess import in_flight_limit
+    from rayrb.io.preprocess import in_flight_limit
 
     limit = in_flight_limit(num_workers, cluster_cpus, task_cpus)
     assert num_workers <= limit <= 2 * num_workers
@@ -266,7 +266,7 @@ def test_closing_after_shutdown_or_a_dead_coordinator_is_quiet(make_buffer, ray_
 
 @pytest.mark.usefixtures("ray_session")
 def test_an_iterator_over_a_rate_limited_buffer_gives_back_its_samples_on_close(make_buffer):
-    from rayrb.rate_limiter import SampleToInsertRatio
+    from rayrb.core.rate_limiter import SampleToInsertRatio
 
     def make():
         rb = make_buffer(rows(200), **{**KW, "online_capacity": 1000},

@@ -7,8 +7,8 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from rayrb.datasets import registry
-from rayrb.writelog import WriteLog
+from rayrb.io.datasets import registry
+from rayrb.durability.writelog import WriteLog
 
 from restart_util import kill_coordinator, online_ids, rows
 from write_model import ModelShard
@@ -109,7 +109,7 @@ def test_writes_cut_short_through_repeated_restarts_land_every_row_exactly_once(
 
 # ------------------------------------------------------------------ sample call ids (no Ray: submit=False)
 def test_a_call_id_reused_with_other_arguments_is_refused():
-    from rayrb.coordinator import Coordinator
+    from rayrb.actors.coordinator import Coordinator
 
     c = Coordinator([object()], [100], [], [], seed=0)
     first = c.sample_group(16, 1, submit=False, call="learner/7")
@@ -179,8 +179,8 @@ def _half_sent(rb, tmp_path, write_id, data):
     """A coordinator that died between the pieces of a journalled write: shard 0 got its half, shard 1 nothing."""
     import ray
 
-    from rayrb.iterator import _shards_by_side
-    from rayrb.storage import CoordinatorState
+    from rayrb.handle.iterator import _shards_by_side
+    from rayrb.durability.storage import CoordinatorState
 
     n = len(data)
     ray.get(_shards_by_side(rb)["online"][0].extend.remote(ray.put(rb._rows(data, "rows")), 0, n // 2, first=0))

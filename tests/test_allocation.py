@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from rayrb.allocation import (
+from rayrb.core.allocation import (
     assign_pieces,
     hypergeometric_counts,
     multinomial_counts,
@@ -16,7 +16,7 @@ from rayrb.allocation import (
     split_slices,
     write_pieces,
 )
-from rayrb.samplers import UniformSampler, WithoutReplacementSampler
+from rayrb.core.samplers import UniformSampler, WithoutReplacementSampler
 
 
 @pytest.mark.parametrize("f", [0.0, 0.25, 0.5, 0.7, 1.0])

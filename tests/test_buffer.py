@@ -8,7 +8,7 @@ import torch
 from tensordict import TensorDict
 
 from rayrb import BufferUnavailableError, OfflineToOnlineReplayBuffer, SchemaError, prefill_replay_buffer
-from rayrb.allocation import offline_count
+from rayrb.core.allocation import offline_count
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from rayrb import chunks
-from rayrb.chunks import ChunkDataset, ChunkError, ReadOnlyError, write_dataset
+from rayrb.io import chunks
+from rayrb.io.chunks import ChunkDataset, ChunkError, ReadOnlyError, write_dataset
 
 
 def nested_td(rows=10):
@@ -85,7 +85,7 @@ def test_truncated_chunk_is_detected_by_name(tmp_path):
     path.write_bytes(path.read_bytes()[:-8])
     with pytest.raises(ChunkError, match="chunk-00000: key 'x' expected 32 bytes"):
         ChunkDataset.open(tmp_path / "ds")  # found when the dataset is opened, not at the first read
-    from rayrb.chunks import read_manifest
+    from rayrb.io.chunks import read_manifest
 
     ds = ChunkDataset(tmp_path / "ds", read_manifest(tmp_path / "ds"))  # unchecked: a read still names it
     with pytest.raises(ChunkError, match="chunk-00000: key 'x' expected 32 bytes"):
@@ -141,7 +141,7 @@ def test_ray_worker_maps_dataset_read_only(tmp_path, ray_session):
 
     @ray.remote(num_cpus=0)
     def read(root):
-        from rayrb.chunks import ChunkDataset
+        from rayrb.io.chunks import ChunkDataset
 
         d = ChunkDataset.open(root, verify=True)
         arr = d.chunk_arrays(1)["x"]

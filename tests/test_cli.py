@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from rayrb.chunks import ChunkDataset, write_dataset
+from rayrb.io.chunks import ChunkDataset, write_dataset
 from rayrb.cli import main
 
 
@@ -35,7 +35,7 @@ def test_prepare_writes_another_loaders_rows_as_chunks(tmp_path, capsys, monkeyp
     import torch
     from tensordict import TensorDict
 
-    from rayrb.datasets import registry
+    from rayrb.io.datasets import registry
 
     seen = []
     monkeypatch.setitem(registry._REGISTRY, "scratch_source", lambda name, **kw: seen.append((name, kw)) or TensorDict(
@@ -53,8 +53,8 @@ def test_prepare_that_fails_leaves_no_half_written_dataset(tmp_path, capsys, mon
     import torch
     from tensordict import TensorDict
 
-    from rayrb import chunks
-    from rayrb.datasets import registry
+    from rayrb.io import chunks
+    from rayrb.io.datasets import registry
 
     monkeypatch.setitem(registry._REGISTRY, "scratch_source", lambda name, **kw: TensorDict(
         {"obs": torch.arange(10.0)}, [10]))

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from rayrb.allocation import offline_count
+from rayrb.core.allocation import offline_count
 
 from restart_util import kill_coordinator, online_ids, rows
 
@@ -104,7 +104,7 @@ def test_rows_planned_by_a_coordinator_that_died_are_read_again_from_the_shards(
     import numpy as np
     import ray
 
-    from rayrb.iterator import fetch_group
+    from rayrb.handle.iterator import fetch_group
 
     a, b = (make_buffer(rows(0, 300), **KW) for _ in range(2))
     for rb in (a, b):
@@ -157,8 +157,8 @@ def _half_sent_write(rb, tmp_path, write_id, data):
     the first piece on shard 0, the second never sent (shard 1 gets nothing)."""
     import ray
 
-    from rayrb.iterator import _shards_by_side
-    from rayrb.storage import CoordinatorState
+    from rayrb.handle.iterator import _shards_by_side
+    from rayrb.durability.storage import CoordinatorState
 
     arrays = rb._rows(data, "online data")
     n = len(data)
@@ -197,8 +197,8 @@ def test_a_sample_call_whose_reply_died_with_the_coordinator_gets_the_same_batch
     that draw already, answers it with the same batch, and the stream goes on as a never-killed twin's."""
     import ray
 
-    from rayrb.iterator import fetch_group
-    from rayrb.plans import assemble, split_group
+    from rayrb.handle.iterator import fetch_group
+    from rayrb.core.plans import assemble, split_group
 
     def batch_of(rb, group):
         return [assemble(plan, parts, True)[0]["id"].tolist() for plan, parts in split_group(group, fetch_group(rb, group))]
@@ -267,8 +267,8 @@ def test_a_call_answered_again_after_writes_reads_the_rows_it_was_planned_over(m
     over the rows they held when it was planned (the online side is not full here, so none was overwritten)."""
     import ray
 
-    from rayrb.iterator import fetch_group
-    from rayrb.plans import assemble, split_group
+    from rayrb.handle.iterator import fetch_group
+    from rayrb.core.plans import assemble, split_group
 
     def ids(rb, group):
         return [assemble(plan, parts, True)[0]["id"].tolist() for plan, parts in split_group(group, fetch_group(rb, group))]

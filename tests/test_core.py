@@ -16,12 +16,12 @@ import pytest
 import torch
 from scipy import stats
 
-import rayrb.coordinator
-from rayrb.allocation import offline_count, split_batch, split_slices, write_pieces
-from rayrb.allocators import PrioritizedAllocator, UniformAllocator, WithoutReplacementAllocator
-from rayrb.coordinator import Coordinator
-from rayrb.metrics import ActorMetrics
-from rayrb.plans import (
+import rayrb.actors.coordinator
+from rayrb.core.allocation import offline_count, split_batch, split_slices, write_pieces
+from rayrb.core.allocators import PrioritizedAllocator, UniformAllocator, WithoutReplacementAllocator
+from rayrb.actors.coordinator import Coordinator
+from rayrb.actors.metrics import ActorMetrics
+from rayrb.core.plans import (
     OFFLINE,
     ONLINE,
     SIDES,
@@ -36,7 +36,7 @@ from rayrb.plans import (
     provenance,
     split_group,
 )
-from rayrb.samplers import (
+from rayrb.core.samplers import (
     SAMPLERS,
     Epoch,
     PrioritizedSampler,
@@ -47,8 +47,8 @@ from rayrb.samplers import (
     register_sampler,
     sampler_class,
 )
-from rayrb.transport import from_numpy_dict, to_numpy_dict
-from rayrb.validation import (
+from rayrb.io.arrays import from_numpy_dict, to_numpy_dict
+from rayrb.core.validation import (
     callable_or_none,
     finite_number,
     fraction,
@@ -58,7 +58,7 @@ from rayrb.validation import (
     priority_options,
     timeout,
 )
-from rayrb.writelog import WriteLog, slots
+from rayrb.durability.writelog import WriteLog, slots
 
 from write_model import ModelShard
 
@@ -83,7 +83,7 @@ class StandInShard:
 @pytest.fixture(autouse=True)
 def local_metrics(monkeypatch):
     """Coordinator metrics kept local, so that nothing here imports Ray."""
-    monkeypatch.setattr(rayrb.coordinator, "ActorMetrics", lambda *a, **kw: ActorMetrics(*a, **kw, export=False))
+    monkeypatch.setattr(rayrb.actors.coordinator, "ActorMetrics", lambda *a, **kw: ActorMetrics(*a, **kw, export=False))
 
 
 def written_online(coord: Coordinator, rows: list[int]) -> None:
@@ -821,7 +821,7 @@ def test_short_final_batches_keep_the_split_exact_and_cover_the_epoch():
 
 
 def test_drop_last_is_torchrls_name_for_dropping_and_conflicts_are_refused():
-    from rayrb.allocators import epoch_end_option
+    from rayrb.core.allocators import epoch_end_option
 
     assert epoch_end_option(None, True) == "drop" and epoch_end_option(None, False) == "short"
     assert epoch_end_option(None, None) == "short" and epoch_end_option("raise", None) == "raise"
@@ -849,7 +849,7 @@ def test_each_side_is_allocated_by_its_own_kind():
 @pytest.mark.parametrize("sampler", ["uniform", "without_replacement"])
 def test_planner_restore_rewinds_draws_given_back(sampler):
     """What the coordinator's undo relies on: restoring the snapshot before a draw gives that draw again."""
-    from rayrb.planner import Planner
+    from rayrb.core.planner import Planner
 
     p = Planner({"offline": 2, "online": 1}, offline_fraction=0.5, sampler=sampler, seed=1)
     sizes = {"offline": np.array([30, 20]), "online": np.array([15])}
@@ -870,7 +870,7 @@ def test_planner_restore_rewinds_draws_given_back(sampler):
 @pytest.mark.parametrize("epoch_end,last", [("short", 5), ("drop", 4), ("raise", 4)])
 def test_the_last_batch_of_an_epoch_is_marked_for_every_epoch_end(epoch_end, last):
     """Iteration stops at the mark: with "drop" and "raise" it is the last full batch (TorchRL's drop_last)."""
-    from rayrb.planner import Planner
+    from rayrb.core.planner import Planner
 
     p = Planner({"offline": 2, "online": 1}, offline_fraction=1.0, sampler="without_replacement",
                 epoch_end=epoch_end, seed=0)
@@ -882,7 +882,7 @@ def test_the_last_batch_of_an_epoch_is_marked_for_every_epoch_end(epoch_end, las
 def test_resumed_writes_land_every_row_exactly_once():
     """Writes cut short (a coordinator dies between its sends; a shard fails one piece) are retried, in any
     order and between new writes, after the log took the shards' counts: every row is then held exactly once."""
-    from rayrb.writelog import WriteLog
+    from rayrb.durability.writelog import WriteLog
 
     rng = np.random.default_rng(0)
     for trial in range(40):
@@ -922,7 +922,7 @@ def test_rows_written_behind_a_piece_that_never_lands_are_kept_and_counted_once_
     """A shard fails one piece for good while later writes land behind it (held, not counted); the writer of
     the failed write resyncs, and may retry or not. No acknowledged row is planned over, every one is counted
     once later writes fill the hole, and nothing lands twice."""
-    from rayrb.writelog import WriteLog
+    from rayrb.durability.writelog import WriteLog
 
     rng = np.random.default_rng(1)
     for trial in range(40):

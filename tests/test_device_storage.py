@@ -11,9 +11,9 @@ import torch
 from tensordict import TensorDict
 
 from rayrb import write_dataset
-from rayrb.device_table import DeviceTable
-from rayrb.plans import Epoch
-from rayrb.shards import OfflineShard, OnlineShard
+from rayrb.io.device_table import DeviceTable
+from rayrb.core.plans import Epoch
+from rayrb.actors.shards import OfflineShard, OnlineShard
 
 
 @pytest.fixture
@@ -24,7 +24,7 @@ def dataset(tmp_path):
 
 
 def test_table_loads_in_blocks_and_holds_exactly_its_rows(dataset):
-    from rayrb.chunks import ChunkDataset
+    from rayrb.io.chunks import ChunkDataset
 
     ds = ChunkDataset.open(dataset)
     shapes = {k: (tuple(ds.spec[k].shape), np.dtype(ds.spec[k].dtype)) for k in ds.spec.keys}
@@ -68,14 +68,14 @@ def test_offline_device_shard_gives_the_host_shards_rows(dataset, sampler, tmp_p
     for k in rh:
         assert torch.equal(t[f"rows/{k}"], torch.from_numpy(rh[k]))
     assert torch.equal(t["info/index"], torch.from_numpy(ih["index"]))
-    from rayrb.chunks import ChunkDataset
+    from rayrb.io.chunks import ChunkDataset
 
     assert dev.stats()["device_bytes"] == 700 * ChunkDataset.open(dataset).spec.row_bytes
     assert host.stats()["device_bytes"] == 0
 
 
 def test_online_device_shard_writes_both_copies_and_reopens_after_a_crash(dataset, tmp_path):
-    from rayrb.chunks import ChunkDataset
+    from rayrb.io.chunks import ChunkDataset
 
     spec = ChunkDataset.open(dataset).spec.to_json()
     rows = {"obs": np.random.default_rng(0).standard_normal((70, 5)).astype(np.float32),
@@ -99,7 +99,7 @@ def test_online_device_shard_writes_both_copies_and_reopens_after_a_crash(datase
 
 
 def test_a_read_that_arrives_before_its_planned_writes_draws_nothing(dataset, tmp_path):
-    from rayrb.chunks import ChunkDataset
+    from rayrb.io.chunks import ChunkDataset
 
     spec = ChunkDataset.open(dataset).spec.to_json()
     shard = OnlineShard(spec, 50, "t/on", device="cpu")
@@ -114,7 +114,7 @@ def test_a_read_that_arrives_before_its_planned_writes_draws_nothing(dataset, tm
 @pytest.mark.usefixtures("ray_session")
 def test_iterating_with_reads_submitted_here_gives_the_coordinators_stream(make_buffer, monkeypatch):
     """The GPU actor's path (plan at the coordinator, read from the shards here), over the object store."""
-    import rayrb.iterator as iterator
+    import rayrb.handle.iterator as iterator
 
     td = TensorDict({"obs": torch.randn(500, 5), "id": torch.arange(500), "nested": {"r": torch.rand(500)}}, [500])
     kwargs = dict(online_capacity=100, num_offline_shards=2, num_online_shards=2, seed=4, batch_size=32)
@@ -133,7 +133,7 @@ def test_iterating_with_reads_submitted_here_gives_the_coordinators_stream(make_
 
 def test_unsigned_and_big_endian_columns_are_stored_as_host_shards_store_them(tmp_path):
     # torch has no index_copy for uint16/32/64, and no tensors of non-native byte order
-    from rayrb.schema import RowSpec
+    from rayrb.core.schema import RowSpec
 
     spec = RowSpec.from_arrays({"u16": np.zeros((1,), np.uint16), "u64": np.zeros((1, 2), np.uint64),
                                 "f": np.zeros((1,), np.float32)}).to_json()
@@ -152,7 +152,7 @@ def test_unsigned_and_big_endian_columns_are_stored_as_host_shards_store_them(tm
 
 def test_a_write_the_device_refuses_leaves_the_acknowledged_rows(tmp_path, monkeypatch):
     # the memory maps were written before the device copy raised: acknowledged rows were overwritten
-    from rayrb.schema import RowSpec
+    from rayrb.core.schema import RowSpec
 
     spec = RowSpec.from_arrays({"x": np.zeros((1,), np.float32)}).to_json()
     dev = OnlineShard(spec, 4, "d", state_dir=str(tmp_path / "d"), device="cpu")
@@ -169,7 +169,7 @@ def test_a_write_the_device_refuses_leaves_the_acknowledged_rows(tmp_path, monke
 
 
 def test_a_write_the_memory_maps_refuse_leaves_the_device_copy_as_they_are(tmp_path):
-    from rayrb.schema import RowSpec
+    from rayrb.core.schema import RowSpec
 
     spec = RowSpec.from_arrays({"x": np.zeros((1,), np.float32)}).to_json()
     dev = OnlineShard(spec, 4, "d", device="cpu")
@@ -185,7 +185,7 @@ def test_rows_written_behind_a_gap_are_reported_and_found_again_by_a_restarted_s
     """A piece that has not landed leaves a gap: rows written behind it are held but not counted. The shard
     reports them (for the coordinator's resync), a restarted shard finds them from the generations, and
     filling the gap counts them all."""
-    from rayrb.chunks import ChunkDataset
+    from rayrb.io.chunks import ChunkDataset
 
     spec = ChunkDataset.open(dataset).spec.to_json()
     rows = {"obs": np.zeros((30, 5), np.float32), "id": np.arange(30), "nested/r": np.zeros(30, np.float32)}

@@ -270,8 +270,8 @@ def test_a_failed_preprocess_leaves_the_cluster_able_to_run_the_next(tmp_path):
     from rayrb import PreprocessError, preprocess
 
     src = tmp_path / "src"
-    from rayrb.chunks import write_dataset
-    from rayrb.transport import to_numpy_dict
+    from rayrb.io.chunks import write_dataset
+    from rayrb.io.arrays import to_numpy_dict
 
     write_dataset(to_numpy_dict(offline_rows(400)), src, chunk_rows=100)
     for attempt in range(2):

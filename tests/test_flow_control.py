@@ -8,7 +8,7 @@ import torch
 from tensordict import TensorDict
 
 from rayrb import OfflineToOnlineReplayBuffer, prefill_replay_buffer
-from rayrb.rate_limiter import MinSize, SampleToInsertRatio
+from rayrb.core.rate_limiter import MinSize, SampleToInsertRatio
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 

@@ -81,7 +81,7 @@ def _learner_class():
     @ray.remote(num_gpus=0.1, num_cpus=0, enable_tensor_transport=True)
     class Learner:
         def update(self, plan, *parts):
-            from rayrb.transport import receive
+            from rayrb.actors.transport import receive
 
             td, info = receive(plan, *parts)
             return str(td["X"].device), td["y"].cpu().tolist(), int(info["offline"].sum())

@@ -6,7 +6,7 @@ import torch
 from tensordict import TensorDict
 
 from rayrb import OfflineToOnlineReplayBuffer
-from rayrb.allocation import offline_count
+from rayrb.core.allocation import offline_count
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -120,7 +120,7 @@ def make_rdt_learner(ray):
     @ray.remote(num_cpus=0, enable_tensor_transport=True)
     class RDTLearner:
         def update(self, meta, *parts):
-            from rayrb.transport import receive
+            from rayrb.actors.transport import receive
 
             td, info = receive(meta, *parts)
             return td["id"].tolist(), info["offline"].tolist(), [type(p).__name__ for p in parts]

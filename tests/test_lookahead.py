@@ -1,4 +1,4 @@
-"""A plain ``sample()`` loop draws batches ahead (rayrb.lookahead) and gives them back when the handle steers.
+"""A plain ``sample()`` loop draws batches ahead (rayrb.handle.lookahead) and gives them back when the handle steers.
 
 Each test runs the same calls on a buffer that draws ahead and on one that does not
 (``prefetch=0``): the batches must be the same, row for row.

@@ -6,8 +6,8 @@ import pandas as pd
 import pytest
 
 from openml_fixtures import build_cache
-from rayrb.datasets import openml
-from rayrb.datasets.openml import DatasetUnavailableError, load_openml, preprocess_frame
+from rayrb.io.datasets import openml
+from rayrb.io.datasets.openml import DatasetUnavailableError, load_openml, preprocess_frame
 
 REAL = ["adult_num", "adult_onehot", "mushroom_num", "mushroom_onehot", "shuttle", "magic"]
 WIDTH = {"adult_num": 13, "adult_onehot": 106, "mushroom_num": 22, "mushroom_onehot": 117, "shuttle": 9, "magic": 10}

@@ -4,8 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rayrb.allocation import assign_pieces
-from rayrb.writelog import WriteLog
+from rayrb.core.allocation import assign_pieces
+from rayrb.durability.writelog import WriteLog
 
 from conftest import run_marked
 

@@ -11,7 +11,7 @@ from tensordict import TensorDict
 
 from conftest import run_marked
 from rayrb import ChunkDataset, OfflineToOnlineReplayBuffer, PreprocessError, export_parquet, preprocess, write_dataset
-from rayrb.preprocess import arrow_to_arrays
+from rayrb.io.preprocess import arrow_to_arrays
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -32,7 +32,7 @@ def source(tmp_path, n=200):
 def test_same_output_as_torchrl_preprocess(data_home, tmp_path, monkeypatch):
     from torchrl.data.datasets import OpenMLExperienceReplay
 
-    from rayrb.datasets.openml import load_openml
+    from rayrb.io.datasets.openml import load_openml
 
     monkeypatch.setenv("SCIKIT_LEARN_DATA", str(data_home))
     trl = OpenMLExperienceReplay("magic", batch_size=8, root=tmp_path / "trl")

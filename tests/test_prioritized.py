@@ -7,8 +7,8 @@ import torch
 from scipy import stats
 from tensordict import TensorDict
 
-from rayrb.allocation import multinomial_counts
-from rayrb.samplers import PrioritizedSampler, SumTree
+from rayrb.core.allocation import multinomial_counts
+from rayrb.core.samplers import PrioritizedSampler, SumTree
 
 
 def test_sum_tree_finds_prefix_owners_and_updates():
@@ -116,7 +116,7 @@ def test_feed_carries_importance_weights(prioritized, ray_session):
     @ray.remote(num_cpus=0)
     class Learner:
         def update(self, meta, *parts):
-            from rayrb.transport import receive
+            from rayrb.actors.transport import receive
 
             td, info = receive(meta, *parts)
             return td["id"].tolist(), info["weight"].tolist()

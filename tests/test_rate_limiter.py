@@ -7,7 +7,7 @@ import warnings
 import numpy as np
 import pytest
 
-from rayrb.rate_limiter import (
+from rayrb.core.rate_limiter import (
     ALL_OFFLINE,
     AS_PLANNED,
     WAIT,

@@ -8,7 +8,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from rayrb.chunks import ChunkDataset, write_dataset
+from rayrb.io.chunks import ChunkDataset, write_dataset
 
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("ray_session")]
 
@@ -50,7 +50,7 @@ def assert_same_rows(got: dict, want: dict):
 
 
 def test_chunk_dataset_reads_as_ray_dataset_and_writes_back(tmp_path):
-    from rayrb.raydata import to_ray_dataset, write_ray_dataset
+    from rayrb.io.raydata import to_ray_dataset, write_ray_dataset
 
     src = write_dataset(nested_rows(11), tmp_path / "src", chunk_rows=4)
     rd = to_ray_dataset(src, override_num_blocks=6)
@@ -72,7 +72,7 @@ def test_chunk_dataset_reads_as_ray_dataset_and_writes_back(tmp_path):
 def test_items_with_lists_and_structs_become_shaped_and_nested_keys(tmp_path):
     import ray.data
 
-    from rayrb.raydata import write_ray_dataset
+    from rayrb.io.raydata import write_ray_dataset
 
     items = [{"x": [float(i), -float(i)], "y": i, "s": {"a": i / 2}} for i in range(7)]
     ds = write_ray_dataset(ray.data.from_items(items), tmp_path / "ds")
@@ -108,7 +108,7 @@ def test_buffer_and_preprocess_take_a_ray_dataset(tmp_path):
 def test_unsupported_columns_and_destinations_are_refused(tmp_path):
     import ray.data
 
-    from rayrb.raydata import write_ray_dataset
+    from rayrb.io.raydata import write_ray_dataset
 
     with pytest.raises(TypeError, match="column 'name': expected a fixed-width numeric column"):
         write_ray_dataset(ray.data.from_items([{"name": "a", "v": 1}]), tmp_path / "strings")

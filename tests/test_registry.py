@@ -11,8 +11,8 @@ from tensordict import TensorDict
 from torchrl.data import LazyTensorStorage, RandomSampler, ReplayBuffer, SamplerWithoutReplacement
 
 from rayrb import OfflineToOnlineReplayBuffer, load_dataset, prefill_replay_buffer, register_dataset
-from rayrb.chunks import ChunkDataset
-from rayrb.datasets import registry
+from rayrb.io.chunks import ChunkDataset
+from rayrb.io.datasets import registry
 
 
 @pytest.fixture

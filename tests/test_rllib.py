@@ -56,7 +56,7 @@ def test_multi_agent_batch_columns_and_importance_weights():
     from ray.rllib.core import DEFAULT_MODULE_ID
 
     from rayrb.integrations.rllib import to_multi_agent_batch
-    from rayrb.transport import to_numpy_dict
+    from rayrb.io.arrays import to_numpy_dict
 
     rows = to_numpy_dict(cartpole_shaped(8, 2))
     mab = to_multi_agent_batch(rows, {"weight": np.linspace(0.5, 1.0, 8, dtype=np.float32)})

@@ -1,7 +1,7 @@
 
 import pytest
 
-from rayrb.schedules import Constant, Cosine, Linear, SizeProportional, Step, make_schedule
+from rayrb.core.schedules import Constant, Cosine, Linear, SizeProportional, Step, make_schedule
 
 
 def test_linear_matches_torchrl_anneal():

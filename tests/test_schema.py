@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from rayrb.schema import BOOKKEEPING_KEYS, FieldSpec, RowSpec, SchemaError, strip_bookkeeping
+from rayrb.core.schema import BOOKKEEPING_KEYS, FieldSpec, RowSpec, SchemaError, strip_bookkeeping
 
 
 def arrays(rows=4, x_dim=3, x_dtype="float32"):

@@ -11,7 +11,7 @@ from tensordict import TensorDict
 
 from conftest import run_marked
 from rayrb import OfflineToOnlineReplayBuffer
-from rayrb.allocation import offline_count
+from rayrb.core.allocation import offline_count
 
 
 def rows(ids: np.ndarray) -> TensorDict:

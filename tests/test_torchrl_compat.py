@@ -30,7 +30,7 @@ from tensordict import TensorDict
 from torchrl.data import LazyTensorStorage, ReplayBuffer, SamplerWithoutReplacement
 
 from rayrb import SchemaError, load_dataset, prefill_replay_buffer, register_dataset
-from rayrb.datasets import registry as dataset_utils
+from rayrb.io.datasets import registry as dataset_utils
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -44,7 +44,7 @@ _CONFIGS_AVAILABLE = (
 # ----------------------------------------------------------------------------------------------
 SUB_BUFFERS_ARE_VIEWS = (
     "TorchRL's `offline_buffer` is the offline_dataset object itself (`rb.offline_buffer is offline`) and its "
-    "`online_buffer` a torchrl.data.ReplayBuffer over the online storage; rayrb's are both rayrb.views.SideView "
+    "`online_buffer` a torchrl.data.ReplayBuffer over the online storage; rayrb's are both rayrb.handle.views.SideView "
     "objects over the shards (len, sample, storage, state_dict), so the `is` and isinstance(..., ReplayBuffer) "
     "checks fail"
 )
@@ -58,7 +58,7 @@ ONLINE_ROWS_NEED_THE_OFFLINE_SCHEMA = (
 OPENML_FACTORY_DROPS_BATCH_SIZE = (
     "on purpose (rayrb.load_dataset's docstring): load_dataset forwards every option to the prefix's factory, as "
     "TorchRL's does, but rayrb's built-in 'openml' factory pops batch_size before calling "
-    "rayrb.datasets.openml.load_openml (which takes none), so the loader gets {}; TorchRL's 'openml' entry is "
+    "rayrb.io.datasets.openml.load_openml (which takes none), so the loader gets {}; TorchRL's 'openml' entry is "
     "OpenMLExperienceReplay itself and gets {'batch_size': 16}"
 )
 
@@ -442,8 +442,8 @@ class TestLoadDataset:
                 captured["kwargs"] = kwargs
 
         # TorchRL's test patches the import of torchrl.data.datasets.openml; rayrb's 'openml' factory
-        # calls rayrb.datasets.openml.load_openml, which is patched here instead.
-        import rayrb.datasets.openml as openml_mod
+        # calls rayrb.io.datasets.openml.load_openml, which is patched here instead.
+        import rayrb.io.datasets.openml as openml_mod
 
         monkeypatch.setattr(openml_mod, "load_openml", FakeOpenML)
         load_dataset("openml:iris", batch_size=16)

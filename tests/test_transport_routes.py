@@ -1,6 +1,6 @@
 """Which way rows travel from each shard to each learner, and the groups that are refused before they exist.
 
-The routing is pure (rayrb.transport.plan_routes over Places), so every GPU layout is
+The routing is pure (rayrb.actors.transport.plan_routes over Places), so every GPU layout is
 tested here with made-up places; the last tests run the CPU side through Ray.
 """
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from rayrb.plans import BatchPlan, Part
-from rayrb.transport import Place, choose, plan_routes, receive, refuse_shared_gpus
+from rayrb.core.plans import BatchPlan, Part
+from rayrb.actors.transport import Place, choose, plan_routes, receive, refuse_shared_gpus
 
 GPU_SHARD = Place("rb/off-0", "node-a", ("0",))
 GPU_SHARD_B = Place("rb/on-0", "node-b", ("0",))

@@ -35,7 +35,7 @@ def test_side_views_count_and_sample_without_touching_the_stream(make_buffer):
     assert bool((off["id"] < 100).all()) and set(off["id"].tolist()) <= set(range(100))
     assert bool((on["id"] >= 1000).all()) and not bool(info["offline"].any())
     assert torch.equal(a.sample(64)["id"], b.sample(64)["id"])  # the buffer's own stream did not move
-    from rayrb.chunks import ReadOnlyError
+    from rayrb.io.chunks import ReadOnlyError
 
     with pytest.raises(ReadOnlyError):
         a.offline_buffer.extend(rows(0, 1))

@@ -1,4 +1,4 @@
-"""A model of an online shard's write stream, as :class:`rayrb.writelog.WriteLog` assumes it, for tests without Ray."""
+"""A model of an online shard's write stream, as :class:`rayrb.durability.writelog.WriteLog` assumes it, for tests without Ray."""
 
 
 class ModelShard:

@@ -60,7 +60,7 @@ def to_multi_agent_batch(rows: Mapping[str, np.ndarray], info: Mapping[str, np.n
 def batch_refs(rb: Any, num_learners: int = 1, batch_size: int | None = None,
                columns: Mapping[str, str] = DQN_COLUMNS, module_id: str | None = None, n_step: int = 1):
     """One global batch as ``num_learners`` MultiAgentBatch refs, plus a provenance ref per slice."""
-    from rayrb.validation import positive_int
+    from rayrb.core.validation import positive_int
 
     post = partial(to_multi_agent_batch, columns=dict(columns), module_id=module_id, n_step=n_step)
     pairs = rb.sample_slices(positive_int("num_learners", num_learners), batch_size, postprocess=post,

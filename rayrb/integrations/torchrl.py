@@ -20,7 +20,7 @@ from typing import Any
 def _adapter_class() -> type:
     from torchrl.data.replay_buffers.offline_to_online import OfflineToOnlineReplayBuffer as TorchRLO2O
 
-    from rayrb.schedules import Linear
+    from rayrb.core.schedules import Linear
 
     class TorchRLView(TorchRLO2O):
         """A rayrb buffer seen as TorchRL's ``OfflineToOnlineReplayBuffer``; nothing is copied."""

@@ -1,0 +1,440 @@
+"""Shard actors: thin shells around storage and a sampler.
+
+* :class:`OfflineShard` maps a contiguous row range of a chunk dataset read-only
+  (memory maps; nothing copied into the heap or through the object store).
+* :class:`OnlineShard` is a circular buffer that copies rows on insert, so it never
+  keeps a view into an object-store buffer (pinned plasma memory, ray#8234).
+
+Both return rows as flat dicts of numpy arrays plus provenance (local index and
+the slot's generation: how many times it has been written). They import numpy
+only, not torch, so each costs little memory and starts fast.
+
+The coordinator is their only caller for data paths; Ray runs a caller's tasks on
+a sync actor in submission order, which is what keeps the coordinator's view of
+shard sizes exact.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import time
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from rayrb.io.chunks import ChunkDataset, ReadOnlyError
+from rayrb.actors.metrics import ActorMetrics
+from rayrb.io.files import process_memory
+from rayrb.core.plans import Epoch
+from rayrb.core.samplers import make_sampler
+from rayrb.core.schema import RowSpec
+from rayrb.durability.storage import OnlineStorage, PriorityStore
+from rayrb.core.validation import ALPHA, EPS, positive_int
+from rayrb.durability.writelog import held_runs
+
+Rows = dict[str, np.ndarray]
+Info = dict[str, np.ndarray]
+
+
+class _Shard:
+    kind = "shard"
+
+    def __init__(self, shard_id: str, sampler: str, capacity: int = 0,
+                 sampler_options: Mapping[str, float] | None = None, device: str | None = None):
+        self.shard_id = shard_id
+        self._device = device  # None: rows in host memory maps; else a DeviceTable on this torch device
+        self._table = None
+        opts = dict(sampler_options or {})
+        self._sampler = make_sampler(sampler, capacity, opts.get("alpha", ALPHA), opts.get("eps", EPS))
+        self._metrics = ActorMetrics("shard", {"shard": shard_id, "kind": self.kind})
+
+    # storage hooks ------------------------------------------------------------
+    def size(self) -> int:
+        raise NotImplementedError
+
+    def _gather(self, idx: np.ndarray) -> Rows:
+        raise NotImplementedError
+
+    def _gather_tensors(self, idx: np.ndarray) -> dict[str, Any]:
+        """Rows at ``idx`` as torch tensors: on the shard's device when it holds a table, else host views."""
+        import torch
+
+        if self._table is not None:
+            return self._table.gather(idx)
+        return {k: torch.from_numpy(v) for k, v in self._gather(idx).items()}
+
+    def _generation(self, idx: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def _written_count(self) -> int:
+        return self.size()
+
+    # sampling -----------------------------------------------------------------
+    def _info(self, idx: np.ndarray) -> Info:
+        return {"index": idx, "generation": self._generation(idx), **self._sampler.info(idx)}
+
+    def mass_stats(self) -> tuple[float, float]:
+        """``(total mass, smallest p_i)`` the coordinator allocates by (``(size, 1)`` unless prioritized)."""
+        return self._sampler.mass(self.size())
+
+    def check_priority(self, idx: np.ndarray, generation: np.ndarray, priority: np.ndarray) -> int:
+        """Raise if :meth:`update_priority` would refuse these rows; change nothing."""
+        idx = np.asarray(idx, dtype=np.int64)
+        if idx.size and (idx.min() < 0 or idx.max() >= self.size()):
+            raise IndexError(f"shard {self.shard_id}: expected indices in [0, {self.size()}), "
+                             f"got {int(idx.min())}..{int(idx.max())}")
+        self._sampler.check_priority(idx, np.asarray(priority, dtype=np.float64))
+        return int(idx.size)
+
+    def update_priority(self, idx: np.ndarray, generation: np.ndarray, priority: np.ndarray) -> int:
+        """Set priorities of rows still holding the written generation; return how many were set.
+
+        An update for a slot overwritten since it was sampled is dropped.
+        """
+        self.check_priority(idx, generation, priority)
+        idx = np.asarray(idx, dtype=np.int64)
+        keep = self._generation(idx) == np.asarray(generation, dtype=np.int64)
+        self._sampler.update_priority(idx[keep], np.asarray(priority, dtype=np.float64)[keep])
+        self._metrics.count("priority_updates", int(keep.sum()))
+        self._metrics.count("priority_updates_dropped", int((~keep).sum()))
+        return int(keep.sum())
+
+    def sample_many(self, counts: list[int], seeds: list[int], epochs: list[Epoch | None] | None = None,
+                    written: int | None = None) -> tuple[Rows, Info]:
+        """Several reads' rows, in order, gathered in one pass into one object.
+
+        Read ``j`` draws ``counts[j]`` rows from ``seeds[j]``; without replacement,
+        ``epochs[j]`` says which epoch it belongs to and where in it it starts. A read
+        made again later passes ``written``, the write count it was planned at, so that
+        it draws over the rows there were then (the same rows, unless overwritten since).
+        """
+        t0 = time.perf_counter()
+        idx = self._indices(counts, seeds, epochs, written)
+        rows, info = self._gather(idx), self._info(idx)
+        self._metrics.count("rows_sampled", len(idx))
+        self._metrics.observe("sample_ms", (time.perf_counter() - t0) * 1e3)
+        return rows, info
+
+    def sample(self, count: int, seed: int, epoch: Epoch | None = None) -> tuple[Rows, Info]:
+        """``count`` local rows drawn by this shard's sampler from ``seed``, with their provenance."""
+        return self.sample_many([count], [seed], [epoch])
+
+    def _indices(self, counts: list[int], seeds: list[int], epochs: list[Epoch | None] | None,
+                 written: int | None = None) -> np.ndarray:
+        epochs = epochs or [None] * len(counts)
+        size = self.size() if written is None else min(self.size(), self._size_at(int(written)))
+        return np.concatenate([self._sampler.sample(int(c), size, np.random.default_rng(s), epoch=e)
+                               for c, s, e in zip(counts, seeds, epochs)]) if counts else np.empty(0, np.int64)
+
+    def _size_at(self, written: int) -> int:
+        """Rows held when ``written`` rows had been written (an offline shard's never change)."""
+        return self.size()
+
+    def sample_tensors(self, count: int, seed: int, epoch: Epoch | None = None, device: str | None = None
+                       ) -> dict[str, Any]:
+        """:meth:`sample` as one flat dict of torch tensors (``rows/..``, ``info/..``), for Ray Direct Transport."""
+        return self.sample_many_tensors([count], [seed], [epoch], device=device)
+
+    def sample_many_tensors(self, counts: list[int], seeds: list[int], epochs: list[Epoch | None] | None = None,
+                            device: str | None = None, written: int | None = None) -> dict[str, Any]:
+        """:meth:`sample_many` as one flat dict of torch tensors (``rows/..``, ``info/..``), for Ray Direct Transport.
+
+        A shard that holds its rows on a GPU gathers there and returns CUDA tensors (sent
+        with ``.options(tensor_transport="cuda_ipc" | "nccl")``); ``device`` moves them.
+        A read planned after ``written`` rows were sent here, that arrives before they
+        landed, returns ``{"behind": ...}`` and draws nothing: the caller asks again.
+        torch is imported only here.
+        """
+        import torch
+
+        if written is not None and self._written_count() < written:
+            return {"behind": torch.zeros(1, device=self._table.device if self._table is not None else "cpu")}
+        t0 = time.perf_counter()
+        idx = self._indices(counts, seeds, epochs)
+        rows = self._gather_tensors(idx)
+        target = torch.device(device) if device is not None else next(iter(rows.values())).device
+        out = {f"rows/{k}": v.to(target, non_blocking=True) for k, v in rows.items()}
+        out.update({f"info/{k}": torch.from_numpy(v).to(target, non_blocking=True)
+                    for k, v in self._info(idx).items()})
+        if target.type == "cuda":
+            torch.cuda.current_stream(target).synchronize()  # the receiver reads them from another process
+        self._metrics.count("rows_sampled", len(idx))
+        self._metrics.observe("sample_ms", (time.perf_counter() - t0) * 1e3)
+        return out
+
+    def place(self) -> dict[str, Any]:
+        """Where this shard's rows are: its node, the GPUs Ray gave it, and the device they are on."""
+        import ray
+
+        gpus = [str(g) for g in ray.get_gpu_ids()]
+        return {"node": ray.get_runtime_context().get_node_id(), "gpus": gpus,
+                "device": "cpu" if self._table is None else str(self._table.device)}
+
+    def dump(self, path: str) -> tuple[str, dict[str, Any]]:
+        """Write this shard's mutable state (online rows, sampler state) to ``path``; return its name and digest."""
+        from rayrb.io.files import file_digest
+
+        state = self.state()
+        with open(path, "wb") as f:
+            np.savez(f, **state)
+            f.flush()
+            os.fsync(f.fileno())
+        return os.path.basename(path), file_digest(path)
+
+    def _read(self, path: str) -> dict[str, np.ndarray]:
+        try:
+            with np.load(path) as f:
+                return dict(f)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"shard {self.shard_id}: cannot read saved state {path}: {e}") from None
+
+    def load(self, path: str) -> None:
+        """Take the state :meth:`dump` wrote; a file that does not fit this shard changes nothing."""
+        self.load_state(self._read(path))
+
+    def check(self, path: str) -> None:
+        """Raise if :meth:`load` would refuse this file; change nothing (the first phase of a restore)."""
+        self._checked(self._read(path))
+
+    def state(self) -> dict[str, np.ndarray]:
+        """This shard's mutable state as arrays (what :meth:`dump` writes)."""
+        return {**self._state(), **{f"sampler/{k}": v for k, v in self._sampler.state_dict().items()}}
+
+    def gather(self, idx: np.ndarray) -> tuple[Rows, Info]:
+        """Rows at these local indices, with their provenance; no sampler state is touched."""
+        idx = np.asarray(idx, dtype=np.int64)
+        if idx.size and (idx.min() < 0 or idx.max() >= self.size()):
+            raise IndexError(f"shard {self.shard_id}: expected indices in [0, {self.size()})")
+        return self._gather(idx), self._info(idx)
+
+    def check_state(self, state: dict[str, np.ndarray]) -> None:
+        """Raise if ``state`` does not fit this shard; change nothing (the first phase of a restore)."""
+        self._checked(state)
+
+    def _checked(self, state: dict[str, np.ndarray]) -> Callable[[], None]:
+        """Raise if ``state`` does not fit this shard; else return what applies it."""
+        sampler_state = {k[len("sampler/"):]: v for k, v in state.items() if k.startswith("sampler/")}
+        copy.deepcopy(self._sampler).load_state_dict(sampler_state)  # raises on bad state, on a copy
+        apply_rows = self._set_state(state)
+
+        def apply() -> None:
+            apply_rows()
+            self._sampler.load_state_dict(sampler_state)
+
+        return apply
+
+    def load_state(self, state: dict[str, np.ndarray]) -> None:
+        """Take :meth:`state`'s arrays; state that does not fit this shard changes nothing."""
+        self._checked(state)()
+
+    def _state(self) -> dict[str, np.ndarray]:
+        return {}
+
+    def _set_state(self, state: dict[str, np.ndarray]) -> Callable[[], None]:
+        """Check ``state``; return what applies it."""
+        return lambda: None
+
+    def stats(self) -> dict[str, Any]:
+        self._metrics.gauge("size", self.size())
+        self._metrics.gauge("device_bytes", 0 if self._table is None else self._table.nbytes)
+        for name, value in process_memory().items():
+            self._metrics.gauge(name, value)
+        return self._metrics.snapshot()
+
+    def ping(self) -> str:
+        return self.shard_id
+
+    def close(self) -> None:
+        """Remove this shard's state files: the buffer is being shut down for good."""
+        self._store.remove()
+
+
+class OfflineShard(_Shard):
+    """Rows ``[start, stop)`` of a chunk dataset, mapped read-only.
+
+    Its only mutable state, priorities, is kept in ``state_dir`` (node-local files),
+    so a restarted shard re-maps its chunks and reloads its priorities.
+    """
+
+    kind = "offline"
+
+    def __init__(self, root: str, start: int, stop: int, shard_id: str, sampler: str = "uniform",
+                 sampler_options: Mapping[str, float] | None = None, state_dir: str | None = None,
+                 device: str | None = None):
+        super().__init__(shard_id, sampler, capacity=max(1, stop - start), sampler_options=sampler_options,
+                         device=device)
+        self._ds = ChunkDataset.open(root)
+        if not 0 <= start < stop <= len(self._ds):
+            raise ValueError(f"shard {shard_id}: expected 0 <= start < stop <= {len(self._ds)}, got [{start}, {stop})")
+        self._start, self._stop = int(start), int(stop)
+        if device is not None:  # the row range goes to the device once; gathers run there
+            from rayrb.io.device_table import DeviceTable
+
+            self._table = DeviceTable.load(lambda idx: self._ds.gather(idx + self._start), self.size(),
+                                           _shapes(self._ds.spec), device)
+        self._sampler.on_write(np.arange(self.size()))
+        self._store = PriorityStore(max(1, stop - start), state_dir if self._sampler.per_slot_state else None)
+        self._sampler.attach(self._store.priority, self._store.max_priority, self._store.reopened)
+        self._metrics.gauge("dataset_bytes", (stop - start) * self._ds.spec.row_bytes)
+
+    def size(self) -> int:
+        return self._stop - self._start
+
+    def _gather(self, idx: np.ndarray) -> Rows:
+        if self._table is not None:
+            return self._table.numpy(idx)
+        return self._ds.gather(idx + self._start)
+
+    def _generation(self, idx: np.ndarray) -> np.ndarray:
+        return np.ones(idx.shape, dtype=np.int64)  # written once, never again
+
+    def extend(self, *args: Any, **kwargs: Any):
+        raise ReadOnlyError(f"offline shard {self.shard_id} is immutable: write to the online buffer instead")
+
+
+class OnlineShard(_Shard):
+    """A circular buffer of ``capacity`` rows; the oldest rows are overwritten first.
+
+    Rows, generations, the write count and priorities live in
+    :class:`~rayrb.durability.storage.OnlineStorage`, memory-mapped under ``state_dir`` when
+    given: a restarted shard reopens them with every acknowledged write.
+    """
+
+    kind = "online"
+
+    def __init__(self, spec_json: Mapping[str, Any], capacity: int, shard_id: str, sampler: str = "uniform",
+                 sampler_options: Mapping[str, float] | None = None, state_dir: str | None = None,
+                 device: str | None = None):
+        capacity = positive_int(f"shard {shard_id}: capacity", capacity)
+        super().__init__(shard_id, sampler, capacity=capacity, sampler_options=sampler_options, device=device)
+        self._spec = RowSpec.from_json(spec_json)
+        self._capacity = int(capacity)
+        self._store = OnlineStorage(self._spec, self._capacity, state_dir)
+        self._data, self._gen = self._store.rows, self._store.generation
+        # writes applied beyond the write count (behind a piece still to come): first row -> end; a
+        # restarted shard finds them again from the generations
+        self._ahead: dict[int, int] = dict(held_runs(self._gen, self._store.written))
+        self._mirror()
+        if self._store.reopened:
+            self._sampler.on_write(np.arange(self.size()))
+        self._sampler.attach(self._store.priority, self._store.max_priority, self._store.reopened)
+
+    @property
+    def _written(self) -> int:
+        return self._store.written
+
+    def size(self) -> int:
+        return self._store.size
+
+    def written(self) -> int:
+        """Rows ever written (the write count); ``size()`` is this capped at the capacity."""
+        return self._store.written
+
+    def _size_at(self, written: int) -> int:
+        return min(written, self._capacity)
+
+    def write_state(self) -> tuple[int, list[tuple[int, int]]]:
+        """The write count, and the runs of rows held beyond it (written behind a piece that has not landed)."""
+        return self._store.written, held_runs(self._gen, self._store.written)
+
+    def _written_count(self) -> int:
+        return self._store.written
+
+    def extend(self, rows: Mapping[str, np.ndarray], start: int = 0, stop: int | None = None,
+               first: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Copy ``rows[start:stop]`` in as this shard's ``first``-th rows on; return their slots and generations.
+
+        ``first`` is the write count the coordinator planned with, and it names the
+        write: the ``w``-th row ever written goes to slot ``w mod capacity`` with
+        generation ``w // capacity + 1``. So a write lands in the same place whenever
+        it runs: a retry (after a restart, in whatever order Ray re-sends tasks) never
+        lands twice, and never over a newer row. The write count advances over
+        contiguous writes only, so a restart still finds every write that completed.
+        """
+        t0 = time.perf_counter()
+        rows = {k: v[start:stop] for k, v in rows.items()}
+        n = self._spec.validate(rows, what=f"rows for shard {self.shard_id}")
+        first = self._store.written if first is None else int(first)
+        w = first + np.arange(n, dtype=np.int64)
+        pos, gen = w % self._capacity, w // self._capacity + 1
+        fresh = (w >= first + n - self._capacity) & (self._gen[pos] < gen)  # a write larger than the shard keeps its tail
+        slots = pos[fresh]
+        if self._table is not None:  # the device copy serves reads: written first, as it may refuse the rows
+            self._table.write(slots, {k: rows[k][fresh] for k in self._data})
+        try:
+            for k, dst in self._data.items():
+                dst[slots] = rows[k][fresh]  # copies out of the object store; the memory maps keep what is acknowledged
+        except BaseException:
+            if self._table is not None:  # back to what the memory maps hold
+                self._table.write(slots, {k: v[slots] for k, v in self._data.items()})
+            raise
+        self._gen[slots] = gen[fresh]
+        self._sampler.on_write(slots)
+        self._advance(first, first + n)  # last: this is what makes the rows visible after a restart
+        self._metrics.count("rows_written", int(fresh.sum()))
+        self._metrics.observe("extend_ms", (time.perf_counter() - t0) * 1e3)
+        return pos, gen
+
+    def _advance(self, first: int, end: int) -> None:
+        written = self._store.written
+        if first > written:  # an earlier write is still to come (a retry out of order)
+            self._ahead[first] = end
+            return
+        written = max(written, end)
+        # Every run the count reaches, also one that starts inside the rows it passed: a write wider than the
+        # shard keeps only its tail, and a restarted shard (or the log, after a resync) knows just that.
+        for a in sorted(self._ahead):
+            if a > written:
+                break
+            written = max(written, self._ahead.pop(a))
+        self._store.written = written
+
+    def _mirror(self) -> None:
+        """The device copy of the storage (what a restart reopened, or zeros), when rows live on a device."""
+        if self._device is not None:
+            from rayrb.io.device_table import DeviceTable
+
+            self._table = DeviceTable.from_arrays(self._data, self._device)
+
+    def _gather(self, idx: np.ndarray) -> Rows:
+        if self._table is not None:
+            return self._table.numpy(idx)
+        return {k: v[idx] for k, v in self._data.items()}
+
+    def _state(self) -> dict[str, np.ndarray]:
+        return {**{f"rows/{k}": v for k, v in self._data.items()}, "generation": self._gen,
+                "written": np.int64(self._written)}
+
+    def _set_state(self, state: dict[str, np.ndarray]) -> Callable[[], None]:
+        rows = {k[len("rows/"):]: v for k, v in state.items() if k.startswith("rows/")}
+        gen = state.get("generation")
+        if set(rows) != set(self._data) or gen is None or gen.shape != self._gen.shape or "written" not in state:
+            raise ValueError(f"shard {self.shard_id}: saved state has keys {sorted(rows)} and capacity "
+                             f"{None if gen is None else gen.shape[0]}, expected {sorted(self._data)} and "
+                             f"{self._capacity}")
+        self._spec.validate(rows, what="saved rows")
+        if any(v.shape[0] != self._capacity for v in rows.values()):
+            raise ValueError(f"shard {self.shard_id}: saved rows are not {self._capacity} slots")
+
+        def apply() -> None:
+            for k in self._data:
+                self._data[k][...] = rows[k]
+            self._gen[...] = gen
+            self._store.written = int(state["written"])
+            self._ahead.clear()  # rows the saved shard held behind a hole: counted once it is filled
+            self._ahead.update(held_runs(self._gen, self._store.written))
+            self._mirror()
+
+        return apply
+
+    def _generation(self, idx: np.ndarray) -> np.ndarray:
+        return self._gen[idx]
+
+    def stats(self) -> dict[str, Any]:
+        self._metrics.gauge("write_count", self._written)
+        self._metrics.gauge("capacity", self._capacity)
+        return super().stats()
+
+
+def _shapes(spec: RowSpec) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    return {k: (tuple(spec[k].shape), np.dtype(spec[k].dtype)) for k in spec.keys}

@@ -1,0 +1,338 @@
+"""The coordinator's sampling state and its one decision: what the next batch is made of. No Ray here.
+
+A :class:`Planner` holds the offline-fraction schedule, the step, the seeded RNG,
+the sampler kind's :class:`~rayrb.core.allocators.Allocator` and the
+:class:`~rayrb.core.rate_limiter.RateLimiter`. Given the shard sizes, :meth:`Planner.draw`
+turns a batch size into :class:`~rayrb.core.plans.BatchPlan` s:
+
+1. ``f`` from the schedule at this step and these sizes;
+2. the exact split ``n_off = floor(f * B + 1/2)``, ``n_on = B - n_off``
+   (:func:`~rayrb.core.allocation.split_batch`), all offline while the online side is empty;
+3. the rate limiter's say on ``n_on``: as planned, all offline, or wait
+   (:class:`Refused`);
+4. the allocator's check of both sides, epochs begun where needed;
+5. per slice, per side: each shard's read arguments, then per-shard counts, then
+   one seed per shard.
+
+A draw that raises, :class:`Refused` included, leaves the step, the RNG, the
+allocator and the limiter as they were, so the seeded stream goes on as if it
+had not been asked.
+
+At the end of a without-replacement epoch the batch may come back short (TorchRL's
+default, ``epoch_end="short"``): step 2 above uses the largest batch size whose
+exact split fits in the rows each side has left.
+
+Examples:
+    >>> import numpy as np
+    >>> p = Planner({"offline": 2, "online": 1}, offline_fraction=0.25, seed=0)
+    >>> sizes = {"offline": np.array([60, 40]), "online": np.array([10])}
+    >>> ((plan, reads),) = p.draw(10, sizes=sizes)
+    >>> plan.n_offline, plan.n_online, sum(part.count for part in plan.parts), p.step
+    (3, 7, 10, 1)
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Mapping
+
+import numpy as np
+
+from rayrb.core.allocation import split_batch, split_slices
+from rayrb.core.allocators import make_allocator
+from rayrb.core.plans import OFFLINE, ONLINE, SIDES, BatchPlan, Blocked, Part
+from rayrb.core.rate_limiter import ALL_OFFLINE, WAIT, make_rate_limiter
+from rayrb.core.schedules import Constant, Linear, make_schedule
+from rayrb.core.validation import BETA, non_negative_int, positive_int
+
+Sizes = Mapping[str, np.ndarray]
+Reads = list[tuple[int, dict]]
+
+
+class Refused(Exception):
+    """The rate limiter holds a call back; nothing changed."""
+
+    def __init__(self, blocked: Blocked):
+        super().__init__(blocked.reason)
+        self.blocked = blocked
+
+
+class Planner:
+    """Sampling state and batch plans for one buffer (see the module)."""
+
+    def __init__(self, num_shards: Mapping[str, int], *, offline_fraction: Any = 0.5,
+                 sampler: str | Mapping[str, str] = "uniform",
+                 drop_last: bool | None = None, epoch_end: str | None = None, seed: int | None = None,
+                 beta: float = BETA, rate_limiter: Any = None, online_capacity: int | None = None):
+        self.num_shards = {side: int(num_shards[side]) for side in SIDES}
+        if isinstance(sampler, Mapping) and sampler[OFFLINE] == sampler[ONLINE]:
+            sampler = sampler[OFFLINE]
+        self.sampler = dict(sampler) if isinstance(sampler, Mapping) else sampler
+        self._alloc_options = {"drop_last": drop_last, "epoch_end": epoch_end, "beta": beta}
+        self.alloc = make_allocator(sampler, self.num_shards, **self._alloc_options)
+        self._online_capacity = online_capacity
+        self.limiter = make_rate_limiter(rate_limiter)
+        self.limiter.validate(online_capacity=online_capacity)
+        self.schedule = make_schedule(offline_fraction)
+        self._base = self.schedule.value if isinstance(self.schedule, Constant) else None
+        self.rng = np.random.default_rng(seed)
+        self.step = 0
+        self.last_snapshot: tuple | None = None
+
+    # the fraction -----------------------------------------------------------
+    def fraction(self, sizes: Sizes) -> float:
+        return float(self.schedule(self.step, int(sizes[OFFLINE].sum()), int(sizes[ONLINE].sum())))
+
+    def set_fraction(self, value: Any) -> None:
+        self.schedule = make_schedule(value)
+        self._base = self.schedule.value if isinstance(self.schedule, Constant) else None
+
+    def base_fraction(self, sizes: Sizes) -> float:
+        """The fraction :meth:`anneal` decays from."""
+        return self._base if self._base is not None else self.fraction(sizes)
+
+    def set_base_fraction(self, value: Any) -> None:
+        from rayrb.core.validation import fraction
+
+        self._base = fraction("base_offline_fraction", value)
+
+    def anneal(self, step: int, total_steps: int, sizes: Sizes) -> float:
+        """TorchRL's ``anneal``: linear from the base fraction to 0 over ``total_steps``.
+
+        The base is the last constant fraction set; after a schedule, the fraction it gives now.
+        """
+        step, total_steps = non_negative_int("step", step), positive_int("total_steps", total_steps)
+        base = self.base_fraction(sizes)
+        value = Linear(base, 0.0, total_steps)(step, 0, 0)
+        self.schedule, self._base = Constant(value), base
+        return value
+
+    def set_step(self, step: int) -> None:
+        self.step = non_negative_int("step", step)
+
+    # drawing ----------------------------------------------------------------
+    def snapshot(self) -> tuple:
+        """What :meth:`restore` needs to put the stream back here: RNG, step, allocator, sampled rows."""
+        return (self.rng.bit_generator.state, self.step, self.alloc.state_dict(), self.limiter.state_dict()["samples"])
+
+    def restore(self, saved: tuple) -> None:
+        """Go back to a :meth:`snapshot`, as if no draw had been made since.
+
+        Settings are kept, and so are the limiter's inserts and waits: writes since the
+        snapshot still count; only the draws' sampled rows are taken back.
+        """
+        self.rng.bit_generator.state, self.step = saved[0], saved[1]
+        self.alloc.load_state_dict(saved[2])
+        self.limiter.load_state_dict(self._limiter_state(saved))
+
+    def _limiter_state(self, saved: tuple) -> dict[str, Any]:
+        return {**self.limiter.state_dict(), "samples": saved[3]}
+
+    @contextlib.contextmanager
+    def _unchanged_on_error(self) -> Iterator[None]:
+        saved = self.snapshot()
+        try:
+            yield
+        except BaseException:
+            self.restore(saved)
+            raise
+        self.last_snapshot = saved  # the state before the draw that just succeeded
+
+    def draw(self, batch_size: int, num_slices: int = 1, *, sizes: Sizes) -> list[tuple[BatchPlan, Reads]]:
+        """One global batch as ``num_slices`` slices: ``(plan, [(seed, read kwargs) per part])``.
+
+        Each slice is allocated on its own, so every slice and their union have the
+        distribution of sampling the union of shards, and each slice's split is exact
+        to within one row. Raises :class:`Refused` when the rate limiter holds it back.
+        """
+        batch_size = positive_int("batch_size", batch_size)
+        if not 1 <= num_slices <= batch_size:
+            raise ValueError(f"num_slices must be in [1, batch_size={batch_size}], got {num_slices}")
+        with self._unchanged_on_error():
+            fraction = self.fraction(sizes)
+            online = int(sizes[ONLINE].sum())
+            need = self._shorten(batch_size, fraction, online)
+            decision = self.limiter.decide(need[ONLINE], online)
+            if decision == WAIT:
+                raise Refused(Blocked("sample", f"the rate limiter holds back {need[ONLINE]} online rows "
+                                                f"(online size {online}, {self.limiter!r}, {self.limiter.stats()})"))
+            if decision == ALL_OFFLINE:
+                need = {OFFLINE: batch_size, ONLINE: 0}
+            for side, begin in self.alloc.check(need, sizes).items():  # raises before anything changes
+                if begin:
+                    self.alloc.begin_epoch(side, sizes[side], self.rng)
+            out = [self._slice(n_off, n_on, fraction, sizes)
+                   for n_off, n_on in split_slices(need[OFFLINE], need[ONLINE], num_slices)]
+            self.limiter.record_sample(need[ONLINE])
+            self.step += 1
+            if need[OFFLINE] and self._ends_epoch(batch_size, sizes, online):
+                out[-1][0].last_of_epoch = True
+        return out
+
+    def _ends_epoch(self, batch_size: int, sizes: Sizes, online: int) -> bool:
+        """Whether the offline epoch is over after this batch: no rows left, or (dropping or raising at the end)
+        fewer than the next batch of this size would need."""
+        if self.alloc.epoch_over(OFFLINE):
+            return True
+        room = self.alloc.room(OFFLINE)
+        if room is None or getattr(self.alloc, "epoch_end", "short") == "short":
+            return False
+        return room < split_batch(batch_size, self.fraction(sizes), online)[0]
+
+    def _shorten(self, batch_size: int, fraction: float, online: int) -> dict[str, int]:
+        """The split of this batch, or, at the end of an epoch that serves short batches, of the largest
+        shorter batch whose exact split fits in what each side has left."""
+        need = dict(zip(SIDES, split_batch(batch_size, fraction, online)))
+        if getattr(self.alloc, "epoch_end", None) != "short":
+            return need
+        room = {side: self.alloc.room(side) for side in SIDES}
+        for b in range(batch_size, 0, -1):
+            if b < batch_size:
+                need = dict(zip(SIDES, split_batch(b, fraction, online)))
+            if all(room[s] is None or need[s] <= room[s] for s in SIDES):
+                return need
+        return need
+
+    def _slice(self, n_off: int, n_on: int, fraction: float, sizes: Sizes) -> tuple[BatchPlan, Reads]:
+        parts, reads = [], []
+        for side, n in ((OFFLINE, n_off), (ONLINE, n_on)):
+            if n == 0:
+                continue
+            kwargs = [self.alloc.read_args(side, i) for i in range(self.num_shards[side])]
+            counts = self.alloc.counts(side, n, sizes[side], self.rng)
+            seeds = self.rng.integers(0, 2**63 - 1, len(counts))
+            for i, (c, s) in enumerate(zip(counts, seeds)):
+                if c > 0:
+                    parts.append(Part(side, i, int(c)))
+                    reads.append((int(s), kwargs[i]))
+        return BatchPlan(parts, n_off, n_on, fraction, self.step, self.alloc.weights()), reads
+
+    # writes -----------------------------------------------------------------
+    def admit_insert(self, rows: int, online_size: int, *, prefill: bool = False) -> None:
+        """Raise :class:`Refused` if the rate limiter holds a write of ``rows`` back (never for a prefill)."""
+        if not prefill and not self.limiter.can_insert(rows, online_size):
+            raise Refused(Blocked("insert", f"the rate limiter holds back {rows} rows "
+                                            f"({self.limiter!r}, {self.limiter.stats()})"))
+
+    def record_insert(self, rows: int, online_size: int, *, prefill: bool = False) -> None:
+        if prefill:
+            self.limiter.record_prefill(rows, online_size)
+        else:
+            self.limiter.record_insert(rows)
+
+    # state ------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        return {"step": self.step, "epochs": self.alloc.stats().get("epochs", {s: 0 for s in SIDES}),
+                "rate_limiter": self.limiter.stats()}
+
+    def state_dict(self, at: tuple | None = None) -> dict[str, Any]:
+        """The sampling state; ``at`` a :meth:`snapshot`, the state as if the draws since it were given back."""
+        rng, step, alloc = (at[0], at[1], at[2]) if at is not None else (
+            self.rng.bit_generator.state, self.step, self.alloc.state_dict())
+        limiter = self._limiter_state(at) if at is not None else self.limiter.state_dict()
+        return {"step": step, "schedule": self.schedule.config(), "base_fraction": self._base,
+                "rng": rng, "sampler": self.sampler, "allocator": alloc,
+                "rate_limiter": {"config": self.limiter.config(), "state": limiter}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`; checked whole before anything changes.
+
+        Without ``allocator`` (a checkpoint restored onto another shard layout) epochs
+        start afresh; without ``rate_limiter`` the limiter is kept.
+        """
+        if state.get("sampler", self.sampler) != self.sampler:
+            raise ValueError(f"state was saved by a buffer sampling {state['sampler']!r}, this one samples "
+                             f"{self.sampler!r}")
+        step, schedule = non_negative_int("step", state["step"]), make_schedule(state["schedule"])
+        rng = np.random.default_rng()
+        rng.bit_generator.state = state["rng"]
+        alloc = make_allocator(self.sampler, self.num_shards, **self._alloc_options)
+        if "allocator" in state:
+            alloc.load_state_dict(state["allocator"])
+        limiter = self.limiter
+        if "rate_limiter" in state:
+            limiter = make_rate_limiter(state["rate_limiter"]["config"])
+            limiter.validate(online_capacity=self._online_capacity)
+            limiter.load_state_dict(state["rate_limiter"]["state"])
+        self.step, self.schedule, self._base = step, schedule, state.get("base_fraction")
+        self.rng.bit_generator.state = rng.bit_generator.state
+        self.alloc, self.limiter = alloc, limiter
+
+
+# Draws a handle may give back: a handle holds at most 2 groups of lookahead.MAX_DEPTH + 1, and an
+# iterator draws no deeper than this.
+MAX_AHEAD = 256
+
+
+class AheadLog:
+    """The draws one handle made ahead of its ``sample()`` calls: what undoing them, or saving without them, needs.
+
+    Each draw is numbered, with the planner's :meth:`Planner.snapshot` before it. The
+    handle says which it has served (:meth:`served`) and gives back the rest
+    (:meth:`take_back`). Any draw by another caller, or a change of settings, ends the
+    log (:meth:`forget`): the draws since stand.
+
+    Examples:
+        >>> log = AheadLog(limit=8)
+        >>> [log.record("h", ("state", i), rows=10) for i in range(4)]
+        [0, 1, 2, 3]
+        >>> log.served("h", 0)
+        >>> log.first_unserved()
+        ('state', 1)
+        >>> log.take_back("h", 2)  # draws 2 and 3: the state before draw 2, and their rows
+        (('state', 2), 20)
+        >>> log.take_back("other", 1) is None
+        True
+    """
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.handle: str | None = None
+        self._entries: list[tuple[int, tuple, int]] = []  # (number, snapshot before it, rows), oldest first
+        self._next = 0
+
+    def record(self, handle: str, snapshot: tuple, rows: int) -> int:
+        """Log a draw made for ``handle``; returns its number. Another handle's draw starts a new log."""
+        if handle != self.handle:
+            self.forget()
+            self.handle = handle
+        number, self._next = self._next, self._next + 1
+        self._entries.append((number, snapshot, rows))
+        del self._entries[:-self.limit]
+        return number
+
+    @property
+    def next_number(self) -> int:
+        """The number the next draw gets."""
+        return self._next
+
+    def forget(self) -> None:
+        self.handle, self._entries = None, []
+
+    def served(self, handle: str, number: int) -> None:
+        """``handle`` has served its draws up to ``number``: those are never given back."""
+        if handle == self.handle:
+            self._entries = [e for e in self._entries if e[0] > number]
+
+    def take_back(self, handle: str, count: int) -> tuple[tuple, int] | None:
+        """Remove ``handle``'s last ``count`` draws: the snapshot before them and their rows, or None if they
+        are not all in the log (another caller drew since, or they were served)."""
+        if handle != self.handle or not 0 < count <= len(self._entries):
+            return None
+        taken, self._entries = self._entries[-count:], self._entries[:-count]
+        return taken[0][1], sum(e[2] for e in taken)
+
+    def unserved(self, handle: str) -> int:
+        """How many of ``handle``'s draws are in the log and not served; -1 if the log is another caller's.
+
+        >>> log = AheadLog(limit=8)
+        >>> [log.record("it", ("state", i), rows=5) for i in range(3)]
+        [0, 1, 2]
+        >>> log.served("it", 0)
+        >>> log.unserved("it"), log.take_back("it", log.unserved("it")), log.unserved("other")
+        (2, (('state', 1), 10), -1)
+        """
+        return len(self._entries) if handle == self.handle else -1
+
+    def first_unserved(self) -> tuple | None:
+        """The snapshot before the oldest draw not known to be served, or None."""
+        return self._entries[0][1] if self._entries else None

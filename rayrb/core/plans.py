@@ -1,0 +1,233 @@
+"""What a sampled batch is made of, and how its shard parts become one batch. No Ray here.
+
+The coordinator *draws* a :class:`BatchPlan`: the exact split ``n_offline +
+n_online``, and for each shard that contributes, a :class:`Part` ``(side, shard,
+count)``. Each part is read by its shard, which returns ``(rows, info)``: flat
+``{"a/b": ndarray}`` rows and per-row ``index``, ``generation`` (and ``priority``
+under prioritized sampling). Parts are ordered offline first, so a batch's rows
+are its offline rows, then its online rows.
+
+Per-row provenance is rebuilt from the plan and the shards' infos:
+
+* ``offline`` and ``shard`` repeat each part's side and shard id ``count`` times;
+* ``index`` and ``generation`` are the shards' own;
+* prioritized: ``weight = (p_i / min p) ** -beta``, where ``min p`` is the smallest
+  ``p`` over *all* shards of the row's side. That is ``(N P(i)) ** -beta``
+  normalized by its largest value, for the union of shards, as one buffer gives.
+
+Examples:
+    >>> import numpy as np
+    >>> plan = BatchPlan([Part("offline", 1, 2), Part("online", 0, 1)], n_offline=2, n_online=1,
+    ...                  fraction=0.5, step=0)
+    >>> results = [({"x": np.array([10, 11])}, {"index": np.array([0, 1]), "generation": np.array([1, 1])}),
+    ...            ({"x": np.array([99])}, {"index": np.array([4]), "generation": np.array([2])})]
+    >>> rows, info = assemble(plan, results, return_info=True)
+    >>> rows["x"].tolist(), info["offline"].tolist(), info["shard"].tolist(), info["generation"].tolist()
+    ([10, 11, 99], [True, True, False], [1, 1, 0], [1, 1, 2])
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
+
+import numpy as np
+
+from rayrb.core.schema import SEP
+
+OFFLINE, ONLINE = "offline", "online"
+SIDES = (OFFLINE, ONLINE)
+
+Rows = dict[str, np.ndarray]
+Info = dict[str, np.ndarray]
+
+
+class Epoch(NamedTuple):
+    """Without replacement: epoch ``number`` is ``permutation(size)`` drawn from ``seed``; a read starts at ``start``."""
+
+    number: int
+    seed: int
+    size: int
+    start: int
+
+
+class Part(NamedTuple):
+    """``count`` rows that shard ``shard`` of side ``side`` contributes to a batch."""
+
+    side: str
+    shard: int
+    count: int
+
+
+@dataclass(frozen=True)
+class ImportanceWeights:
+    """Prioritized importance weights ``(p_i / min_p[side]) ** -beta`` over each side's union of shards."""
+
+    beta: float
+    min_p: Mapping[str, float]  # the prioritized sides only
+
+    def __call__(self, side: str, info: Mapping[str, Any]) -> Any:
+        """Each row's weight from its shard's info; 1 for the rows of a side sampled without priorities."""
+        if side not in self.min_p:
+            return info["index"] * 0 + 1.0
+        return (info["priority"] / self.min_p[side]) ** -self.beta
+
+
+@dataclass
+class BatchPlan:
+    """One batch, or one learner's slice of a batch, as the coordinator drew it."""
+
+    parts: list[Part]
+    n_offline: int
+    n_online: int
+    fraction: float
+    step: int
+    weights: ImportanceWeights | None = None
+    last_of_epoch: bool = False  # the offline side's epoch without replacement ended with this batch
+
+    @property
+    def batch_size(self) -> int:
+        return self.n_offline + self.n_online
+
+
+@dataclass
+class Dispatch:
+    """A plan whose shard reads were submitted: ``refs[i]`` resolves to part ``i``'s ``(rows, info)``."""
+
+    plan: BatchPlan
+    refs: list[Any]
+
+
+@dataclass
+class GroupDispatch:
+    """Consecutive batches read with one task per shard: ``refs[j]`` holds shard ``reads[j]``'s rows of all of them,
+    in batch order."""
+
+    plans: list[BatchPlan]
+    reads: list[tuple[str, int]] = field(default_factory=list)
+    refs: list[Any] = field(default_factory=list)
+    version: int = -1  # the coordinator's version (writes, updates, settings) the group was planned at
+    first: int = -1  # drawn ahead for a handle: the number of its first batch (rayrb.core.planner.AheadLog)
+    # for the caller to submit: per read (counts, seeds, epochs, the online write count planned with)
+    args: list[tuple[list[int], list[int], list[Any], int | None]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Blocked:
+    """The rate limiter holds a call back: nothing was drawn or written; the caller waits and asks again."""
+
+    side: str  # "sample" or "insert"
+    reason: str
+
+
+def concat(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Concatenate flat batches key by key (numpy or torch); a single non-empty part is returned as is."""
+    parts = [p for p in parts if p and len(next(iter(p.values()))) > 0] or list(parts[:1])
+    if len(parts) == 1:
+        return dict(parts[0])
+    first = next(iter(parts[0].values()))
+    if isinstance(first, np.ndarray):
+        return {k: np.concatenate([p[k] for p in parts], axis=0) for k in parts[0]}
+    import torch
+
+    return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+
+
+def nest(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """``{"a/b": x}`` -> ``{"a": {"b": x}}``.
+
+    >>> nest({"a/b": 1, "a/c": 2, "d": 3})
+    {'a': {'b': 1, 'c': 2}, 'd': 3}
+    """
+    nested: dict[str, Any] = {}
+    for key, value in flat.items():
+        *path, leaf = key.split(SEP)
+        d = nested
+        for p in path:
+            d = d.setdefault(p, {})
+        d[leaf] = value
+    return nested
+
+
+def provenance(plan: BatchPlan, infos: Sequence[Mapping[str, Any]], cat: Callable = np.concatenate,
+               as_array: Callable = np.asarray) -> dict[str, Any]:
+    """Per-row provenance of ``plan`` from its parts' shard infos (numpy; torch through ``cat``/``as_array``)."""
+    counts = [p.count for p in plan.parts]
+    info = {
+        "offline": as_array(np.repeat([p.side == OFFLINE for p in plan.parts], counts).astype(bool)),
+        "shard": as_array(np.repeat([p.shard for p in plan.parts], counts).astype(np.int64)),
+        "index": cat([i["index"] for i in infos]),
+        "generation": cat([i["generation"] for i in infos]),
+    }
+    if plan.weights is not None:
+        info["weight"] = cat([plan.weights(p.side, i) for p, i in zip(plan.parts, infos)])
+    return info
+
+
+def assemble(plan: BatchPlan, results: Sequence[tuple[Rows, Info]], return_info: bool = False):
+    """Concatenate the parts' rows into one flat batch, with provenance if asked."""
+    if len(results) != len(plan.parts):
+        raise ValueError(f"expected {len(plan.parts)} shard parts for this batch, got {len(results)}")
+    rows = concat([r[0] for r in results])
+    if not return_info:
+        return rows
+    info = provenance(plan, [r[1] for r in results])
+    if "weight" in info:
+        info["weight"] = info["weight"].astype(np.float32)
+    return rows, info
+
+
+def split_group(group: GroupDispatch, results: Sequence[tuple[Rows, Info]]) -> list[tuple[BatchPlan, list]]:
+    """Cut a group's per-shard results back into each batch's ``(plan, parts)``."""
+    data = dict(zip(group.reads, results))
+    cursor = dict.fromkeys(data, 0)
+    out = []
+    for plan in group.plans:
+        parts = []
+        for side, shard, count in plan.parts:
+            rows, info = data[(side, shard)]
+            a = cursor[(side, shard)]
+            parts.append(({k: v[a:a + count] for k, v in rows.items()}, {k: v[a:a + count] for k, v in info.items()}))
+            cursor[(side, shard)] = a + count
+        out.append((plan, parts))
+    return out
+
+
+def assemble_slice(plan: BatchPlan, return_info: bool, postprocess: Callable | None, *results: tuple[Rows, Info]):
+    """:func:`assemble`, then ``postprocess(rows)`` (``postprocess(rows, info)`` with info), as a task runs it."""
+    out = assemble(plan, results, return_info)
+    if postprocess is not None:
+        out = (postprocess(out[0], out[1]), out[1]) if return_info else postprocess(out)
+    return out
+
+
+def route_priorities(offline: Any, shard: Any, index: Any, generation: Any, priority: Any,
+                     sizes: Mapping[str, np.ndarray]) -> list[tuple[str, int, tuple[np.ndarray, ...]]]:
+    """``(side, shard, (index, generation, priority))`` for each shard a priority update touches.
+
+    The whole update is checked first (same lengths, finite priorities, existing
+    shards, indices within each shard's rows), so a refused one reaches no shard.
+
+    >>> sizes = {"offline": np.array([4, 4]), "online": np.array([3])}
+    >>> [(side, i, a[0].tolist()) for side, i, a in route_priorities(
+    ...     [True, False, True], [1, 0, 1], [3, 2, 0], [1, 1, 1], [5.0, 6.0, 7.0], sizes)]
+    [('offline', 1, [3, 0]), ('online', 0, [2])]
+    """
+    offline, shard = np.asarray(offline, bool).reshape(-1), np.asarray(shard, np.int64).reshape(-1)
+    index, generation = np.asarray(index, np.int64).reshape(-1), np.asarray(generation, np.int64).reshape(-1)
+    priority = np.asarray(priority, np.float64).reshape(-1)
+    lengths = [len(offline), len(shard), len(index), len(generation), len(priority)]
+    if len(set(lengths)) != 1:
+        raise ValueError(f"expected offline, shard, index, generation and priority of the same length, got {lengths}")
+    if not np.all(np.isfinite(priority)):
+        raise ValueError(f"priorities must be finite numbers, got {priority[~np.isfinite(priority)][:3].tolist()}")
+    routes = []
+    for side, on_side in ((OFFLINE, offline), (ONLINE, ~offline)):
+        for i in np.unique(shard[on_side]):
+            if not 0 <= i < len(sizes[side]):
+                raise ValueError(f"no {side} shard {i}: the buffer has {len(sizes[side])}")
+            sel = on_side & (shard == i)
+            bad = index[sel][(index[sel] < 0) | (index[sel] >= sizes[side][i])]
+            if bad.size:
+                raise IndexError(f"{side} shard {i} holds {int(sizes[side][i])} rows, got index {int(bad[0])}")
+            routes.append((side, int(i), (index[sel], generation[sel], priority[sel])))
+    return routes

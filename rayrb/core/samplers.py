@@ -1,0 +1,292 @@
+"""Per-shard samplers: which local rows a shard returns for a count the coordinator gave it.
+
+A sampling kind has two halves, registered together under one name:
+
+* a :class:`Sampler` here, held by each shard actor: *which* rows (TorchRL's
+  ``Sampler``: ``sample``, ``update_priority``, ``state_dict``);
+* an :class:`~rayrb.core.allocators.Allocator`, held by the coordinator: *how many*
+  rows each shard draws, so that the batch has the distribution of sampling the
+  union of shards (:mod:`rayrb.core.allocators`).
+
+Samplers are plain numpy objects, and all of a shard's kind-specific behaviour
+lives in them: the extra provenance a row carries (:meth:`Sampler.info`), what a
+write does (:meth:`Sampler.on_write`), the mass the coordinator allocates by
+(:meth:`Sampler.mass`) and the state a checkpoint or a restart keeps.
+
+Without replacement, each read carries an :class:`Epoch`: which permutation the
+coordinator planned with and where in it this read starts. A shard whose state
+differs (it restarted, or missed a step) rebuilds the permutation from the seed,
+so its place in the epoch never depends on its process surviving.
+
+Examples:
+    >>> import numpy as np
+    >>> s = make_sampler("without_replacement")
+    >>> s.begin_epoch(5, np.random.default_rng(0))
+    5
+    >>> sorted(np.concatenate([s.sample(2, 5, None), s.sample(3, 5, None)]).tolist())
+    [0, 1, 2, 3, 4]
+    >>> fresh = make_sampler("without_replacement")  # a restarted shard, told where the epoch stands
+    >>> first = make_sampler("without_replacement")
+    >>> a = first.sample(2, 5, None, epoch=Epoch(number=1, seed=7, size=5, start=0))
+    >>> b = fresh.sample(3, 5, None, epoch=Epoch(number=1, seed=7, size=5, start=2))
+    >>> sorted(np.concatenate([a, b]).tolist())
+    [0, 1, 2, 3, 4]
+"""
+from __future__ import annotations
+
+from typing import Any, ClassVar, Mapping
+
+import numpy as np
+
+from rayrb.core.allocators import (
+    Allocator,
+    PrioritizedAllocator,
+    UniformAllocator,
+    WithoutReplacementAllocator,
+    make_allocator,  # noqa: F401  (re-exported)
+    register_allocator,
+)
+from rayrb.core.plans import OFFLINE, ONLINE, Epoch
+from rayrb.core.validation import ALPHA, EPS, positive_int, priority_options
+
+
+class Sampler:
+    """The shard side of a sampling kind. Subclasses set ``name`` and ``allocator`` and override what differs."""
+
+    name: ClassVar[str] = "sampler"
+    allocator: ClassVar[type[Allocator]] = Allocator
+    per_slot_state: ClassVar[bool] = False  # whether :meth:`attach` has anything to keep
+
+    def __init__(self, capacity: int = 0, **options: Any):
+        pass
+
+    def sample(self, count: int, size: int, rng: np.random.Generator | None, epoch: Epoch | None = None) -> np.ndarray:
+        raise NotImplementedError
+
+    def on_write(self, idx: np.ndarray) -> None:
+        """Slots ``idx`` now hold new rows."""
+
+    def info(self, idx: np.ndarray) -> dict[str, np.ndarray]:
+        """Per-row provenance beyond index and generation."""
+        return {}
+
+    def mass(self, size: int) -> tuple[float, float]:
+        """``(total mass, smallest p_i)`` that the allocator weighs this shard by."""
+        return float(size), 1.0
+
+    def update_priority(self, idx: np.ndarray, priority: np.ndarray) -> None:
+        raise ValueError(f"update_priority needs sampler='prioritized', this shard samples {self.name!r}")
+
+    def check_priority(self, idx: np.ndarray, priority: np.ndarray) -> None:
+        """Raise before anything changes if :meth:`update_priority` would refuse these values."""
+        self.update_priority(idx[:0], priority[:0])
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
+        pass
+
+    def attach(self, priority: np.ndarray, max_priority: np.ndarray, reopened: bool) -> None:
+        """Keep per-slot state in these (memory-mapped) arrays, reloading it from them if ``reopened``."""
+
+
+class UniformSampler(Sampler):
+    """Rows drawn uniformly with replacement from ``[0, size)``."""
+
+    name = "uniform"
+    allocator = UniformAllocator
+
+    def sample(self, count: int, size: int, rng: np.random.Generator | None, epoch: Epoch | None = None) -> np.ndarray:
+        if count > 0 and size <= 0:
+            raise ValueError(f"cannot draw {count} rows from an empty shard")
+        return rng.integers(0, size, count, dtype=np.int64)
+
+
+class WithoutReplacementSampler(Sampler):
+    """One random permutation per epoch; each row of the epoch is drawn exactly once.
+
+    The epoch covers the rows present when it began; rows written later join the next one.
+    """
+
+    name = "without_replacement"
+    allocator = WithoutReplacementAllocator
+
+    def __init__(self, capacity: int = 0, **options: Any):
+        self._perm = np.empty(0, dtype=np.int64)
+        self._cursor = 0
+        self._number, self._seed = 0, None
+
+    def begin_epoch(self, size: int, rng: np.random.Generator) -> int:
+        self._perm = rng.permutation(size).astype(np.int64)
+        self._cursor = 0
+        self._number, self._seed = self._number + 1, None
+        return self.remaining()
+
+    def remaining(self) -> int:
+        return int(self._perm.size - self._cursor)
+
+    def _sync(self, epoch: Epoch) -> None:
+        if (self._number, self._seed, self._perm.size) != (epoch.number, epoch.seed, epoch.size):
+            self._perm = np.random.default_rng(epoch.seed).permutation(epoch.size).astype(np.int64)
+            self._number, self._seed = epoch.number, epoch.seed
+        self._cursor = epoch.start
+
+    def sample(self, count: int, size: int, rng: np.random.Generator | None, epoch: Epoch | None = None) -> np.ndarray:
+        if epoch is not None:
+            self._sync(epoch)
+        if count > self.remaining():
+            raise ValueError(f"cannot draw {count} rows without replacement: {self.remaining()} left in the epoch")
+        out = self._perm[self._cursor:self._cursor + count]
+        self._cursor += count
+        return out
+
+
+class SumTree:
+    """Prefix sums over ``capacity`` non-negative values: O(log n) vectorized updates and lookups.
+
+    Examples:
+        >>> t = SumTree(4)
+        >>> t.update(np.array([0, 1, 2, 3]), np.array([1.0, 0.0, 2.0, 1.0]))
+        >>> t.total(), t.find(np.array([0.5, 1.5, 3.5])).tolist()
+        (4.0, [0, 2, 3])
+    """
+
+    def __init__(self, capacity: int):
+        self.capacity = positive_int("capacity", capacity)
+        self._n = 1 << (self.capacity - 1).bit_length()
+        self._tree = np.zeros(2 * self._n, dtype=np.float64)
+
+    def update(self, idx: np.ndarray, values: np.ndarray) -> None:
+        idx = np.asarray(idx, dtype=np.int64)
+        if idx.size == 0:
+            return
+        self._tree[idx + self._n] = values  # with repeated indices the last value wins
+        pos = np.unique((idx + self._n) // 2)
+        while pos.size:
+            self._tree[pos] = self._tree[2 * pos] + self._tree[2 * pos + 1]
+            pos = np.unique(pos[pos > 1] // 2)
+
+    def total(self) -> float:
+        return float(self._tree[1])
+
+    def values(self, idx: np.ndarray) -> np.ndarray:
+        return self._tree[np.asarray(idx, dtype=np.int64) + self._n]
+
+    def min(self, size: int) -> float:
+        return float(self._tree[self._n:self._n + size].min()) if size else 0.0
+
+    def find(self, prefix: np.ndarray) -> np.ndarray:
+        """Index ``i`` with ``sum(v[:i]) <= u < sum(v[:i+1])`` for each ``u`` in ``prefix``."""
+        u = np.asarray(prefix, dtype=np.float64).copy()
+        pos = np.ones(u.size, dtype=np.int64)
+        while self._n > 1 and pos.size and pos[0] < self._n:
+            left = 2 * pos
+            lv = self._tree[left]
+            right = u >= lv
+            u = np.where(right, u - lv, u)
+            pos = np.where(right, left + 1, left)
+        return pos - self._n
+
+
+class PrioritizedSampler(Sampler):
+    """Rows drawn with probability ``p_i / sum(p)``, where ``p_i = (|priority_i| + eps) ** alpha``.
+
+    New rows get the largest priority seen so far, so each is likely to be drawn once
+    (Schaul et al.'s prioritized replay, as TorchRL's ``PrioritizedSampler``).
+    """
+
+    name = "prioritized"
+    allocator = PrioritizedAllocator
+    per_slot_state = True
+
+    def __init__(self, capacity: int, alpha: float = ALPHA, eps: float = EPS, **options: Any):
+        opts = priority_options(alpha=alpha, eps=eps)
+        self.tree = SumTree(capacity)
+        self.alpha, self.eps = opts["alpha"], opts["eps"]
+        self.max_priority = 1.0
+        self._mirror: tuple[np.ndarray, np.ndarray] | None = None
+
+    def _set(self, idx: np.ndarray, values: np.ndarray) -> None:
+        self.tree.update(idx, values)
+        if self._mirror is not None:  # the mapped copy that a restarted shard reloads
+            self._mirror[0][np.asarray(idx, dtype=np.int64)] = values
+            self._mirror[1][0] = self.max_priority
+
+    def attach(self, priority: np.ndarray, max_priority: np.ndarray, reopened: bool) -> None:
+        everything = np.arange(self.tree.capacity)
+        if reopened:
+            self.tree.update(everything, np.asarray(priority[:self.tree.capacity]))
+            self.max_priority = float(max_priority[0])
+        else:
+            priority[:self.tree.capacity] = self.tree.values(everything)
+            max_priority[0] = self.max_priority
+        self._mirror = (priority, max_priority)
+
+    def add(self, idx: np.ndarray) -> None:
+        self._set(idx, np.full(len(idx), self.max_priority ** self.alpha))
+
+    on_write = add
+
+    def info(self, idx: np.ndarray) -> dict[str, np.ndarray]:
+        return {"priority": self.tree.values(idx)}  # p_i, for importance weights
+
+    def check_priority(self, idx: np.ndarray, priority: np.ndarray) -> None:
+        priority = np.asarray(priority, dtype=np.float64)
+        if not np.all(np.isfinite(priority)):
+            raise ValueError(f"priorities must be finite numbers, got {priority[~np.isfinite(priority)][:3].tolist()}")
+
+    def set_priority(self, idx: np.ndarray, priority: np.ndarray) -> None:
+        priority = np.abs(np.asarray(priority, dtype=np.float64)) + self.eps
+        if priority.size:
+            self.max_priority = max(self.max_priority, float(priority.max()))
+        self._set(idx, priority ** self.alpha)
+
+    update_priority = set_priority
+
+    def mass(self, size: int) -> tuple[float, float]:
+        """Total and smallest ``p_i`` over the first ``size`` rows."""
+        return self.tree.total(), self.tree.min(size)
+
+    def sample(self, count: int, size: int, rng: np.random.Generator, epoch: Epoch | None = None) -> np.ndarray:
+        total = self.tree.total()
+        if count > 0 and (size <= 0 or total <= 0):
+            raise ValueError(f"cannot draw {count} rows from a shard with no priority mass")
+        u = rng.uniform(0.0, total, count) * (1.0 - 1e-12)
+        return np.minimum(self.tree.find(u), size - 1)
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        return {"priority": self.tree.values(np.arange(self.tree.capacity)),
+                "max_priority": np.float64(self.max_priority)}
+
+    def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
+        priority = np.asarray(state["priority"], dtype=np.float64)
+        if priority.shape != (self.tree.capacity,) or not np.all(np.isfinite(priority)) or np.any(priority < 0):
+            raise ValueError(f"expected {self.tree.capacity} finite non-negative priorities, got shape "
+                             f"{priority.shape}")
+        self.max_priority = float(state["max_priority"])
+        self._set(np.arange(self.tree.capacity), priority)
+
+
+SAMPLERS: dict[str, type[Sampler]] = {}
+
+
+def register_sampler(cls: type[Sampler]) -> type[Sampler]:
+    """Make ``cls`` (and its ``allocator``) available as ``sampler=cls.name``."""
+    SAMPLERS[cls.name] = cls
+    register_allocator(cls.name, cls.allocator)
+    return cls
+
+
+for _cls in (UniformSampler, WithoutReplacementSampler, PrioritizedSampler):
+    register_sampler(_cls)
+
+
+def sampler_class(name: str) -> type[Sampler]:
+    if not isinstance(name, str) or name not in SAMPLERS:
+        raise ValueError(f"sampler must be one of {tuple(SAMPLERS)}, got {name!r}")
+    return SAMPLERS[name]
+
+
+def make_sampler(name: str, capacity: int = 0, alpha: float = ALPHA, eps: float = EPS) -> Sampler:
+    return sampler_class(name)(capacity=capacity, alpha=alpha, eps=eps)

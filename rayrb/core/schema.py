@@ -1,0 +1,162 @@
+"""Row specs: which keys a row has, with their trailing shapes and dtypes.
+
+A :class:`RowSpec` is the one schema shared by the offline dataset and the online
+buffer. It is plain numpy (no torch), so shard actors can use it without
+importing torch.
+
+Keys are tuples of strings (nested TensorDict keys); on disk, in manifests and in
+flat batches they are joined with ``/``, which is also how tensordict lays nested
+keys out as directories.
+
+Examples:
+    >>> import numpy as np
+    >>> spec = RowSpec.from_arrays({"X": np.zeros((4, 3), "float32"), "y": np.zeros(4, "int64")})
+    >>> spec
+    RowSpec(X: float32[3], y: int64[])
+    >>> spec.validate({"X": np.zeros((2, 3), "float32"), "y": np.zeros(2, "int64")})
+    2
+    >>> spec.validate({"X": np.zeros((2, 4), "float32"), "y": np.zeros(2, "int64")})
+    Traceback (most recent call last):
+    ...
+    rayrb.core.schema.SchemaError: key 'X': expected trailing shape (3,), got (4,) ...
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+from rayrb.errors import SchemaError  # noqa: F401  (re-exported)
+
+SEP = "/"
+
+# TorchRL adds these to sampled batches; they describe where a row was, not the row.
+BOOKKEEPING_KEYS = frozenset({"index", "_weight", "priority_weight"})
+
+
+
+def key_str(key: str | tuple[str, ...]) -> str:
+    return key if isinstance(key, str) else SEP.join(key)
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    """Trailing shape (the shape of one row) and numpy dtype name of one key."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+    def __str__(self) -> str:
+        return f"{self.dtype}[{', '.join(map(str, self.shape))}]"
+
+
+class RowSpec:
+    """An immutable mapping ``flat key -> FieldSpec``, sorted by key."""
+
+    def __init__(self, fields: Mapping[str, FieldSpec]):
+        if not fields:
+            raise SchemaError("a row spec needs at least one key, got none")
+        self._fields = dict(sorted((key_str(k), v) for k, v in fields.items()))
+
+    # construction -------------------------------------------------------------
+    @classmethod
+    def from_arrays(cls, arrays: Mapping[str, np.ndarray]) -> "RowSpec":
+        """Spec of a flat dict of arrays whose first dimension is the row."""
+        fields = {}
+        for k, a in arrays.items():
+            a = np.asarray(a)
+            if a.ndim < 1:
+                raise SchemaError(f"key {key_str(k)!r}: expected an array with a row dimension, got a scalar")
+            fields[k] = FieldSpec(tuple(int(s) for s in a.shape[1:]), a.dtype.name)
+        return cls(fields)
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> "RowSpec":
+        return cls({k: FieldSpec(tuple(v["shape"]), str(v["dtype"])) for k, v in obj.items()})
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: {"shape": list(f.shape), "dtype": f.dtype} for k, f in self._fields.items()}
+
+    # mapping-like access ------------------------------------------------------
+    @property
+    def keys(self) -> list[str]:
+        return list(self._fields)
+
+    def __getitem__(self, key: str) -> FieldSpec:
+        return self._fields[key_str(key)]
+
+    def __iter__(self):
+        return iter(self._fields)
+
+    def __len__(self) -> int:
+        return len(self._fields)
+
+    def items(self):
+        return self._fields.items()
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RowSpec) and self._fields == other._fields
+
+    def __hash__(self) -> int:
+        return hash(tuple(self._fields.items()))
+
+    def __repr__(self) -> str:
+        return "RowSpec(" + ", ".join(f"{k}: {f}" for k, f in self._fields.items()) + ")"
+
+    @property
+    def row_bytes(self) -> int:
+        return sum(int(np.prod(f.shape, dtype=np.int64)) * np.dtype(f.dtype).itemsize for f in self._fields.values())
+
+    def empty(self, rows: int) -> dict[str, np.ndarray]:
+        """Zero-filled flat arrays for ``rows`` rows."""
+        return {k: np.zeros((rows, *f.shape), dtype=f.dtype) for k, f in self._fields.items()}
+
+    # validation ---------------------------------------------------------------
+    def validate(self, arrays: Mapping[str, np.ndarray], *, what: str = "data") -> int:
+        """Check a flat dict of arrays against this spec; return its row count.
+
+        Bookkeeping keys (TorchRL's ``index`` and friends) must be dropped first,
+        see :func:`strip_bookkeeping`. Raises :class:`SchemaError` naming the
+        first key that differs and both specs.
+        """
+        got = set(arrays)
+        want = set(self._fields)
+        if got != want:
+            missing, extra = sorted(want - got), sorted(got - want)
+            raise SchemaError(
+                f"{what} keys do not match the buffer's row spec: missing {missing}, unexpected {extra}; "
+                f"expected {self!r}"
+            )
+        rows = None
+        for k, f in self._fields.items():
+            a = arrays[k]
+            if a.ndim < 1:
+                raise SchemaError(f"key {k!r}: expected a row dimension, got a scalar")
+            if tuple(a.shape[1:]) != f.shape:
+                raise SchemaError(
+                    f"key {k!r}: expected trailing shape {f.shape}, got {tuple(a.shape[1:])} "
+                    f"(expected {self!r}, got {RowSpec.from_arrays(arrays)!r})"
+                )
+            if a.dtype.name != f.dtype:
+                raise SchemaError(
+                    f"key {k!r}: expected dtype {f.dtype}, got {a.dtype.name} "
+                    f"(expected {self!r}, got {RowSpec.from_arrays(arrays)!r})"
+                )
+            if rows is None:
+                rows = a.shape[0]
+            elif a.shape[0] != rows:
+                raise SchemaError(f"key {k!r}: expected {rows} rows like the other keys, got {a.shape[0]}")
+        return int(rows or 0)
+
+
+def strip_bookkeeping(arrays: Mapping[str, np.ndarray], keep: Iterable[str] = ()) -> dict[str, np.ndarray]:
+    """Drop TorchRL bookkeeping keys (``index``, ``_weight``) unless listed in ``keep``."""
+    keep = set(keep)
+    return {k: v for k, v in arrays.items() if k in keep or k not in BOOKKEEPING_KEYS}
+
+
+def native_order(a: Any) -> np.ndarray:
+    """``a`` in native byte order, as files hold it (readers map them so) and torch takes it: other arrays
+    are swapped, values kept (a copy)."""
+    a = np.asarray(a)
+    return a if a.dtype.isnative else a.astype(a.dtype.newbyteorder("="))

@@ -1,0 +1,210 @@
+"""Buffer checkpoints: a directory with one state file per shard and ``buffer.json``, written last.
+
+Saving is a consistent cut. The coordinator submits every shard's dump behind
+every write it has sent, and records its own state (write counts, RNG, step,
+epochs) at that same moment, so every acknowledged write is in the checkpoint and
+the saved counts match the saved rows. The files go to a temporary directory
+beside the target, each with its size and CRC-32 in the manifest, and the
+directory is renamed into place only when the manifest is written.
+
+Restoring checks the whole checkpoint first: the manifest, the row spec, the
+sampler, the offline dataset (by its chunks' hashes) and the shard layout, and
+each file's size and checksum. Only then do shards load it, so a refused
+checkpoint leaves the buffer as it was.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rayrb.core.allocation import split_evenly
+from rayrb.durability.writelog import slots
+from rayrb.io.files import file_digest
+
+FORMAT, VERSION = "rayrb.handle.owner", 2
+MANIFEST = "buffer.json"
+
+
+def dataset_fingerprint(dataset: Any) -> str:
+    """Identifies an offline dataset by its chunks' row counts and content hashes."""
+    chunks = [[c.rows, c.hash] for c in dataset.chunks]
+    return hashlib.sha256(json.dumps([dataset.spec.to_json(), chunks], sort_keys=True).encode()).hexdigest()[:32]
+
+
+def save(rb: Any, path: Path) -> None:
+    from rayrb.io.chunks import ChunkDataset
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        cut = rb._get(rb._coord.checkpoint.remote(str(tmp)))
+        files = dict(rb._get(cut["acks"]))
+        meta = {"format": FORMAT, "version": VERSION, "dataset": rb._dataset_root,
+                "dataset_fingerprint": dataset_fingerprint(ChunkDataset.open(rb._dataset_root)),
+                "spec": rb.spec.to_json(), "sampler": rb._sampler_name, "sizes": cut["sizes"],
+                "coordinator": cut["state"], "files": files}
+        with open(tmp / MANIFEST, "w") as f:
+            json.dump(meta, f, default=int)
+            f.flush()
+            os.fsync(f.fileno())
+        old = None
+        if path.exists():
+            old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
+            path.rename(old)
+        tmp.rename(path)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def read_checkpoint(path: Path) -> dict[str, Any]:
+    """The manifest of a checkpoint, after checking that every file it names is whole."""
+    path = Path(path)
+    try:
+        meta = json.loads((path / MANIFEST).read_text())
+    except FileNotFoundError:
+        raise ValueError(f"expected a rayrb checkpoint at {path}, but {path / MANIFEST} does not exist") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"checkpoint manifest {path / MANIFEST} is not valid JSON ({e}): the checkpoint is "
+                         "damaged") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        got = (meta.get("format"), meta.get("version")) if isinstance(meta, dict) else type(meta).__name__
+        raise ValueError(f"expected a {FORMAT} checkpoint of version {VERSION} at {path}, got {got}")
+    for name, want in meta["files"].items():
+        f = path / name
+        if not f.is_file():
+            raise ValueError(f"checkpoint {path} is missing {name}")
+        got = file_digest(f)
+        if got != want:
+            raise ValueError(f"checkpoint file {f} is damaged: expected {want}, got {got}")
+    return meta
+
+
+def check_compatible(meta: dict[str, Any], rb: Any, sizes: dict[str, list[int]]) -> None:
+    """Raise, naming what differs, unless ``rb`` can load this checkpoint."""
+    from rayrb.io.chunks import ChunkDataset
+    from rayrb.core.schema import RowSpec
+
+    diffs = []
+    if RowSpec.from_json(meta["spec"]) != rb.spec:
+        diffs.append(f"row spec {meta['spec']} vs {rb.spec.to_json()}")
+    if meta["sampler"] != rb._sampler_name:
+        diffs.append(f"sampler {meta['sampler']!r} vs {rb._sampler_name!r}")
+    if meta["dataset_fingerprint"] != dataset_fingerprint(ChunkDataset.open(rb._dataset_root)):
+        diffs.append(f"offline dataset {meta['dataset']} vs {rb._dataset_root} (different rows)")
+    saved = meta["sizes"]
+    if sum(saved["online_capacity"]) != sum(sizes["online_capacity"]):
+        diffs.append(f"shard layout with online capacity {sum(saved['online_capacity'])} "
+                     f"({saved['online_capacity']}) vs {sum(sizes['online_capacity'])} ({sizes['online_capacity']}); "
+                     "shard counts may differ, the total capacity may not")
+    if diffs:
+        raise ValueError("the checkpoint does not fit this buffer: " + "; ".join(diffs))
+
+
+def same_layout(saved: dict[str, list[int]], sizes: dict[str, list[int]]) -> bool:
+    return len(saved["offline"]) == len(sizes["offline"]) and saved["online_capacity"] == sizes["online_capacity"]
+
+
+def _live_slots(written: int, capacity: int) -> np.ndarray:
+    """A circular shard's occupied slots, oldest row first."""
+    size = min(written, capacity)
+    return slots(written - size, size, capacity)
+
+
+def reshard(states: list[dict[str, np.ndarray]], offline_sizes: tuple[list[int], list[int]],
+            online_capacity: tuple[list[int], list[int]]) -> list[dict[str, np.ndarray]]:
+    """Saved shard states (offline shards first) re-cut for another shard layout of the same rows.
+
+    Offline priorities follow their global row. Online rows keep their order of
+    age, and are dealt out evenly over the new shards (the oldest dropped if the new
+    capacity is smaller); each lands in a fresh slot, as if written once, with its
+    priority. ``offline_sizes`` and ``online_capacity`` are ``(saved, new)`` pairs.
+
+    >>> old = [{"sampler/priority": np.array([1., 2.]), "sampler/max_priority": np.float64(2)},
+    ...        {"rows/x": np.array([7, 8, 9]), "generation": np.array([2, 1, 1]), "written": np.int64(4),
+    ...         "sampler/priority": np.array([5., 6., 4.]), "sampler/max_priority": np.float64(6)}]
+    >>> new = reshard(old, ([2], [1, 1]), ([3], [2, 2]))
+    >>> [s["sampler/priority"].tolist() for s in new[:2]], [s["rows/x"][:int(s["written"])].tolist() for s in new[2:]]
+    ([[1.0], [2.0]], [[8, 9], [7]])
+    """
+    (old_off, new_off), (old_cap, new_cap) = offline_sizes, online_capacity
+    m_old = len(old_off)
+    out: list[dict[str, np.ndarray]] = []
+    prio = [s.get("sampler/priority") for s in states]
+    max_p = max([float(s["sampler/max_priority"]) for s in states if "sampler/max_priority" in s], default=None)
+    if prio[0] is not None:
+        flat = np.concatenate([p[:n] for p, n in zip(prio[:m_old], old_off)])
+        starts = np.concatenate([[0], np.cumsum(new_off)[:-1]])
+        for a, n in zip(starts, new_off):
+            out.append({"sampler/priority": flat[a:a + n].copy(), "sampler/max_priority": np.float64(max_p)})
+    else:
+        out.extend({} for _ in new_off)
+    online = states[m_old:]
+    keys = [k for k in online[0] if k.startswith("rows/")]
+    live = [_live_slots(int(s["written"]), c) for s, c in zip(online, old_cap)]
+    rows = {k: np.concatenate([s[k][i] for s, i in zip(online, live)]) for k in keys}
+    p_on = np.concatenate([s["sampler/priority"][i] for s, i in zip(online, live)]) \
+        if "sampler/priority" in online[0] else None
+    total = min(len(next(iter(rows.values()))), int(sum(new_cap)))
+    first = len(next(iter(rows.values()))) - total  # drop the oldest rows that no longer fit
+    counts = np.minimum(split_evenly(total, len(new_cap)), new_cap)
+    counts[0] += total - counts.sum()
+    at = first
+    for c, n in zip(new_cap, counts):
+        state = {k: np.zeros((c, *v.shape[1:]), v.dtype) for k, v in rows.items()}
+        for k in keys:
+            state[k][:n] = rows[k][at:at + n]
+        state["generation"] = (np.arange(c) < n).astype(np.int64)
+        state["written"] = np.int64(n)
+        if p_on is not None:
+            state["sampler/priority"] = np.zeros(c)
+            state["sampler/priority"][:n] = p_on[at:at + n]
+            state["sampler/max_priority"] = np.float64(max_p)
+        out.append(state)
+        at += n
+    return out
+
+
+def restore(rb: Any, path: Path) -> None:
+    path = Path(path)
+    meta = read_checkpoint(path)
+    sizes = rb.sizes()
+    check_compatible(meta, rb, sizes)
+    names = sorted(meta["files"], key=lambda n: int(n.split("-")[1].split(".")[0]))
+    state = dict(meta["coordinator"])
+    tmp = None
+    if not same_layout(meta["sizes"], sizes):
+        # Another shard layout: re-cut the saved shards, and start the epochs afresh over the new shards.
+        saved = []
+        for n in names:
+            with np.load(path / n) as f:
+                saved.append(dict(f))
+        states = reshard(saved, (meta["sizes"]["offline"], sizes["offline"]),
+                         (meta["sizes"]["online_capacity"], sizes["online_capacity"]))
+        tmp = Path(tempfile.mkdtemp(prefix=".reshard-", dir=path.parent))
+        names = []
+        for j, st in enumerate(states):
+            np.savez(tmp / f"shard-{j}.npz", **st)
+            names.append(str(tmp / f"shard-{j}.npz"))
+        state.pop("allocator", None)
+    try:
+        # Every shard checks its file before any shard loads one: a refused file changes no shard.
+        rb._get([s.check.remote(str(path / n)) for s, n in zip(rb._shards, names)])
+        rb._get([s.load.remote(str(path / n)) for s, n in zip(rb._shards, names)])
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    rb._get(rb._coord.resync.remote())
+    rb.load_state_dict(state)

@@ -1,0 +1,437 @@
+"""The owner of a buffer: :class:`OfflineToOnlineReplayBuffer`, TorchRL's class distributed over Ray.
+
+It starts the coordinator and shard actors, and is the one object that shuts
+them down, saves and restores them. Everything else (writing, sampling,
+steering) it inherits from :class:`~rayrb.handle.client.BufferClient`, the thin handle
+that :meth:`OfflineToOnlineReplayBuffer.client` and pickling give to collectors
+and learners.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from rayrb.core.allocation import row_ranges, split_evenly
+from rayrb.io.chunks import ChunkDataset
+from rayrb.handle.client import PREFETCH, BufferClient, BufferUnavailableError
+from rayrb.core.allocators import epoch_end_option
+from rayrb.actors.placement import online_nodes_option
+from rayrb.core.plans import OFFLINE, ONLINE
+from rayrb.core.samplers import sampler_class
+from rayrb.core.schedules import Schedule, make_schedule
+from rayrb.actors.transport import check_storage_device, check_transport
+from rayrb.io.arrays import from_numpy_dict
+from rayrb.core.validation import ALPHA, BETA, EPS, callable_or_none, fraction, non_negative_int, positive_int, priority_options
+from rayrb.core.validation import timeout as check_timeout
+
+__all__ = ["OfflineToOnlineReplayBuffer", "BufferUnavailableError", "prefill_replay_buffer"]
+
+DEFAULT_MAX_BATCH_BYTES = 8 << 30
+DEFAULT_STORAGE = os.path.join(tempfile.gettempdir(), "rayrb-state")
+
+
+class OfflineToOnlineReplayBuffer(BufferClient):
+    """An immutable offline dataset plus a growing online buffer, sharded over Ray actors.
+
+    Every :meth:`sample` holds exactly ``n_off = floor(f * B + 1/2)`` offline rows and
+    ``B - n_off`` online rows (all offline while the online side is empty), with
+    per-shard counts drawn so that the batch has the distribution of sampling the
+    union of shards.
+
+    Args:
+        offline_dataset: a dataset id (``"openml:adult_num"``), a chunk-dataset
+            directory, a :class:`~rayrb.ChunkDataset`, a TensorDict, or a TorchRL
+            replay buffer or storage (its rows are copied into chunks once, through the
+            buffer's own transforms, such as a TorchRL dataset's ``DoubleToFloat``).
+
+    Keyword Args:
+        online_capacity (int): rows the online buffer holds, split evenly over
+            ``num_online_shards`` circular buffers. Exclusive with ``online_storage``.
+        online_storage: a TorchRL storage; its ``max_size`` is the capacity and any rows
+            it holds are copied in. Exclusive with ``online_capacity``.
+        offline_fraction: a number in ``[0, 1]`` (TorchRL allows only ``(0, 1)``), or a
+            schedule (:mod:`rayrb.core.schedules`, a kind name or a config dict). Default 0.5.
+        batch_size (int): default for :meth:`sample`; required with a dataset id, as in
+            TorchRL (which builds the dataset with it).
+        transform (callable): applied to each sampled TensorDict in the caller.
+        num_offline_shards (int), num_online_shards (int): actors per side. Default 1.
+        sampler (str): both sides' sampler, unless ``offline_sampler`` / ``online_sampler``
+            name one: ``"uniform"`` (with replacement), ``"without_replacement"`` (epochs that
+            visit each row once) or ``"prioritized"`` (``p_i = (|priority| + eps)^alpha``, per-shard
+            sum trees, counts ~ Multinomial over shard masses; ``info["weight"]`` holds the importance
+            weights ``(p_i / min p)^-beta`` over each side's union of shards). By default, as in
+            TorchRL, an OpenML dataset id is sampled without replacement and anything else
+            uniformly, and the online side uniformly.
+        offline_sampler (str), online_sampler (str): one side's sampler.
+        alpha, beta, eps (float): prioritized sampling's exponents and floor (TorchRL's names).
+        epoch_end (str): without replacement, what a batch does when a side has fewer rows
+            left in its epoch than it needs: ``"short"`` (default, TorchRL's) returns a short
+            final batch, split exactly, and the next call begins the next epoch; ``"drop"``
+            drops those rows and begins the next epoch at once; ``"raise"`` refuses the call.
+        drop_last (bool): TorchRL's name: ``True`` is ``epoch_end="drop"``, ``False`` is ``"short"``.
+        seed (int): with a fixed shard layout, the same seed gives the same batches.
+        name (str): the coordinator's actor name (default: a unique one).
+        dataset_root: where in-memory offline data is written as a chunk dataset.
+        actor_options (dict): extra ``.options(...)`` for the actors (default ``num_cpus=0``).
+        online_nodes (list): a node id (or None) per online shard, to place it beside
+            the collectors that feed it (a soft preference). A write prefers the online
+            shards on the writer's node while they are at most an eighth of a shard
+            ahead of the others, wherever they were placed.
+        timeout (float): seconds to wait on any call before raising ``TimeoutError``.
+        max_batch_bytes (int): the largest batch a call may ask for, in bytes of rows
+            (default 8 GiB); larger requests are refused before anything is drawn.
+        rate_limiter: flow control between collectors and learners, counted in online rows
+            only (:mod:`rayrb.core.rate_limiter`): a ``RateLimiter`` such as
+            ``SampleToInsertRatio(samples_per_insert, min_size_to_sample, error_buffer)`` or
+            ``MinSize(n)``, or its config dict. Sampling and writing wait (up to ``timeout``)
+            while they run ahead. Default: ``MinSize(1)``, no limit.
+        storage_dir: a directory on each node's local disk where shards keep their
+            mutable state as memory maps (online rows, generations, write counts,
+            priorities), so that a shard whose process dies restarts with every
+            acknowledged write. Default: ``$TMPDIR/rayrb-state``. ``None`` keeps that state in
+            process memory; online shards then do not restart.
+        storage_device (str): where shards hold their rows. ``"cpu"`` (default): host
+            memory maps. ``"cuda"``: each shard loads its rows into GPU memory once (offline:
+            staged through pinned memory; online: a GPU copy of the durable memory maps,
+            which still keep every acknowledged write) and gathers there; shards ask Ray
+            for ``num_gpus=0.01`` each unless ``actor_options`` says otherwise. Batches then
+            reach GPU learners over ``transport="cuda_ipc"`` or ``"auto"``, and anyone else
+            through the object store. ``stats()`` reports each shard's ``device_bytes``.
+        transport (str): how :meth:`feed` hands rows to learners (see :meth:`connect_learners`):
+            ``"object_store"`` (default), ``"gloo"``, ``"nccl"``, ``"cuda_ipc"`` or ``"auto"``.
+        prefetch (int): batches a plain :meth:`sample` loop may draw ahead of the calls,
+            one coordinator call per group (default 32, bounded by 64 MiB of rows;
+            ``0`` draws each batch when asked). They are given back before this handle
+            writes, steers or saves, so the stream is the one unprefetched calls give
+            (:mod:`rayrb.handle.lookahead`). With a rate limiter that can hold calls back,
+            nothing is drawn ahead.
+        **dataset_kwargs: forwarded to :func:`~rayrb.load_dataset` for dataset ids.
+
+    Sampled batches are rebuilt from numpy arrays without copying where possible:
+    treat them as read-only and ``.clone()`` before in-place changes.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from rayrb import OfflineToOnlineReplayBuffer
+        >>> offline = TensorDict({"observation": torch.randn(1000, 4)}, [1000])
+        >>> rb = OfflineToOnlineReplayBuffer(offline, online_capacity=500, offline_fraction=0.5,
+        ...                                  batch_size=32, seed=0)  # doctest: +SKIP
+        >>> _ = rb.extend(TensorDict({"observation": torch.randn(10, 4)}, [10]))  # doctest: +SKIP
+        >>> batch, info = rb.sample(return_info=True)  # doctest: +SKIP
+        >>> batch.batch_size, int(info["offline"].sum())  # doctest: +SKIP
+        (torch.Size([32]), 16)
+        >>> rb.shutdown()  # doctest: +SKIP
+    """
+
+    _owner = True
+
+    def __init__(
+        self,
+        offline_dataset: Any,
+        *,
+        online_capacity: int | None = None,
+        online_storage: Any = None,
+        offline_fraction: float | Schedule | str | dict = 0.5,
+        batch_size: int | None = None,
+        transform: Callable | None = None,
+        num_offline_shards: int = 1,
+        num_online_shards: int = 1,
+        sampler: str | None = None,
+        offline_sampler: str | None = None,
+        online_sampler: str | None = None,
+        epoch_end: str | None = None,
+        drop_last: bool | None = None,
+        seed: int | None = None,
+        name: str | None = None,
+        dataset_root: str | os.PathLike | None = None,
+        actor_options: dict | None = None,
+        online_nodes: Sequence[str | None] | None = None,
+        timeout: float | None = None,
+        transport: str = "object_store",
+        alpha: float = ALPHA,
+        beta: float = BETA,
+        eps: float = EPS,
+        max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
+        storage_dir: str | os.PathLike | None = DEFAULT_STORAGE,
+        rate_limiter: Any = None,
+        prefetch: int = PREFETCH,
+        storage_device: str = "cpu",
+        **dataset_kwargs: Any,
+    ):
+        self._closed, self._owned_dirs = True, []  # until the actors run, nothing is usable or owned
+        # Validate everything before any actor exists.
+        if (online_capacity is None) == (online_storage is None):
+            how = "not both" if online_capacity is not None else "one of them is needed"
+            raise ValueError(f"provide exactly one of online_capacity or online_storage ({how}): Provide "
+                             f"{'online_storage OR online_capacity, not both' if online_capacity is not None else 'one of online_storage or online_capacity'}; "
+                             f"got online_capacity={online_capacity!r}, online_storage={type(online_storage).__name__}")
+        if online_storage is not None:
+            online_capacity = getattr(online_storage, "max_size", None)
+        online_capacity = positive_int("online_capacity", online_capacity)
+        num_offline_shards = positive_int("num_offline_shards", num_offline_shards)
+        num_online_shards = positive_int("num_online_shards", num_online_shards)
+        if online_capacity < num_online_shards:
+            raise ValueError(f"online_capacity must be at least num_online_shards ({num_online_shards}), "
+                             f"got {online_capacity}")
+        if isinstance(offline_fraction, (int, float)):
+            fraction("offline_fraction", offline_fraction)
+        schedule = make_schedule(offline_fraction)
+        if batch_size is None and _is_dataset_id(offline_dataset):  # TorchRL's rule, and its words
+            raise ValueError(f"batch_size must be provided when offline_dataset is a string, so the dataset can be "
+                             f"constructed. Got batch_size=None for {offline_dataset!r}")
+        batch_size = None if batch_size is None else positive_int("batch_size", batch_size)
+        kinds = _sampler_kinds(offline_dataset, sampler, offline_sampler, online_sampler)
+        if drop_last is None and epoch_end is None:  # a TorchRL buffer's SamplerWithoutReplacement(drop_last=...)
+            drop_last = getattr(getattr(offline_dataset, "_sampler", None), "drop_last", None)
+        epoch_end = epoch_end_option(epoch_end, drop_last)
+        prio = priority_options(alpha, beta, eps)
+        transport = check_transport(transport)
+        online_nodes = online_nodes_option(online_nodes, num_online_shards, actor_options or {})
+        storage_device = check_storage_device(storage_device)
+        if transport == "nccl" and "num_gpus" not in (actor_options or {}):
+            import ray
+
+            gpus, shards = ray.cluster_resources().get("GPU", 0), num_offline_shards + num_online_shards
+            if gpus < shards:
+                raise ValueError(f"transport='nccl' gives each shard a GPU of its own (NCCL needs one GPU per rank): "
+                                 f"{shards} shards need {shards} GPUs, the cluster has {gpus:g}; use fewer shards, "
+                                 "transport='cuda_ipc' within a node, or 'auto'")
+        from rayrb.core.rate_limiter import make_rate_limiter
+
+        limiter = make_rate_limiter(rate_limiter)
+        limiter.validate(online_capacity=online_capacity)  # a configuration that can deadlock is refused here
+        self._limited = limiter.limits
+        settings = {"timeout": check_timeout(timeout), "transform": callable_or_none("transform", transform),
+                    "max_batch_bytes": positive_int("max_batch_bytes", max_batch_bytes),
+                    # a limiter that can hold calls back decides per call: nothing is drawn ahead of it
+                    "prefetch": 0 if limiter.limits else non_negative_int("prefetch", prefetch),
+                    "storage_device": storage_device}
+
+        from rayrb.io.datasets.registry import as_chunk_dataset, load_dataset
+
+        if isinstance(offline_dataset, (str, os.PathLike)):  # options such as root= go to the dataset's loader
+            if batch_size is not None and _is_dataset_id(offline_dataset):  # as TorchRL forwards it
+                dataset_kwargs = {"batch_size": batch_size, **dataset_kwargs}
+            offline_dataset, dataset_kwargs = load_dataset(offline_dataset, **dataset_kwargs), {}
+            if sampler is None and offline_sampler is None and not isinstance(offline_dataset, ChunkDataset):
+                kinds[OFFLINE] = _default_offline_kind(offline_dataset)  # a TorchRL dataset's own sampler
+        dataset, owned = as_chunk_dataset(offline_dataset, root=dataset_root, **dataset_kwargs)
+        self._owned_dirs = [dataset.root.parent] if owned and dataset_root is None else []
+        if len(dataset) == 0:
+            self._remove_owned()
+            raise ValueError("expected an offline dataset with at least one row, got 0 rows")
+        if num_offline_shards > len(dataset):
+            self._remove_owned()
+            raise ValueError(f"num_offline_shards ({num_offline_shards}) exceeds the dataset's {len(dataset)} rows")
+
+        self._dataset_root, self._offline_rows = str(dataset.root), len(dataset)
+        self._sampler_name = kinds[OFFLINE] if kinds[OFFLINE] == kinds[ONLINE] else kinds
+        name = name or f"rayrb-{uuid.uuid4().hex[:12]}"
+        try:
+            coord, shards = _start_actors(dataset, name, online_capacity, num_offline_shards, num_online_shards,
+                                          schedule=schedule, kinds=kinds, epoch_end=epoch_end, seed=seed,
+                                          actor_options=actor_options or {}, transport=transport, prio=prio,
+                                          online_nodes=online_nodes,
+                                          storage_dir=None if storage_dir is None else str(storage_dir),
+                                          rate_limiter=limiter.config(), storage_device=storage_device)
+        except BaseException:
+            self._remove_owned()  # no half-built buffer: what started is killed in _start_actors
+            raise
+        BufferClient.__init__(self, coord, shards, dataset.spec, name=name, batch_size=batch_size, **settings)
+        try:  # surface construction errors (a missing chunk, a bad spec) here, not at the first sample
+            # Starting processes takes seconds: the per-call timeout is not for this.
+            self._get([s.ping.remote() for s in self._shards] + [self._coord.ping.remote()],
+                      timeout=None if self._timeout is None else max(self._timeout, 300.0))
+            if online_storage is not None and len(online_storage) > 0:
+                from rayrb.io.datasets.registry import _torchrl_rows
+
+                self.extend(_torchrl_rows(online_storage))
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def client(self, *, timeout: float | None | str = "same", prefetch: int | str = "same") -> BufferClient:
+        """A handle for collectors and learners: it writes and samples, but cannot shut the buffer down.
+
+        ``timeout`` bounds this handle's waits and ``prefetch`` is how far its plain
+        ``sample()`` loop may draw ahead (defaults: the buffer's).
+        """
+        args = self._client_args()
+        if timeout != "same":
+            args["timeout"] = check_timeout(timeout)
+        if prefetch != "same":
+            args["prefetch"] = 0 if self._limited else non_negative_int("prefetch", prefetch)
+        return BufferClient(**args)
+
+    def preprocess(self, fn: Callable, dest: str | os.PathLike, **kwargs: Any) -> ChunkDataset:
+        """Map the offline dataset through ``fn`` with Ray tasks (see :func:`rayrb.io.preprocess`).
+
+        Returns the new dataset; pass it as ``offline_dataset`` to a new buffer.
+        """
+        from rayrb.io.preprocess import preprocess
+
+        return preprocess(self._dataset_root, fn, dest, **kwargs)
+
+    def dumps(self, path: str | os.PathLike) -> None:
+        """Save the online rows, priorities and sampling state under ``path`` (TorchRL's name).
+
+        The cut is consistent: every write acknowledged before this call is in it. The
+        checkpoint is written beside ``path`` and moved into place whole, manifest last.
+        The offline dataset is not copied: the checkpoint records which one it was.
+        ``path`` must be readable by the shard actors (shared storage on a cluster).
+        """
+        from rayrb.handle.checkpoint import save
+        from rayrb.handle.iterator import report_served
+
+        self._lookahead.give_back()
+        report_served(self)
+        save(self, Path(path))
+
+    def loads(self, path: str | os.PathLike) -> None:
+        """Restore what :meth:`dumps` saved into this buffer.
+
+        Every file is checked (layout, spec, sampler, dataset, checksums) before
+        anything changes, so a failed call leaves the buffer as it was.
+        """
+        from rayrb.handle.checkpoint import restore
+
+        self._lookahead.give_back()
+        restore(self, Path(path))
+
+    dump, load = dumps, loads
+
+    def shutdown(self) -> None:
+        """Kill the buffer's actors and remove offline data it wrote itself. Idempotent."""
+        import ray
+
+        self._closed = True
+        shards = getattr(self, "_shards", [])
+        coord = getattr(self, "_coord", None)
+        closing = [s.close.remote() for s in shards] + ([coord.close.remote()] if coord is not None else [])
+        try:  # shards remove their state files, the coordinator its version file; a stuck one is killed anyway
+            ray.wait(closing, num_returns=len(closing), timeout=5)
+        except Exception:
+            pass
+        for actor in [*shards, getattr(self, "_coord", None)]:
+            if actor is not None:
+                try:
+                    ray.kill(actor)
+                except Exception:
+                    pass
+        self._remove_owned()
+
+    def _remove_owned(self) -> None:
+        for d in self._owned_dirs:
+            shutil.rmtree(d, ignore_errors=True)
+        self._owned_dirs = []
+
+    def __repr__(self) -> str:
+        state = "shut down" if self._closed else f"offline_rows={self._offline_rows}"
+        return f"{type(self).__name__}(name={self._name!r}, {state}, spec={self._spec!r}, batch_size={self._batch_size})"
+
+
+def _start_actors(dataset: ChunkDataset, name: str, capacity: int, m: int, k: int, *, schedule: Schedule,
+                  kinds: dict[str, str], epoch_end: str, seed: int | None, actor_options: dict, transport: str,
+                  prio: dict[str, float], storage_dir: str | None, rate_limiter: dict,
+                  storage_device: str = "cpu", online_nodes: list[str | None] | None = None
+                  ) -> tuple[Any, list]:
+    """Start ``m`` offline shards, ``k`` online shards and the coordinator; kill them all if one fails to start."""
+    import ray
+
+    from rayrb.actors.coordinator import Coordinator
+    from rayrb.actors.placement import group_options, on_node, shard_placement
+    from rayrb.actors.shards import OfflineShard, OnlineShard
+    from rayrb.durability.storage import shard_directory
+
+    cls_opts, opts, coord_opts, device = group_options(actor_options, transport, m + k, storage_device)
+    table = None if storage_device == "cpu" else storage_device  # shards keep rows in a DeviceTable there
+    ranges = row_ranges(len(dataset), m)
+    capacities = split_evenly(capacity, k).tolist()
+    so = {"alpha": prio["alpha"], "eps": prio["eps"]}
+    # A restarted offline shard re-maps its chunks; its priorities, and an online shard's rows, come back
+    # from its state files. Without those files an online shard's rows would be lost, so it does not restart.
+    restart = {"max_restarts": 3, "max_task_retries": 3}
+    off_opts = {**restart, **opts}
+    on_opts = {**restart, **opts} if storage_dir is not None else opts
+    instance = f"{name.replace('/', '_')}-{uuid.uuid4().hex[:8]}"
+    started: list = []
+    try:
+        for i, (a, b) in enumerate(ranges):
+            started.append(ray.remote(**cls_opts)(OfflineShard).options(**shard_placement(dataset, a, b, off_opts))
+                           .remote(str(dataset.root), a, b, f"{name}/off-{i}", kinds[OFFLINE], sampler_options=so,
+                                   state_dir=shard_directory(storage_dir, instance, f"off-{i}"), device=table))
+        for i, c in enumerate(capacities):
+            started.append(ray.remote(**cls_opts)(OnlineShard).options(
+                **on_node(on_opts, online_nodes[i] if online_nodes else None)).remote(
+                dataset.spec.to_json(), c, f"{name}/on-{i}", kinds[ONLINE], sampler_options=so,
+                state_dir=shard_directory(storage_dir, instance, f"on-{i}"), device=table))
+        # The coordinator restarts too when it can keep its state on disk: the stream, settings and
+        # version there, the write counts in the shards.
+        coord_restart = restart if storage_dir is not None else {}
+        coord = ray.remote(Coordinator).options(name=name, **coord_restart, **coord_opts).remote(
+            started[:m], [b - a for a, b in ranges], started[m:], capacities, offline_fraction=schedule,
+            sampler=dict(kinds), epoch_end=epoch_end, seed=seed, name=name, transport=transport, device=device,
+            beta=prio["beta"], rate_limiter=rate_limiter,
+            state_dir=shard_directory(storage_dir, instance, "coordinator"))
+    except BaseException:
+        for actor in started:
+            ray.kill(actor)
+        raise
+    return coord, started
+
+
+def _is_dataset_id(dataset: Any) -> bool:
+    """A string that names a dataset (``"openml:magic"``) rather than a chunk dataset's directory."""
+    return isinstance(dataset, str) and not Path(dataset).exists()
+
+
+def _sampler_kinds(dataset: Any, sampler: str | None, offline: str | None, online: str | None) -> dict[str, str]:
+    """Each side's sampler: its own option, else ``sampler``, else TorchRL's default for that side."""
+    kinds = {OFFLINE: offline or sampler or _default_offline_kind(dataset), ONLINE: online or sampler or "uniform"}
+    for side, kind in kinds.items():
+        sampler_class(kind)
+    return kinds
+
+
+def _default_offline_kind(dataset: Any) -> str:
+    """TorchRL's: OpenMLExperienceReplay samples without replacement; a ReplayBuffer samples with its own sampler."""
+    if isinstance(dataset, str) and dataset.startswith("openml:"):
+        return "without_replacement"
+    own = type(getattr(dataset, "_sampler", None)).__name__  # a TorchRL ReplayBuffer's sampler, duck-typed
+    return {"SamplerWithoutReplacement": "without_replacement", "PrioritizedSampler": "prioritized"}.get(own, "uniform")
+
+
+def prefill_replay_buffer(rb: Any, dataset: Any, n_samples: int | None = None, chunk_size: int = 1000,
+                          seed: int | None = None) -> Any:
+    """Copy up to ``n_samples`` distinct rows of an offline dataset into a mutable buffer (TorchRL's helper).
+
+    ``rb`` is anything with ``extend`` (a rayrb buffer's online side, a TorchRL
+    replay buffer); ``dataset`` is any offline source
+    :class:`OfflineToOnlineReplayBuffer` accepts. Rows are taken in a random order
+    (``seed``), without repeats.
+    """
+    from rayrb.io.datasets.registry import as_chunk_dataset
+
+    chunk_size = positive_int("chunk_size", chunk_size)
+    # TorchRL builds a dataset id with batch_size=chunk_size; rayrb's own loaders ignore it
+    ds, owned = as_chunk_dataset(dataset, **({"batch_size": chunk_size} if isinstance(dataset, str) else {}))
+    try:
+        total = len(ds) if n_samples is None else min(positive_int("n_samples", n_samples), len(ds))
+        order = np.random.default_rng(seed).permutation(len(ds))[:total]
+        for start in range(0, total, chunk_size):
+            rows = ds.gather(order[start:start + chunk_size])
+            if isinstance(rb, BufferClient):
+                rb.extend(rows, prefill=True)  # seeding the online side: past any rate limiter
+            else:
+                rb.extend(from_numpy_dict(rows))
+    finally:
+        if owned:
+            shutil.rmtree(Path(ds.root).parent, ignore_errors=True)
+    return rb

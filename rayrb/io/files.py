@@ -1,0 +1,66 @@
+"""Low-level file work shared by chunk writes and durable state: whole ``pwrite`` s, block reservation,
+digests, and this process's resident memory. Linux where it helps, portable where it must be."""
+from __future__ import annotations
+
+import os
+import zlib
+from typing import Any
+
+
+def _linux_fallocate():
+    try:
+        import ctypes
+
+        f = ctypes.CDLL(None, use_errno=True).fallocate
+    except (OSError, AttributeError):
+        return None
+    f.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+    f.restype = ctypes.c_int
+    return f
+
+
+_FALLOCATE = _linux_fallocate()
+
+
+def reserve(fd: int, nbytes: int) -> None:
+    """Allocate a file's blocks before writing it (a third faster here); best effort.
+
+    Linux ``fallocate``, not ``os.posix_fallocate``: where a file system cannot allocate
+    ahead, glibc's fallback writes a zero into every block, twice the work; this just returns.
+    """
+    if _FALLOCATE is not None:
+        _FALLOCATE(fd, 0, 0, nbytes)
+
+
+def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    """``pwrite`` all of ``data`` at ``offset`` (a write may be short); raise if one writes nothing."""
+    while len(data):
+        n = os.pwrite(fd, data, offset)
+        if n <= 0:
+            raise OSError(f"pwrite wrote nothing at offset {offset} with {len(data)} bytes left")
+        data, offset = data[n:], offset + n
+
+
+def file_digest(path: str | os.PathLike) -> dict[str, Any]:
+    """``{"bytes": size, "crc32": hex}`` of a file."""
+    crc, size = 0, 0
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            crc, size = zlib.crc32(block, crc), size + len(block)
+    return {"bytes": size, "crc32": f"{crc:08x}"}
+
+
+def process_memory() -> dict[str, int]:
+    """Resident memory split into private (``rss_anon``: copies) and file-backed (``rss_file``: mapped chunks)."""
+    out = {"rss_bytes": 0, "rss_anon_bytes": 0, "rss_file_bytes": 0, "rss_peak_bytes": 0}
+    names = {"VmRSS:": "rss_bytes", "RssAnon:": "rss_anon_bytes", "RssFile:": "rss_file_bytes",
+             "VmHWM:": "rss_peak_bytes"}
+    try:
+        with open(f"/proc/{os.getpid()}/status") as f:
+            for line in f:
+                parts = line.split()
+                if parts and parts[0] in names:
+                    out[names[parts[0]]] = int(parts[1]) * 1024
+    except OSError:
+        pass
+    return out
