@@ -10,7 +10,7 @@ export RAY_AUTH_MODE ?= disabled
 export RAY_USAGE_STATS_ENABLED ?= 0
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER ?= 0
 
-.PHONY: install test demo bench clean
+.PHONY: install test test-fast lint demo bench clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -22,8 +22,15 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
-test: install
+test: install lint
 	$(PY) -m pytest -q
+
+# The layers without Ray: pure decisions and durability (no actors), with their doctests. Seconds, not minutes.
+test-fast: install
+	$(PY) -m pytest -q -m "not ray" tests/core tests/durability rayrb/core rayrb/durability rayrb/errors.py
+
+lint: install
+	$(PY) -m ruff check .
 
 demo: install
 	$(PY) pipelines/train_bandit.py --dataset $(DATASET) $(if $(DATA_HOME),--data-home $(DATA_HOME),)

@@ -27,8 +27,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -45,10 +46,12 @@ DEFAULT_OUT = REPO / "benchmarks" if (REPO / "pyproject.toml").is_file() else Pa
 SIZES = {
     "full": dict(n_off=581_012, dim=54, n_on=100_000, batch_sizes=[256, 4096, 65536], shards=[1, 2, 4],
                  repeats=3, min_time=1.0, min_iters=5, writer_batches=50, writer_rows=1000, per_row_frames=20_000,
-                 prefetch=16, prefetch_sweep=[1, 4, 8, 16, 32], consumers=[1, 2, 4, 8], consumer_batch=4096),
+                 prefetch=16, prefetch_sweep=[1, 4, 8, 16, 32], consumers=[1, 2, 4, 8], consumer_batch=4096,
+                 draw_batches=[256, 4096], draw_consumers=4, draw_prefetch=16),
     "smoke": dict(n_off=4000, dim=8, n_on=1000, batch_sizes=[64, 512], shards=[1, 2], repeats=1, min_time=0.02,
                   min_iters=2, writer_batches=3, writer_rows=100, per_row_frames=300, prefetch=2,
-                  prefetch_sweep=[1, 2], consumers=[1, 2], consumer_batch=64),
+                  prefetch_sweep=[1, 2], consumers=[1, 2], consumer_batch=64,
+                  draw_batches=[64], draw_consumers=2, draw_prefetch=4),
 }
 
 
@@ -233,7 +236,7 @@ def bench_sampling(cfg, offline, online, root, results):
         next(it)
     stop.set()
     poller.join()
-    del it
+    it = None  # frees its batches
     batch_mib = B * (offline["X"][0].numel() * 4 + 8) / 2**20
     results["object_store"] = {"batch_size": B, "prefetch": cfg["prefetch"], "batch_mib": batch_mib,
                                "baseline_used_mib": base[0], "peak_used_mib": max(u for u, _ in samples),
@@ -254,7 +257,7 @@ def bench_sampling(cfg, offline, online, root, results):
     for rb in [*buffers.values(), prio, limited]:
         rb.shutdown()
     rray.close() if hasattr(rray, "close") else None
-    del o2o, rray
+    o2o = rray = None
     gc.collect()
 
 
@@ -271,6 +274,76 @@ class Consumer:
         while time.time() - t0 < seconds:
             rows += len(next(it))
         return {"rows": rows, "start": t0, "end": time.time()}
+
+
+def coordinator_cpu(rb) -> tuple[float, int]:
+    """``(CPU seconds, batches planned)`` of the coordinator so far, as its ``stats()`` reports them."""
+    c = ray.get(rb.rpc.coord.stats.remote(False))["coordinator"]
+    return float(c.get("cpu_seconds", 0.0)), int(c.get("batches", 0))
+
+
+def bench_draw_path(cfg, offline, online, root, results):
+    """What the one draw path is for, side by side in one run: 4 consumer actors against one in-process TorchRL
+    OfflineToOnlineReplayBuffer, the coordinator's own CPU per batch, and a plain sample() loop under a rate
+    limiter that never binds against the same loop without one."""
+    from rayrb import OfflineToOnlineReplayBuffer, SampleToInsertRatio, write_dataset
+
+    ds_root = Path(root) / "offline-draw-path"
+    write_dataset(offline, ds_root)
+    o2o = torchrl_o2o(offline, online)
+    rb = OfflineToOnlineReplayBuffer(str(ds_root), online_capacity=len(online), num_offline_shards=2,
+                                     num_online_shards=2, offline_fraction=0.5, seed=0)
+    rb.extend(online)
+    out: dict[str, Any] = {"consumers": cfg["draw_consumers"], "prefetch": cfg["draw_prefetch"]}
+    seconds = cfg["min_time"] * 3
+    for B in cfg["draw_batches"]:
+        row: dict[str, list] = {}
+        for _ in range(cfg["repeats"]):
+            o2o_rate = summarize(timed(lambda: o2o.sample(B), cfg["min_time"], cfg["min_iters"]), B)["rows_per_s"]
+            actors = [Consumer.remote() for _ in range(cfg["draw_consumers"])]
+            ray.get([a.__ray_ready__.remote() for a in actors])
+            cpu0, n0 = coordinator_cpu(rb)
+            got = ray.get([a.run.remote(rb.client(), B, cfg["draw_prefetch"], seconds, time.time() + 0.5)
+                           for a in actors])
+            cpu1, n1 = coordinator_cpu(rb)
+            for a in actors:
+                ray.kill(a)
+            span = max(g["end"] for g in got) - min(g["start"] for g in got)
+            rate = sum(g["rows"] for g in got) / span
+            ms = 1e3 * (cpu1 - cpu0) / max(n1 - n0, 1)
+            for k, v in {"consumers_rows_per_s": rate, "torchrl_o2o_rows_per_s": o2o_rate,
+                         "ratio_vs_torchrl_o2o": rate / o2o_rate, "coordinator_cpu_ms_per_batch": ms,
+                         "coordinator_batches_per_s_ceiling": 1e3 / max(ms, 1e-9)}.items():
+                row.setdefault(k, []).append(v)
+        out[str(B)] = {k: med_range(v) for k, v in row.items()}
+        print(f"  draw path B={B}: " + ", ".join(f"{k} {v['median']:,.3f}" for k, v in out[str(B)].items()),
+              flush=True)
+    rb.shutdown()
+    # the plain sample() loop, with and without a rate limiter whose window is never reached
+    plain = OfflineToOnlineReplayBuffer(str(ds_root), online_capacity=len(online), num_offline_shards=1,
+                                        num_online_shards=2, offline_fraction=0.5, seed=1)
+    limited = OfflineToOnlineReplayBuffer(str(ds_root), online_capacity=len(online), num_offline_shards=1,
+                                          num_online_shards=2, offline_fraction=0.5, seed=1,
+                                          rate_limiter=SampleToInsertRatio(1.0, 1, 1e15))
+    for b in (plain, limited):
+        b.extend(online)
+    loop: dict[str, Any] = {}
+    for B in cfg["draw_batches"]:
+        row = {}
+        for _ in range(cfg["repeats"]):
+            a = summarize(timed(lambda: plain.sample(B), cfg["min_time"], cfg["min_iters"]), B)["rows_per_s"]
+            b = summarize(timed(lambda: limited.sample(B), cfg["min_time"], cfg["min_iters"]), B)["rows_per_s"]
+            for k, v in {"no_limiter_rows_per_s": a, "limiter_rows_per_s": b, "ratio": b / a}.items():
+                row.setdefault(k, []).append(v)
+        loop[str(B)] = {k: med_range(v) for k, v in row.items()}
+        print(f"  sample() loop B={B}: " + ", ".join(f"{k} {v['median']:,.3f}" for k, v in loop[str(B)].items()),
+              flush=True)
+    out["limiter_loop"] = loop
+    plain.shutdown()
+    limited.shutdown()
+    o2o = None
+    gc.collect()
+    results["draw_path"] = out
 
 
 def cpu_by_role() -> dict[str, float]:
@@ -312,10 +385,10 @@ def bench_consumers(cfg, offline, online, root, results):
         for _ in range(cfg["repeats"]):
             actors = [Consumer.remote() for _ in range(n)]
             ray.get([a.__ray_ready__.remote() for a in actors])
-            before, cpu0 = ray.get(rb._coord.stats.remote(False))["coordinator"], psutil.cpu_times()
+            before, cpu0 = ray.get(rb.rpc.coord.stats.remote(False))["coordinator"], psutil.cpu_times()
             roles0 = cpu_by_role()
             got = ray.get([a.run.remote(rb.client(), B, cfg["prefetch"], seconds, time.time() + 0.5) for a in actors])
-            after, cpu1 = ray.get(rb._coord.stats.remote(False))["coordinator"], psutil.cpu_times()
+            after, cpu1 = ray.get(rb.rpc.coord.stats.remote(False))["coordinator"], psutil.cpu_times()
             roles = {k: v - roles0.get(k, 0.0) for k, v in cpu_by_role().items()}
             busy = sum(getattr(cpu1, f) - getattr(cpu0, f) for f in ("user", "system", "nice", "irq", "softirq"))
             total = busy + (cpu1.idle - cpu0.idle) + (getattr(cpu1, "iowait", 0) - getattr(cpu0, "iowait", 0))
@@ -672,7 +745,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--smoke", action="store_true", help="tiny sizes, one repeat (what the tests run)")
     p.add_argument("--data-home", default=os.environ.get("SCIKIT_LEARN_DATA"))
     p.add_argument("--out", default=str(DEFAULT_OUT))
-    p.add_argument("--sections", default="sampling,consumers,real,writing,preprocess,cluster",
+    p.add_argument("--sections", default="sampling,draw_path,consumers,real,writing,preprocess,cluster",
                    help="comma-separated; 'gpu' (not in the default) needs CUDA and writes results_gpu.json")
     p.add_argument("--batch-sizes", default=None, help="comma-separated, overrides the mode's")
     p.add_argument("--repeats", type=int, default=None, help="overrides the mode's")
@@ -707,6 +780,9 @@ def main(argv: list[str] | None = None) -> dict:
         if "sampling" in sections:
             print("sampling...", flush=True)
             bench_sampling(cfg, offline, online, root, results)
+        if "draw_path" in sections:
+            print("draw path...", flush=True)
+            bench_draw_path(cfg, offline, online, root, results)
         if "consumers" in sections:
             print("consumers...", flush=True)
             bench_consumers(cfg, offline, online, root, results)

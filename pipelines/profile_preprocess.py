@@ -10,9 +10,9 @@ import time
 
 import numpy as np
 
+from rayrb.core.schema import RowSpec
 from rayrb.io.chunks import hash_arrays, write_chunk, write_dataset
 from rayrb.io.preprocess import _apply, _read_unit
-from rayrb.core.schema import RowSpec
 
 
 def standardize(td):

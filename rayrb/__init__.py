@@ -80,7 +80,7 @@ if not any(isinstance(f, _Alias) for f in sys.meta_path):
 import rayrb.io.preprocess as _preprocess_module  # noqa: E402
 
 sys.modules.setdefault("rayrb.preprocess", _preprocess_module)
-from rayrb.io.preprocess import preprocess  # noqa: E402
+from rayrb.io.preprocess import preprocess  # noqa: E402, F401  (rayrb.preprocess is the function)
 
 __all__ = sorted([*_EXPORTS, "preprocess"])
 

@@ -8,9 +8,8 @@ import time
 
 import numpy as np
 import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
 from cluster_util import local_cluster, report
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 FAST_HEALTH_CHECKS = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500,
                       "health_check_timeout_ms": 500, "health_check_failure_threshold": 3}
@@ -32,7 +31,7 @@ def main(tmp: str) -> None:
             rb = OfflineToOnlineReplayBuffer(src, online_capacity=100, num_offline_shards=1, seed=0, timeout=60,
                                              offline_fraction=1.0, actor_options={"scheduling_strategy": soft},
                                              storage_dir=os.path.join(tmp, "state"))
-            node_of = ray.get(rb._shards[0].__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()))
+            node_of = ray.get(rb.rpc.shards[0].__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()))
             if node_of != head:
                 break
             rb.shutdown()
@@ -42,7 +41,7 @@ def main(tmp: str) -> None:
             report({"placed": False})
             return
         before = rb.sample(64)["x"]
-        shard = rb._shards[0]
+        shard = rb.rpc.shards[0]
         where = ray.get(shard.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()))
         # Soft affinity is a preference: remove whichever worker node the shard really runs on.
         doomed = next((w for w in workers if w.node_id == where), doomed)

@@ -7,9 +7,8 @@ import time
 
 import numpy as np
 import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
 from cluster_util import local_cluster, report
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 
 @ray.remote(num_cpus=0)
@@ -39,7 +38,7 @@ def main(tmp: str) -> None:
                                              num_online_shards=2, online_nodes=nodes, seed=0,
                                              storage_dir=os.path.join(tmp, "state"), timeout=60)
             m = len(rb.sizes()["offline"])
-            placed = ray.get([s.place.remote() for s in rb._shards[m:]])
+            placed = ray.get([s.place.remote() for s in rb.rpc.shards[m:]])
             if [p["node"] for p in placed] == nodes:
                 break
             rb.shutdown()

@@ -4,7 +4,6 @@ import sys
 
 import numpy as np
 import ray
-
 from cluster_util import local_cluster, report
 
 

@@ -28,9 +28,10 @@ def ray_session():
     """The session's single local Ray instance (multi-node tests start their own in a subprocess)."""
     import ray
 
-    # Workers unpickle test-defined actors by module name: let them import from tests/.
-    tests_dir = str(Path(__file__).resolve().parent)
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH")) if p)
+    # Workers unpickle test-defined actors by module name: let them import from tests/ and its folders.
+    tests_dir = Path(__file__).resolve().parent
+    dirs = [str(tests_dir)] + sorted(str(d) for d in tests_dir.iterdir() if d.is_dir() and d.name[0] not in "._")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (*dirs, os.environ.get("PYTHONPATH")) if p)
     if not ray.is_initialized():
         ray.init(
             num_cpus=2,
@@ -60,6 +61,17 @@ def make_buffer(tmp_path):
     yield make
     for rb in made:
         rb.shutdown()
+
+
+RAY_FIXTURES = {"ray_session", "make_buffer"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark every test that starts or uses Ray ``ray``, so that ``-m "not ray"`` (``make test-fast``) runs
+    the rest in seconds."""
+    for item in items:
+        if RAY_FIXTURES & set(getattr(item, "fixturenames", ())) or item.get_closest_marker("cluster"):
+            item.add_marker(pytest.mark.ray)
 
 
 def run_marked(script: str, *args: str, timeout: float = 300) -> dict:

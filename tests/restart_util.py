@@ -17,10 +17,10 @@ def online_ids(rb) -> list[int]:
     """Every online row's id, as many times as the shards hold it."""
     import ray
 
-    from rayrb.handle.iterator import _shards_by_side
+    pass
 
     out = []
-    for state in ray.get([s.state.remote() for s in _shards_by_side(rb)["online"]]):
+    for state in ray.get([s.state.remote() for s in rb.rpc.by_side["online"]]):
         out += state["rows/id"][state["generation"] > 0].tolist()
     return sorted(out)
 
@@ -35,10 +35,10 @@ def kill_coordinator(rb) -> None:
     import ray
 
     def pid():
-        return ray.get(rb._coord.__ray_call__.remote(lambda self: os.getpid()), timeout=10)
+        return ray.get(rb.rpc.coord.__ray_call__.remote(lambda self: os.getpid()), timeout=10)
 
     before = pid()
-    ray.kill(rb._coord, no_restart=False)
+    ray.kill(rb.rpc.coord, no_restart=False)
     deadline = time.monotonic() + 60
     while True:
         try:

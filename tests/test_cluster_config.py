@@ -6,10 +6,9 @@ import re
 
 import pytest
 import yaml
+from conftest import REPO
 from ray.autoscaler._private.commands import _bootstrap_config
 from ray.autoscaler._private.util import prepare_config, validate_config
-
-from conftest import REPO
 
 TEXT = (REPO / "cluster.yaml").read_text()
 

@@ -5,7 +5,6 @@ import doctest
 import re
 
 import pytest
-
 from conftest import REPO
 
 

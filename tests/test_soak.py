@@ -7,9 +7,9 @@ import time
 import numpy as np
 import pytest
 import torch
+from conftest import run_marked
 from tensordict import TensorDict
 
-from conftest import run_marked
 from rayrb import OfflineToOnlineReplayBuffer
 from rayrb.core.allocation import offline_count
 
@@ -63,7 +63,7 @@ def test_soak_with_killed_shards_loses_and_doubles_nothing(tmp_path, ray_session
         ray.get([a.__ray_ready__.remote() for a in ws + ss])
         work = [w.run.remote(until) for w in ws] + [s.run.remote(until) for s in ss]
         recovery = {}
-        for name, shard in (("offline shard", rb._shards[0]), ("online shard", rb._shards[-1])):
+        for name, shard in (("offline shard", rb.rpc.shards[0]), ("online shard", rb.rpc.shards[-1])):
             time.sleep(seconds / 3)
             pid = ray.get(shard.__ray_call__.remote(lambda self: os.getpid()))
             ray.kill(shard, no_restart=False)

@@ -2,7 +2,8 @@
 learner slices beside their learners."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from rayrb.io.chunks import ChunkDataset
 

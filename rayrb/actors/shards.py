@@ -9,28 +9,30 @@ Both return rows as flat dicts of numpy arrays plus provenance (local index and
 the slot's generation: how many times it has been written). They import numpy
 only, not torch, so each costs little memory and starts fast.
 
-The coordinator is their only caller for data paths; Ray runs a caller's tasks on
-a sync actor in submission order, which is what keeps the coordinator's view of
-shard sizes exact.
+Writes come from the coordinator, which runs one caller's tasks in order; reads
+come from the handles that asked for the plans. A read carries the online write
+count it was planned with: it draws over those rows, and one that arrives before
+those writes have landed draws nothing and is asked again (``docs/architecture.md``).
 """
 from __future__ import annotations
 
 import copy
 import os
 import time
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 
-from rayrb.io.chunks import ChunkDataset, ReadOnlyError
 from rayrb.actors.metrics import ActorMetrics
-from rayrb.io.files import process_memory
 from rayrb.core.plans import Epoch
 from rayrb.core.samplers import make_sampler
 from rayrb.core.schema import RowSpec
-from rayrb.durability.storage import OnlineStorage, PriorityStore
 from rayrb.core.validation import ALPHA, EPS, positive_int
+from rayrb.durability.storage import OnlineStorage, PriorityStore
 from rayrb.durability.writelog import held_runs
+from rayrb.io.chunks import ChunkDataset, ReadOnlyError
+from rayrb.io.files import process_memory
 
 Rows = dict[str, np.ndarray]
 Info = dict[str, np.ndarray]
@@ -100,24 +102,23 @@ class _Shard:
         return int(keep.sum())
 
     def sample_many(self, counts: list[int], seeds: list[int], epochs: list[Epoch | None] | None = None,
-                    written: int | None = None) -> tuple[Rows, Info]:
+                    written: int | None = None) -> tuple[Rows, Info] | None:
         """Several reads' rows, in order, gathered in one pass into one object.
 
         Read ``j`` draws ``counts[j]`` rows from ``seeds[j]``; without replacement,
-        ``epochs[j]`` says which epoch it belongs to and where in it it starts. A read
-        made again later passes ``written``, the write count it was planned at, so that
-        it draws over the rows there were then (the same rows, unless overwritten since).
+        ``epochs[j]`` says which epoch it belongs to and where in it it starts.
+        ``written`` is the write count the reads were planned at: they draw over the rows
+        there were then (the same rows, unless overwritten since), and a read that
+        arrives before those writes landed here returns None, drawing nothing.
         """
+        if written is not None and self._written_count() < written:
+            return None  # planned after writes that have not landed here yet: the caller asks again
         t0 = time.perf_counter()
         idx = self._indices(counts, seeds, epochs, written)
         rows, info = self._gather(idx), self._info(idx)
         self._metrics.count("rows_sampled", len(idx))
         self._metrics.observe("sample_ms", (time.perf_counter() - t0) * 1e3)
         return rows, info
-
-    def sample(self, count: int, seed: int, epoch: Epoch | None = None) -> tuple[Rows, Info]:
-        """``count`` local rows drawn by this shard's sampler from ``seed``, with their provenance."""
-        return self.sample_many([count], [seed], [epoch])
 
     def _indices(self, counts: list[int], seeds: list[int], epochs: list[Epoch | None] | None,
                  written: int | None = None) -> np.ndarray:
@@ -129,11 +130,6 @@ class _Shard:
     def _size_at(self, written: int) -> int:
         """Rows held when ``written`` rows had been written (an offline shard's never change)."""
         return self.size()
-
-    def sample_tensors(self, count: int, seed: int, epoch: Epoch | None = None, device: str | None = None
-                       ) -> dict[str, Any]:
-        """:meth:`sample` as one flat dict of torch tensors (``rows/..``, ``info/..``), for Ray Direct Transport."""
-        return self.sample_many_tensors([count], [seed], [epoch], device=device)
 
     def sample_many_tensors(self, counts: list[int], seeds: list[int], epochs: list[Epoch | None] | None = None,
                             device: str | None = None, written: int | None = None) -> dict[str, Any]:

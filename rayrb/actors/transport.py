@@ -7,7 +7,8 @@ into a TensorDict. Array conversion lives in :mod:`rayrb.io.arrays`.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, NamedTuple, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
 
 import torch
 from tensordict import TensorDict

@@ -21,7 +21,7 @@ Examples:
 from __future__ import annotations
 
 import math
-from typing import Collection, Sequence
+from collections.abc import Collection, Sequence
 
 import numpy as np
 

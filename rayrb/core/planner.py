@@ -9,12 +9,12 @@ turns a batch size into :class:`~rayrb.core.plans.BatchPlan` s:
 2. the exact split ``n_off = floor(f * B + 1/2)``, ``n_on = B - n_off``
    (:func:`~rayrb.core.allocation.split_batch`), all offline while the online side is empty;
 3. the rate limiter's say on ``n_on``: as planned, all offline, or wait
-   (:class:`Refused`);
+   (:class:`~rayrb.errors.HeldBack`);
 4. the allocator's check of both sides, epochs begun where needed;
 5. per slice, per side: each shard's read arguments, then per-shard counts, then
    one seed per shard.
 
-A draw that raises, :class:`Refused` included, leaves the step, the RNG, the
+A draw that raises, :class:`~rayrb.errors.HeldBack` included, leaves the step, the RNG, the
 allocator and the limiter as they were, so the seeded stream goes on as if it
 had not been asked.
 
@@ -33,27 +33,21 @@ Examples:
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import numpy as np
 
 from rayrb.core.allocation import split_batch, split_slices
 from rayrb.core.allocators import make_allocator
-from rayrb.core.plans import OFFLINE, ONLINE, SIDES, BatchPlan, Blocked, Part
+from rayrb.core.plans import OFFLINE, ONLINE, SIDES, BatchPlan, Part
 from rayrb.core.rate_limiter import ALL_OFFLINE, WAIT, make_rate_limiter
 from rayrb.core.schedules import Constant, Linear, make_schedule
 from rayrb.core.validation import BETA, non_negative_int, positive_int
+from rayrb.errors import HeldBack
 
 Sizes = Mapping[str, np.ndarray]
 Reads = list[tuple[int, dict]]
-
-
-class Refused(Exception):
-    """The rate limiter holds a call back; nothing changed."""
-
-    def __init__(self, blocked: Blocked):
-        super().__init__(blocked.reason)
-        self.blocked = blocked
 
 
 class Planner:
@@ -142,7 +136,7 @@ class Planner:
 
         Each slice is allocated on its own, so every slice and their union have the
         distribution of sampling the union of shards, and each slice's split is exact
-        to within one row. Raises :class:`Refused` when the rate limiter holds it back.
+        to within one row. Raises :class:`~rayrb.errors.HeldBack` when the rate limiter holds it back.
         """
         batch_size = positive_int("batch_size", batch_size)
         if not 1 <= num_slices <= batch_size:
@@ -153,8 +147,8 @@ class Planner:
             need = self._shorten(batch_size, fraction, online)
             decision = self.limiter.decide(need[ONLINE], online)
             if decision == WAIT:
-                raise Refused(Blocked("sample", f"the rate limiter holds back {need[ONLINE]} online rows "
-                                                f"(online size {online}, {self.limiter!r}, {self.limiter.stats()})"))
+                raise HeldBack("sample", f"the rate limiter holds back {need[ONLINE]} online rows "
+                                         f"(online size {online}, {self.limiter!r}, {self.limiter.stats()})")
             if decision == ALL_OFFLINE:
                 need = {OFFLINE: batch_size, ONLINE: 0}
             for side, begin in self.alloc.check(need, sizes).items():  # raises before anything changes
@@ -207,11 +201,17 @@ class Planner:
         return BatchPlan(parts, n_off, n_on, fraction, self.step, self.alloc.weights()), reads
 
     # writes -----------------------------------------------------------------
-    def admit_insert(self, rows: int, online_size: int, *, prefill: bool = False) -> None:
-        """Raise :class:`Refused` if the rate limiter holds a write of ``rows`` back (never for a prefill)."""
-        if not prefill and not self.limiter.can_insert(rows, online_size):
-            raise Refused(Blocked("insert", f"the rate limiter holds back {rows} rows "
-                                            f"({self.limiter!r}, {self.limiter.stats()})"))
+    def admit_insert(self, rows: int, online_size: int, *, prefill: bool = False, unserved: int = 0) -> None:
+        """Raise :class:`~rayrb.errors.HeldBack` if the rate limiter holds a write of ``rows`` back (never for a
+        prefill). ``unserved`` online rows were drawn ahead and not served yet: the write is judged against
+        the rows served, as it would be if nothing had been drawn ahead."""
+        if not prefill and not self.limiter.can_insert(rows, online_size, unserved=unserved):
+            raise HeldBack("insert", f"the rate limiter holds back {rows} rows "
+                                     f"({self.limiter!r}, {self.limiter.stats()})")
+
+    def unrecord_samples(self, rows: int) -> None:
+        """Online rows drawn ahead and dropped unserved: the limiter counts rows served."""
+        self.limiter.unrecord_sample(rows)
 
     def record_insert(self, rows: int, online_size: int, *, prefill: bool = False) -> None:
         if prefill:
@@ -256,83 +256,3 @@ class Planner:
         self.step, self.schedule, self._base = step, schedule, state.get("base_fraction")
         self.rng.bit_generator.state = rng.bit_generator.state
         self.alloc, self.limiter = alloc, limiter
-
-
-# Draws a handle may give back: a handle holds at most 2 groups of lookahead.MAX_DEPTH + 1, and an
-# iterator draws no deeper than this.
-MAX_AHEAD = 256
-
-
-class AheadLog:
-    """The draws one handle made ahead of its ``sample()`` calls: what undoing them, or saving without them, needs.
-
-    Each draw is numbered, with the planner's :meth:`Planner.snapshot` before it. The
-    handle says which it has served (:meth:`served`) and gives back the rest
-    (:meth:`take_back`). Any draw by another caller, or a change of settings, ends the
-    log (:meth:`forget`): the draws since stand.
-
-    Examples:
-        >>> log = AheadLog(limit=8)
-        >>> [log.record("h", ("state", i), rows=10) for i in range(4)]
-        [0, 1, 2, 3]
-        >>> log.served("h", 0)
-        >>> log.first_unserved()
-        ('state', 1)
-        >>> log.take_back("h", 2)  # draws 2 and 3: the state before draw 2, and their rows
-        (('state', 2), 20)
-        >>> log.take_back("other", 1) is None
-        True
-    """
-
-    def __init__(self, limit: int):
-        self.limit = limit
-        self.handle: str | None = None
-        self._entries: list[tuple[int, tuple, int]] = []  # (number, snapshot before it, rows), oldest first
-        self._next = 0
-
-    def record(self, handle: str, snapshot: tuple, rows: int) -> int:
-        """Log a draw made for ``handle``; returns its number. Another handle's draw starts a new log."""
-        if handle != self.handle:
-            self.forget()
-            self.handle = handle
-        number, self._next = self._next, self._next + 1
-        self._entries.append((number, snapshot, rows))
-        del self._entries[:-self.limit]
-        return number
-
-    @property
-    def next_number(self) -> int:
-        """The number the next draw gets."""
-        return self._next
-
-    def forget(self) -> None:
-        self.handle, self._entries = None, []
-
-    def served(self, handle: str, number: int) -> None:
-        """``handle`` has served its draws up to ``number``: those are never given back."""
-        if handle == self.handle:
-            self._entries = [e for e in self._entries if e[0] > number]
-
-    def take_back(self, handle: str, count: int) -> tuple[tuple, int] | None:
-        """Remove ``handle``'s last ``count`` draws: the snapshot before them and their rows, or None if they
-        are not all in the log (another caller drew since, or they were served)."""
-        if handle != self.handle or not 0 < count <= len(self._entries):
-            return None
-        taken, self._entries = self._entries[-count:], self._entries[:-count]
-        return taken[0][1], sum(e[2] for e in taken)
-
-    def unserved(self, handle: str) -> int:
-        """How many of ``handle``'s draws are in the log and not served; -1 if the log is another caller's.
-
-        >>> log = AheadLog(limit=8)
-        >>> [log.record("it", ("state", i), rows=5) for i in range(3)]
-        [0, 1, 2]
-        >>> log.served("it", 0)
-        >>> log.unserved("it"), log.take_back("it", log.unserved("it")), log.unserved("other")
-        (2, (('state', 1), 10), -1)
-        """
-        return len(self._entries) if handle == self.handle else -1
-
-    def first_unserved(self) -> tuple | None:
-        """The snapshot before the oldest draw not known to be served, or None."""
-        return self._entries[0][1] if self._entries else None

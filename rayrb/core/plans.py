@@ -27,8 +27,9 @@ Examples:
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -89,34 +90,47 @@ class BatchPlan:
         return self.n_offline + self.n_online
 
 
-@dataclass
-class Dispatch:
-    """A plan whose shard reads were submitted: ``refs[i]`` resolves to part ``i``'s ``(rows, info)``."""
-
-    plan: BatchPlan
-    refs: list[Any]
+Read = tuple[list[int], list[int], list[Any], "int | None"]  # counts, seeds, epochs, online write count
 
 
 @dataclass
-class GroupDispatch:
-    """Consecutive batches read with one task per shard: ``refs[j]`` holds shard ``reads[j]``'s rows of all of them,
-    in batch order."""
+class GroupPlan:
+    """Consecutive batches (or one batch's slices) as the coordinator planned them: what the caller reads.
+
+    ``reads[j]`` is a shard ``(side, index)`` and ``args[j]`` its one read for all of
+    the group's batches, in batch order: ``(counts, seeds, epochs, written)``, where
+    ``written`` is the online write count the batches were planned with (None
+    offline), so that a read that reaches the shard later still draws over those rows.
+    """
 
     plans: list[BatchPlan]
     reads: list[tuple[str, int]] = field(default_factory=list)
-    refs: list[Any] = field(default_factory=list)
+    args: list[Read] = field(default_factory=list)
     version: int = -1  # the coordinator's version (writes, updates, settings) the group was planned at
-    first: int = -1  # drawn ahead for a handle: the number of its first batch (rayrb.core.planner.AheadLog)
-    # for the caller to submit: per read (counts, seeds, epochs, the online write count planned with)
-    args: list[tuple[list[int], list[int], list[Any], int | None]] = field(default_factory=list)
+    first: int = -1  # drawn ahead for a stream: the number of its first batch (rayrb.core.ahead.AheadLog)
 
 
-@dataclass(frozen=True)
-class Blocked:
-    """The rate limiter holds a call back: nothing was drawn or written; the caller waits and asks again."""
+def reads_by_plan(group: GroupPlan) -> list[list[tuple[str, int, Read]]]:
+    """The group's reads cut per plan, one per part: ``(side, shard, ([count], [seed], [epoch], written))``.
 
-    side: str  # "sample" or "insert"
-    reason: str
+    >>> plan = BatchPlan([Part("offline", 0, 2), Part("online", 1, 1)], 2, 1, fraction=0.5, step=0)
+    >>> g = GroupPlan([plan, plan], reads=[("offline", 0), ("online", 1)],
+    ...               args=[([2, 2], [7, 8], [None, None], None), ([1, 1], [5, 6], [None, None], 40)])
+    >>> [[(s, i, a[1]) for s, i, a in parts] for parts in reads_by_plan(g)]
+    [[('offline', 0, [7]), ('online', 1, [5])], [('offline', 0, [8]), ('online', 1, [6])]]
+    """
+    by_shard = dict(zip(group.reads, group.args))
+    cursor = dict.fromkeys(by_shard, 0)
+    out = []
+    for plan in group.plans:
+        parts = []
+        for side, shard, _ in plan.parts:
+            counts, seeds, epochs, written = by_shard[(side, shard)]
+            j = cursor[(side, shard)]
+            parts.append((side, shard, ([counts[j]], [seeds[j]], [epochs[j] if epochs else None], written)))
+            cursor[(side, shard)] = j + 1
+        out.append(parts)
+    return out
 
 
 def concat(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -176,7 +190,7 @@ def assemble(plan: BatchPlan, results: Sequence[tuple[Rows, Info]], return_info:
     return rows, info
 
 
-def split_group(group: GroupDispatch, results: Sequence[tuple[Rows, Info]]) -> list[tuple[BatchPlan, list]]:
+def split_group(group: GroupPlan, results: Sequence[tuple[Rows, Info]]) -> list[tuple[BatchPlan, list]]:
     """Cut a group's per-shard results back into each batch's ``(plan, parts)``."""
     data = dict(zip(group.reads, results))
     cursor = dict.fromkeys(data, 0)

@@ -86,8 +86,9 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Mapping
 from numbers import Real
-from typing import Any, Mapping
+from typing import Any
 
 from rayrb.core.validation import finite_number, non_negative_int, one_of, positive_int
 
@@ -178,9 +179,14 @@ class RateLimiter:
         n, size = non_negative_int("n_online_rows", n_online_rows), non_negative_int("online_size", online_size)
         return n == 0 or self._sample_allowed(size)
 
-    def can_insert(self, n_rows: int, online_size: int) -> bool:
+    def can_insert(self, n_rows: int, online_size: int, unserved: int = 0) -> bool:
+        """Whether ``n_rows`` may be inserted; ``unserved`` sampled rows were drawn ahead and not yet served,
+        and count as not sampled (a write is judged against the rows served)."""
         n, size = non_negative_int("n_rows", n_rows), non_negative_int("online_size", online_size)
-        if n == 0 or self.diff is None or self.diff + n * self.samples_per_insert <= self.max_diff:
+        diff = self.diff
+        if diff is not None:
+            diff += non_negative_int("unserved", unserved)
+        if n == 0 or diff is None or diff + n * self.samples_per_insert <= self.max_diff:
             return True
         return not self._sample_allowed(size)
 
@@ -198,6 +204,10 @@ class RateLimiter:
 
     def record_sample(self, n_online_rows: int) -> None:
         self._state["samples"] += non_negative_int("n_online_rows", n_online_rows)
+
+    def unrecord_sample(self, n_online_rows: int) -> None:
+        """Rows counted by :meth:`record_sample` that were never served (dropped by the handle that drew them)."""
+        self._state["samples"] = max(0, self._state["samples"] - non_negative_int("n_online_rows", n_online_rows))
 
     def record_prefill(self, n_rows: int, online_size: int) -> None:
         """Rows written with no check; ``online_size`` is the size before them (see the module)."""

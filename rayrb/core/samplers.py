@@ -34,7 +34,8 @@ Examples:
 """
 from __future__ import annotations
 
-from typing import Any, ClassVar, Mapping
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -46,7 +47,7 @@ from rayrb.core.allocators import (
     make_allocator,  # noqa: F401  (re-exported)
     register_allocator,
 )
-from rayrb.core.plans import OFFLINE, ONLINE, Epoch
+from rayrb.core.plans import Epoch
 from rayrb.core.validation import ALPHA, EPS, positive_int, priority_options
 
 

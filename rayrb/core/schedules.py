@@ -19,7 +19,8 @@ Examples:
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from rayrb.core.allocation import check_fraction
 from rayrb.core.validation import positive_int

@@ -22,10 +22,12 @@ Examples:
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import numpy as np
+
 from rayrb.errors import SchemaError  # noqa: F401  (re-exported)
 
 SEP = "/"

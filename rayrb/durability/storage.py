@@ -35,14 +35,15 @@ import json
 import os
 import shutil
 import struct
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import xxhash
 
-from rayrb.io.files import pwrite_all
 from rayrb.core.schema import SEP, RowSpec
+from rayrb.io.files import pwrite_all
 
 LAYOUT = "layout.json"
 

@@ -43,8 +43,9 @@ from __future__ import annotations
 
 import bisect
 from collections import OrderedDict
+from collections.abc import Collection, Hashable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Collection, Hashable, Sequence
+from typing import Any
 
 import numpy as np
 

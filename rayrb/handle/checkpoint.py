@@ -47,11 +47,11 @@ def save(rb: Any, path: Path) -> None:
     tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        cut = rb._get(rb._coord.checkpoint.remote(str(tmp)))
-        files = dict(rb._get(cut["acks"]))
-        meta = {"format": FORMAT, "version": VERSION, "dataset": rb._dataset_root,
-                "dataset_fingerprint": dataset_fingerprint(ChunkDataset.open(rb._dataset_root)),
-                "spec": rb.spec.to_json(), "sampler": rb._sampler_name, "sizes": cut["sizes"],
+        cut = rb.rpc.get(rb.rpc.coord.checkpoint.remote(str(tmp)))
+        files = dict(rb.rpc.get(cut["acks"]))
+        meta = {"format": FORMAT, "version": VERSION, "dataset": rb.dataset_root,
+                "dataset_fingerprint": dataset_fingerprint(ChunkDataset.open(rb.dataset_root)),
+                "spec": rb.spec.to_json(), "sampler": rb.sampler_name, "sizes": cut["sizes"],
                 "coordinator": cut["state"], "files": files}
         with open(tmp / MANIFEST, "w") as f:
             json.dump(meta, f, default=int)
@@ -94,16 +94,16 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
 
 def check_compatible(meta: dict[str, Any], rb: Any, sizes: dict[str, list[int]]) -> None:
     """Raise, naming what differs, unless ``rb`` can load this checkpoint."""
-    from rayrb.io.chunks import ChunkDataset
     from rayrb.core.schema import RowSpec
+    from rayrb.io.chunks import ChunkDataset
 
     diffs = []
     if RowSpec.from_json(meta["spec"]) != rb.spec:
         diffs.append(f"row spec {meta['spec']} vs {rb.spec.to_json()}")
-    if meta["sampler"] != rb._sampler_name:
-        diffs.append(f"sampler {meta['sampler']!r} vs {rb._sampler_name!r}")
-    if meta["dataset_fingerprint"] != dataset_fingerprint(ChunkDataset.open(rb._dataset_root)):
-        diffs.append(f"offline dataset {meta['dataset']} vs {rb._dataset_root} (different rows)")
+    if meta["sampler"] != rb.sampler_name:
+        diffs.append(f"sampler {meta['sampler']!r} vs {rb.sampler_name!r}")
+    if meta["dataset_fingerprint"] != dataset_fingerprint(ChunkDataset.open(rb.dataset_root)):
+        diffs.append(f"offline dataset {meta['dataset']} vs {rb.dataset_root} (different rows)")
     saved = meta["sizes"]
     if sum(saved["online_capacity"]) != sum(sizes["online_capacity"]):
         diffs.append(f"shard layout with online capacity {sum(saved['online_capacity'])} "
@@ -201,10 +201,10 @@ def restore(rb: Any, path: Path) -> None:
         state.pop("allocator", None)
     try:
         # Every shard checks its file before any shard loads one: a refused file changes no shard.
-        rb._get([s.check.remote(str(path / n)) for s, n in zip(rb._shards, names)])
-        rb._get([s.load.remote(str(path / n)) for s, n in zip(rb._shards, names)])
+        rb.rpc.get([s.check.remote(str(path / n)) for s, n in zip(rb.rpc.shards, names)])
+        rb.rpc.get([s.load.remote(str(path / n)) for s, n in zip(rb.rpc.shards, names)])
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-    rb._get(rb._coord.resync.remote())
+    rb.rpc.get(rb.rpc.coord.resync.remote())
     rb.load_state_dict(state)

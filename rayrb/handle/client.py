@@ -1,105 +1,71 @@
-"""The handle that collectors and learners hold: :class:`BufferClient`, a thin client over the coordinator.
+"""The handle that collectors and learners hold: :class:`BufferClient`.
 
-A client holds the coordinator's actor handle, the row spec and a few settings;
-it is small and picklable, so it is passed to collector and learner actors. It can
-write, sample and read settings, but it does not own the buffer: only the
+A client holds the coordinator's and shards' actor handles, the row spec and a few
+settings; it is small and picklable, so it is passed to collector and learner
+actors. It writes, samples and steers, but it does not own the buffer: only the
 :class:`~rayrb.OfflineToOnlineReplayBuffer` that created the actors shuts them
 down. Pickling that owner gives a client.
 
-Every remote call goes through :meth:`BufferClient._get`, which bounds the wait
-by ``timeout`` and turns Ray's failures into ``TimeoutError``,
-:class:`BufferUnavailableError` or the actor's own ``ValueError``.
+Every remote call goes through its :class:`~rayrb.handle.rpc.Rpc`. Every way of
+sampling goes through a :class:`~rayrb.handle.stream.Stream`: the coordinator plans,
+this handle reads the shards. The methods in :data:`GIVES_BACK_BEFORE` first give
+back what the handle's ``sample()`` loop drew ahead.
 """
 from __future__ import annotations
 
 import functools
-import time
 import uuid
 from typing import Any
 
 import numpy as np
 import torch
 
-from rayrb.core.plans import Blocked, assemble
+from rayrb.core.plans import OFFLINE, ONLINE, assemble
 from rayrb.core.schedules import Schedule, make_schedule
 from rayrb.core.schema import RowSpec, strip_bookkeeping
-from rayrb.io.arrays import from_numpy_dict, to_numpy_dict
 from rayrb.core.validation import fraction, non_negative_int, positive_int
-from rayrb.errors import BufferUnavailableError, WriteTimeoutError  # noqa: F401  (re-exported)
+from rayrb.errors import BufferUnavailableError, WriteTimeoutError
+from rayrb.handle.learners import LearnerPaths
+from rayrb.handle.rpc import Rpc
+from rayrb.handle.stream import BatchIterator, Stream, report_served
+from rayrb.io.arrays import from_numpy_dict, to_numpy_dict
 
+PREFETCH = 32  # batches a plain sample() loop may draw ahead (rayrb.handle.stream)
 
-
-
-PREFETCH = 32  # batches a plain sample() loop may draw ahead (rayrb.handle.lookahead)
+# The handle's methods that give back what its sample() loop drew ahead before they run: everything that
+# writes, steers, saves, or samples another way must see the stream where the caller left it.
+GIVES_BACK_BEFORE = ("extend", "update_priority", "sample_async", "iter_batches", "sample_slices", "feed",
+                     "anneal", "set_step", "state_dict", "load_state_dict", "stats", "_set_offline_fraction",
+                     "_get_offline_fraction", "_set_base_fraction", "load_side_states")
 
 
 def _numpy(x: Any) -> np.ndarray:
     return x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
 
 
-class BufferClient:
+class BufferClient(LearnerPaths):
     """Write, sample and steer a running buffer. Made by :meth:`OfflineToOnlineReplayBuffer.client`."""
 
     _owner = False
 
     def __init__(self, coord: Any, shards: list, spec: RowSpec, *, name: str, batch_size: int | None,
                  transform: Any, timeout: float | None, max_batch_bytes: int, prefetch: int = PREFETCH,
-                 storage_device: str = "cpu"):
-        from rayrb.handle.lookahead import Lookahead
+                 storage_device: str = "cpu", num_offline: int = 1, transport: str = "object_store",
+                 read_device: str | None = "cpu"):
+        self.rpc = Rpc(coord, shards, num_offline, name=name, timeout=timeout)
+        self._spec, self._name, self._batch_size, self._transform = spec, name, batch_size, transform
+        self._max_batch_bytes, self._storage_device = max_batch_bytes, storage_device
+        self._transport, self._read_device = transport, read_device
+        self._prefetch = non_negative_int("prefetch", prefetch)
+        self._stream: Stream | None = None  # the sample() loop's, made at the first sample()
+        self._routes: Any = None  # rayrb.actors.transport.Routes to the learners connected here
+        self._learners: list[Any] = []
 
-        self._coord, self._shards, self._spec, self._name = coord, shards, spec, name
-        self._batch_size, self._transform, self._timeout = batch_size, transform, timeout
-        self._max_batch_bytes = max_batch_bytes
-        self._storage_device = storage_device
-        self._closed = False
-        self._lookahead = Lookahead(self, prefetch)
-
-    # plumbing ---------------------------------------------------------------
-    def _get(self, refs: Any, timeout: float | None | str = "call") -> Any:
-        import ray
-        from ray.exceptions import GetTimeoutError, ObjectLostError, RayActorError, RayTaskError
-
-        if self._closed:
-            raise BufferUnavailableError(f"buffer {self._name!r} was shut down")
-        timeout = self._timeout if timeout == "call" else timeout
-        try:
-            return ray.get(refs, timeout=timeout)
-        except GetTimeoutError as e:
-            raise TimeoutError(f"buffer {self._name!r}: no answer within timeout={timeout}s") from e
-        except (RayActorError, ObjectLostError) as e:  # ObjectLostError: the coordinator died owning the rows
-            raise BufferUnavailableError(
-                f"buffer {self._name!r}: an actor of this buffer is dead (killed, shut down, or its node failed)"
-            ) from e
-        except RayTaskError as e:
-            if isinstance(e.cause, (ValueError, TypeError, IndexError, PermissionError)):
-                raise e.cause from None
-            raise
-
-    def _call(self, method: Any, *args: Any, **kwargs: Any) -> Any:
-        """``method.remote(*args, **kwargs)``, asked again while the rate limiter holds it back.
-
-        The wait is bounded by ``timeout``; past it, ``TimeoutError`` is raised and nothing
-        was drawn or written. The call that goes through reports how long it waited.
-        """
-        t0, delay = time.monotonic(), 0.001
-        while True:
-            waited = time.monotonic() - t0 if delay > 0.001 else 0.0
-            out = self._get(method.remote(*args, **kwargs, **({"waited": waited} if waited else {})))
-            if not isinstance(out, Blocked):
-                return out
-            if self._timeout is not None and time.monotonic() - t0 + delay > self._timeout:
-                raise TimeoutError(f"buffer {self._name!r}: waited {self._timeout}s for the rate limiter: "
-                                   f"{out.reason}")
-            time.sleep(delay)
-            delay = min(2 * delay, 0.05)
-
-    def _backoff(self, waited: float, blocked: Blocked) -> float:
-        """Sleep before asking again a call the rate limiter held back; past ``timeout``, raise (nothing changed)."""
-        delay = min(0.05, 0.001 + waited)
-        if self._timeout is not None and waited + delay > self._timeout:
-            raise TimeoutError(f"buffer {self._name!r}: waited {self._timeout}s for the rate limiter: {blocked.reason}")
-        time.sleep(delay)
-        return waited + delay
+    # plumbing -----------------------------------------------------------------
+    def give_back(self) -> None:
+        """Return what this handle's ``sample()`` loop drew ahead and did not serve."""
+        if self._stream is not None and not self.rpc.closed:
+            self._stream.give_back()
 
     def _rows(self, data: Any, what: str) -> dict[str, np.ndarray]:
         if isinstance(data, (list, tuple)):
@@ -109,7 +75,7 @@ class BufferClient:
         self._spec.validate(arrays, what=what)
         return arrays
 
-    def _batch(self, batch_size: int | None) -> int:
+    def batch(self, batch_size: int | None) -> int:
         """The batch size to draw, refused before anything is planned if its rows cannot fit the cap."""
         if batch_size is None:
             batch_size = self._batch_size
@@ -122,7 +88,7 @@ class BufferClient:
                              f"{self._max_batch_bytes:,}; sample smaller batches or raise max_batch_bytes")
         return batch_size
 
-    def _finish(self, out: Any, return_info: bool, device: Any = None):
+    def finish(self, out: Any, return_info: bool, device: Any = None):
         """Flat numpy batch (and info) from the object store -> TensorDict (and tensors), transformed."""
         rows, info = out if return_info else (out, None)
         td = from_numpy_dict(rows)
@@ -134,14 +100,14 @@ class BufferClient:
             return td
         return td, {k: torch.from_numpy(v) for k, v in info.items()}
 
-    def _transformed(self, out: Any, return_info: bool):
-        """A batch that arrived as a TensorDict (over Ray Direct Transport), transformed."""
-        td, info = out if return_info else (out, None)
+    def finish_tensors(self, out: Any, return_info: bool):
+        """A ``(TensorDict, info)`` that arrived over Ray Direct Transport, transformed."""
+        td, info = out
         if self._transform is not None:
             td = self._transform(td)
         return (td, info) if return_info else td
 
-    # writing ----------------------------------------------------------------
+    # writing ------------------------------------------------------------------
     def extend(self, data: Any, *, write_id: str | None = None, prefill: bool = False, wait: bool = True
                ) -> torch.Tensor:
         """Copy rows into the online buffer; return their online indices once the shards hold them.
@@ -153,7 +119,7 @@ class BufferClient:
 
         ``write_id`` names the write (one is made up when not given): a retry with the
         same id is applied once and returns the same indices. A write that times out
-        raises :class:`WriteTimeoutError` carrying its ``write_id``.
+        raises :class:`~rayrb.errors.WriteTimeoutError` carrying its ``write_id``.
 
         With a rate limiter, a write that runs ahead of the learners waits (up to
         ``timeout``); ``prefill=True`` writes past the limiter, to seed the online side.
@@ -161,7 +127,6 @@ class BufferClient:
         """
         import ray
 
-        self._lookahead.give_back()
         arrays = self._rows(data, "online data")
         n = next(iter(arrays.values())).shape[0]
         if n == 0:
@@ -169,15 +134,15 @@ class BufferClient:
         write_id = write_id if write_id is not None else uuid.uuid4().hex
         ref = ray.put(arrays)  # one object; each shard copies its own contiguous piece out of it
         try:
-            indices, acks = self._call(self._coord.extend, [ref], n, write_id=write_id, prefill=bool(prefill),
-                                       node=_node_id())
-            self._get(acks)
+            indices, acks = self.rpc.call("extend", [ref], n, write_id=write_id, prefill=bool(prefill),
+                                          node=_node_id())
+            self.rpc.get(acks)
         except TimeoutError as e:  # the write may still land: name it, so that a retry lands it once
             raise WriteTimeoutError(f"{e}; the write may still be applied: retry it with write_id={write_id!r} "
                                     "to apply it once", write_id) from e
         except (BufferUnavailableError, RuntimeError):
             try:  # the shards' own counts, so the next write goes where the rows really are
-                self._get(self._coord.resync.remote())
+                self.rpc.get(self.rpc.coord.resync.remote())
             except Exception:
                 pass
             raise
@@ -196,17 +161,22 @@ class BufferClient:
         overwritten since (its generation changed). The whole call is checked before any
         shard applies it. Returns the number of rows sent.
         """
-        self._lookahead.give_back()
         missing = [k for k in ("offline", "shard", "index", "generation") if k not in info]
         if missing:
             raise ValueError(f"info must come from sample(return_info=True); missing keys {missing}")
-        n, acks = self._get(self._coord.update_priority.remote(
+        n, acks = self.rpc.get(self.rpc.coord.update_priority.remote(
             _numpy(info["offline"]), _numpy(info["shard"]), _numpy(info["index"]), _numpy(info["generation"]),
             _numpy(priority).reshape(-1)))
-        self._get(acks)
+        self.rpc.get(acks)
         return int(n)
 
-    # sampling ---------------------------------------------------------------
+    # sampling -----------------------------------------------------------------
+    def _loop(self, batch_size: int) -> Stream:
+        if self._stream is None:
+            self._stream = Stream(self.rpc, batch_size, depth=self._prefetch, row_bytes=self._spec.row_bytes,
+                                  follow_version=True)
+        return self._stream
+
     def sample(self, batch_size: int | None = None, return_info: bool = False):
         """A ``[batch_size]`` TensorDict: offline rows first, then online rows.
 
@@ -214,176 +184,109 @@ class BufferClient:
         ``offline`` (bool), ``shard``, ``index`` (within the shard) and
         ``generation`` (times that slot was written), and ``weight`` when prioritized.
         """
-        out, _ = self._lookahead.next(self._batch(batch_size), bool(return_info))
-        return self._finish(out, return_info)
+        batch_size = self.batch(batch_size)
+        held = self._loop(batch_size).next(batch_size)
+        return self.finish(held.batch if return_info else held.batch[0], return_info)
 
     def __iter__(self):
         """Batches of ``batch_size``, as TorchRL's datasets iterate: until the offline side's epoch without
         replacement ends (its last batch short, by default), or without end when it samples with replacement."""
-        batch_size = self._batch(None)
+        batch_size = self.batch(None)
         while True:
-            out, last = self._lookahead.next(batch_size, False)
-            yield self._finish(out, False)
-            if last:
+            held = self._loop(batch_size).next(batch_size)
+            yield self.finish(held.batch[0], False)
+            if held.last:
                 return
-
-    def sample_async(self, batch_size: int | None = None, return_info: bool = False):
-        """An ObjectRef to the next batch as a flat dict of numpy arrays (``(rows, info)`` with info).
-
-        Does not wait for the rows. ``rb.to_tensordict(ray.get(ref))`` rebuilds what
-        :meth:`sample` returns; the same seed gives the same batches either way.
-        """
-        self._lookahead.give_back()
-        import ray
-
-        node = ray.get_runtime_context().get_node_id()
-        (ref,) = self._call(self._coord.sample_slices, self._batch(batch_size), return_info=return_info,
-                            node_ids=[node])
-        return ref
 
     def to_tensordict(self, flat: Any, return_info: bool = False, device: Any = None):
         """Rebuild a batch from :meth:`sample_async` / :meth:`sample_slices` output (applies ``transform``)."""
-        return self._finish(flat, return_info, device)
+        return self.finish(flat, return_info, device)
 
     def iter_batches(self, batch_size: int | None = None, *, prefetch: int = 2, device: Any = None,
                      return_info: bool = False, num_batches: int | None = None):
-        """Batches in order, keeping exactly up to ``prefetch`` sample requests in flight.
+        """Batches in order, keeping exactly up to ``prefetch`` batches in flight.
 
         ``device`` moves each batch there (through pinned memory when CUDA is present).
         Inside an actor that Ray gave the GPU on which the shards hold their rows
         (``storage_device="cuda"``), ``device="cuda"`` reads each group of batches from
         the shards over CUDA IPC instead: rows never pass through host memory.
         """
-        self._lookahead.give_back()
-        from rayrb.handle.iterator import BatchIterator
+        from rayrb.core.validation import optional_positive_int
 
-        return BatchIterator(self, self._batch(batch_size), prefetch=prefetch, device=device,
-                             return_info=return_info, num_batches=num_batches)
+        return BatchIterator(self, self.batch(batch_size), prefetch=positive_int("prefetch", prefetch),
+                             device=device, return_info=return_info,
+                             num_batches=optional_positive_int("num_batches", num_batches),
+                             direct=_direct_reads(self, device))
 
-    def sample_slices(self, num_slices: int, batch_size: int | None = None, *, return_info: bool = False,
-                      learners: list | None = None, postprocess: Any = None, split_info: bool = False) -> list:
-        """Sample one global batch and return it as ``num_slices`` ObjectRefs, one per learner.
-
-        Each ref resolves to a flat dict (``rb.to_tensordict`` rebuilds it), so a learner
-        actor receives its slice straight from the shards, not through the caller: pass
-        ``refs[j]`` to learner ``j`` (RLlib's ``batch_refs`` shape). Slices are disjoint
-        parts of the global batch, sizes differ by at most one, and the exact offline
-        count holds for the global batch and, to within one row, for each slice. With
-        ``learners`` (actor handles), each slice is assembled on its learner's node.
-        ``postprocess(rows)`` (``postprocess(rows, info)`` with info) runs in that task;
-        with ``split_info`` each slice is a pair of refs ``(rows, info)``.
-        """
-        self._lookahead.give_back()
-        from rayrb.actors.placement import actor_nodes
-
-        num_slices = positive_int("num_slices", num_slices)
-        batch_size = self._batch(batch_size)
-        nodes = None
-        if learners is not None:
-            if len(learners) != num_slices:
-                raise ValueError(f"expected {num_slices} learners, one per slice, got {len(learners)}")
-            nodes = actor_nodes(learners)
-        return self._call(self._coord.sample_slices, batch_size, num_slices=num_slices, return_info=return_info,
-                          node_ids=nodes, postprocess=postprocess, split_info=split_info)
-
-    def connect_learners(self, learners: list) -> dict[str, int]:
-        """Set the learner actors that :meth:`feed` hands slices to; return how many shard-learner pairs take
-        each route.
-
-        ``transport`` decides how rows travel: ``"object_store"``; ``"gloo"`` (CPU tensors);
-        ``"nccl"`` (GPU tensors between different GPUs); ``"cuda_ipc"`` (GPU shards to learners
-        that Ray gave the same GPU); ``"auto"``, per pair: CUDA IPC on a shared GPU, NCCL
-        between GPUs, the object store where an end has no GPU. An RDT transport needs
-        learner classes declared ``@ray.remote(enable_tensor_transport=True)`` (checked
-        here: without it Ray deadlocks for 60 s); an NCCL group in which two members share
-        one GPU is refused here, before it is created. Gloo RDT cannot share an actor with
-        DDP or an RLlib remote learner (both use torch.distributed's default group).
-        """
-        return self._get(self._coord.connect_learners.remote(list(learners)))
-
-    def feed(self, method: str = "update", batch_size: int | None = None, *args: Any, wait: bool = True):
-        """Sample one global batch and call ``learner_j.method(plan, *parts, *args)`` on each connected learner.
-
-        The learner rebuilds its slice with ``rayrb.actors.transport.receive(plan, *parts)``;
-        rows come straight from the shards (as GPU tensors with ``transport="nccl"``).
-        Slices follow :meth:`sample_slices`'s rules. Returns the learners' results
-        (``wait=True``, bounded by ``timeout``) or their refs.
-        """
-        self._lookahead.give_back()
-        refs = self._call(self._coord.feed, method, self._batch(batch_size), args)
-        return self._get(refs) if wait else refs
-
-    # TorchRL's sub-buffers --------------------------------------------------
+    # TorchRL's sub-buffers ------------------------------------------------------
     @property
     def offline_buffer(self):
         """The offline side, buffer-like (``len``, ``sample``, ``state_dict``); see :mod:`rayrb.handle.views`."""
         from rayrb.handle.views import SideView
 
-        return SideView(self, "offline")
+        return SideView(self, OFFLINE)
 
     @property
     def online_buffer(self):
         """The online side, buffer-like (``len``, ``sample``, ``extend``, ``state_dict``)."""
         from rayrb.handle.views import SideView
 
-        return SideView(self, "online")
+        return SideView(self, ONLINE)
 
-    # settings ---------------------------------------------------------------
-    @property
-    def offline_fraction(self) -> float:
-        """The fraction the next batch will use (after any schedule or annealing)."""
-        self._lookahead.give_back()
-        return float(self._get(self._coord.offline_fraction.remote()))
+    def sample_side(self, side: str, batch_size: int | None, return_info: bool = False):
+        """``batch_size`` rows of one side, uniformly with replacement, from a stream of the views' own."""
+        plan, indices = self.rpc.get(self.rpc.coord.plan_side.remote(side, self.batch(batch_size)))
+        refs = [self.rpc.by_side[p.side][p.shard].gather.remote(idx) for p, idx in zip(plan.parts, indices)]
+        return self.finish(assemble(plan, self.rpc.get(refs), return_info), return_info)
 
-    @offline_fraction.setter
-    def offline_fraction(self, value: float | Schedule | str | dict) -> None:
+    def load_side_states(self, side: str, states: list[dict]) -> None:
+        """Give each shard of ``side`` its state (checked by every shard first), then take their counts."""
+        self.rpc.get(self.rpc.get(self.rpc.coord.load_shard_states.remote(side, states)))
+        self.rpc.get(self.rpc.coord.resync.remote())
+
+    def side_states(self, side: str) -> list[dict]:
+        """Each shard of ``side``'s state arrays, copied here."""
+        return self.rpc.get(self.rpc.get(self.rpc.coord.shard_states.remote(side)))
+
+    # settings -----------------------------------------------------------------
+    def _get_offline_fraction(self) -> float:
+        return float(self.rpc.get(self.rpc.coord.offline_fraction.remote()))
+
+    def _set_offline_fraction(self, value: float | Schedule | str | dict) -> None:
         if isinstance(value, (int, float)):
             fraction("offline_fraction", value)
-        self._lookahead.give_back()
-        self._get(self._coord.set_offline_fraction.remote(make_schedule(value)))
+        self.rpc.get(self.rpc.coord.set_offline_fraction.remote(make_schedule(value)))
 
-    # TorchRL's private names, which its trainer hooks read and assign
-    @property
-    def _offline_fraction(self) -> float:
-        return self.offline_fraction
+    offline_fraction = property(lambda self: self._get_offline_fraction(),
+                                lambda self, value: self._set_offline_fraction(value),
+                                doc="The fraction the next batch will use (after any schedule or annealing).")
+    _offline_fraction = offline_fraction  # TorchRL's private name, which its trainer hooks read and assign
 
-    @_offline_fraction.setter
-    def _offline_fraction(self, value: float) -> None:
-        self.offline_fraction = value
+    def _set_base_fraction(self, value: float) -> None:
+        self.rpc.get(self.rpc.coord.set_base_fraction.remote(fraction("base_offline_fraction", value)))
 
-    @property
-    def _base_offline_fraction(self) -> float:
-        return float(self._get(self._coord.base_fraction.remote()))
-
-    @_base_offline_fraction.setter
-    def _base_offline_fraction(self, value: float) -> None:
-        self._lookahead.give_back()
-        self._get(self._coord.base_fraction.remote(fraction("base_offline_fraction", value)))
+    _base_offline_fraction = property(lambda self: float(self.rpc.get(self.rpc.coord.base_fraction.remote())),
+                                      lambda self, value: self._set_base_fraction(value),
+                                      doc="The fraction ``anneal`` decays from (TorchRL's name).")
 
     def anneal(self, step: int, total_steps: int) -> None:
         """Linearly decay ``offline_fraction`` from its base value to 0 over ``total_steps`` (TorchRL's)."""
         step, total_steps = non_negative_int("step", step), positive_int("total_steps", total_steps)
-        self._lookahead.give_back()
-        self._get(self._coord.anneal.remote(step, total_steps))
+        self.rpc.get(self.rpc.coord.anneal.remote(step, total_steps))
 
     def set_step(self, step: int) -> None:
         """Set the step that schedules read (by default, the number of sample calls so far)."""
-        self._lookahead.give_back()
-        self._get(self._coord.set_step.remote(non_negative_int("step", step)))
+        self.rpc.get(self.rpc.coord.set_step.remote(non_negative_int("step", step)))
 
     def state_dict(self) -> dict[str, Any]:
         """Sampling state (step, schedule, RNG, epochs) to resume the same batch stream."""
-        from rayrb.handle.iterator import report_served
-
-        self._lookahead.give_back()
-        report_served(self)  # what iterators drew ahead is left out, what they handed over is not
-        return self._get(self._coord.state_dict.remote())
+        report_served(self.rpc)  # what iterators drew ahead is left out, what they handed over is not
+        return self.rpc.get(self.rpc.coord.state_dict.remote())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._lookahead.give_back()
-        self._get(self._coord.load_state_dict.remote(state))
+        self.rpc.get(self.rpc.coord.load_state_dict.remote(state))
 
-    # introspection ----------------------------------------------------------
+    # introspection --------------------------------------------------------------
     def __len__(self) -> int:
         sizes = self.sizes()
         return int(sum(sizes["offline"]) + sum(sizes["online"]))
@@ -395,12 +298,14 @@ class BufferClient:
 
     def sizes(self) -> dict[str, list[int]]:
         """Per-shard sizes as the coordinator allocates with them."""
-        return self._get(self._coord.sizes.remote())
+        return self.rpc.get(self.rpc.coord.sizes.remote())
 
     def stats(self) -> dict[str, Any]:
         """Sizes, rates and latencies of the coordinator and every shard (batches drawn ahead given back first)."""
-        self._lookahead.give_back()
-        return self._get(self._coord.stats.remote())
+        out = self.rpc.get(self.rpc.coord.stats.remote())
+        if self._stream is not None:
+            out["handle"] = dict(self._stream.stats)
+        return out
 
     @property
     def spec(self) -> RowSpec:
@@ -414,24 +319,47 @@ class BufferClient:
     def name(self) -> str:
         return self._name
 
+    @property
+    def storage_device(self) -> str:
+        """Where the shards hold their rows: ``"cpu"`` or ``"cuda"``."""
+        return self._storage_device
+
+    @property
+    def closed(self) -> bool:
+        return self.rpc.closed
+
     def shutdown(self) -> None:
         """Close this handle. A client never stops the buffer: its owner does."""
-        self._closed = True
+        self.rpc.closed = True
 
     close = shutdown
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else "open"
+        state = "closed" if self.rpc.closed else "open"
         return f"{type(self).__name__}(name={self._name!r}, {state}, spec={self._spec!r}, batch_size={self._batch_size})"
 
     def __reduce__(self):
         return _client, (self._client_args(),)
 
     def _client_args(self) -> dict[str, Any]:
-        return {"coord": self._coord, "shards": self._shards, "spec": self._spec, "name": self._name,
-                "batch_size": self._batch_size, "transform": self._transform, "timeout": self._timeout,
-                "max_batch_bytes": self._max_batch_bytes, "prefetch": self._lookahead.depth,
-                "storage_device": self._storage_device}
+        return {"coord": self.rpc.coord, "shards": self.rpc.shards, "spec": self._spec, "name": self._name,
+                "batch_size": self._batch_size, "transform": self._transform, "timeout": self.rpc.timeout,
+                "max_batch_bytes": self._max_batch_bytes, "prefetch": self._prefetch,
+                "storage_device": self._storage_device, "num_offline": len(self.rpc.by_side[OFFLINE]),
+                "transport": self._transport, "read_device": self._read_device}
+
+
+def _gives_back(method):
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        self.give_back()
+        return method(self, *args, **kwargs)
+
+    return wrapper
+
+
+for _name in GIVES_BACK_BEFORE:
+    setattr(BufferClient, _name, _gives_back(getattr(BufferClient, _name)))
 
 
 def _client(args: dict[str, Any]) -> BufferClient:
@@ -454,3 +382,23 @@ def _node_id() -> str | None:
         return ray.get_runtime_context().get_node_id()
     except Exception:
         return None
+
+
+def _direct_reads(handle: BufferClient, device: Any) -> dict[str, list] | None:
+    """The shard handles by side, when batches can go from GPU shards to this process's GPU over CUDA IPC:
+    ``device`` is CUDA, the shards hold their rows on a GPU, and Ray gave this actor that GPU. Else None."""
+    if device is None or handle.storage_device == "cpu" or torch.device(device).type != "cuda":
+        return None
+    import ray
+
+    from rayrb.actors.transport import Place, choose
+
+    try:
+        mine = Place("consumer", ray.get_runtime_context().get_node_id(), tuple(str(g) for g in ray.get_gpu_ids()))
+    except Exception:
+        return None
+    shard_places = handle.rpc.get([s.place.remote() for s in handle.rpc.shards])
+    if not all(choose(Place(str(i), p["node"], tuple(p["gpus"])), mine) == "cuda_ipc"
+               for i, p in enumerate(shard_places)):
+        return None
+    return handle.rpc.by_side

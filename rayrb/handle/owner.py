@@ -12,23 +12,33 @@ import os
 import shutil
 import tempfile
 import uuid
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
-from rayrb.core.allocation import row_ranges, split_evenly
-from rayrb.io.chunks import ChunkDataset
-from rayrb.handle.client import PREFETCH, BufferClient, BufferUnavailableError
-from rayrb.core.allocators import epoch_end_option
 from rayrb.actors.placement import online_nodes_option
+from rayrb.actors.transport import check_storage_device, check_transport
+from rayrb.core.allocation import row_ranges, split_evenly
+from rayrb.core.allocators import epoch_end_option
 from rayrb.core.plans import OFFLINE, ONLINE
 from rayrb.core.samplers import sampler_class
 from rayrb.core.schedules import Schedule, make_schedule
-from rayrb.actors.transport import check_storage_device, check_transport
-from rayrb.io.arrays import from_numpy_dict
-from rayrb.core.validation import ALPHA, BETA, EPS, callable_or_none, fraction, non_negative_int, positive_int, priority_options
+from rayrb.core.validation import (
+    ALPHA,
+    BETA,
+    EPS,
+    callable_or_none,
+    fraction,
+    non_negative_int,
+    positive_int,
+    priority_options,
+)
 from rayrb.core.validation import timeout as check_timeout
+from rayrb.handle.client import PREFETCH, BufferClient, BufferUnavailableError
+from rayrb.io.arrays import from_numpy_dict
+from rayrb.io.chunks import ChunkDataset
 
 __all__ = ["OfflineToOnlineReplayBuffer", "BufferUnavailableError", "prefill_replay_buffer"]
 
@@ -109,8 +119,8 @@ class OfflineToOnlineReplayBuffer(BufferClient):
             one coordinator call per group (default 32, bounded by 64 MiB of rows;
             ``0`` draws each batch when asked). They are given back before this handle
             writes, steers or saves, so the stream is the one unprefetched calls give
-            (:mod:`rayrb.handle.lookahead`). With a rate limiter that can hold calls back,
-            nothing is drawn ahead.
+            (:mod:`rayrb.handle.stream`). Under a rate limiter, batches are drawn ahead only
+            as far as the limiter allows, and writes are judged against the rows served.
         **dataset_kwargs: forwarded to :func:`~rayrb.load_dataset` for dataset ids.
 
     Sampled batches are rebuilt from numpy arrays without copying where possible:
@@ -165,7 +175,7 @@ class OfflineToOnlineReplayBuffer(BufferClient):
         storage_device: str = "cpu",
         **dataset_kwargs: Any,
     ):
-        self._closed, self._owned_dirs = True, []  # until the actors run, nothing is usable or owned
+        self.rpc, self._owned_dirs = None, []  # until the actors run, nothing is usable or owned
         # Validate everything before any actor exists.
         if (online_capacity is None) == (online_storage is None):
             how = "not both" if online_capacity is not None else "one of them is needed"
@@ -207,11 +217,9 @@ class OfflineToOnlineReplayBuffer(BufferClient):
 
         limiter = make_rate_limiter(rate_limiter)
         limiter.validate(online_capacity=online_capacity)  # a configuration that can deadlock is refused here
-        self._limited = limiter.limits
         settings = {"timeout": check_timeout(timeout), "transform": callable_or_none("transform", transform),
                     "max_batch_bytes": positive_int("max_batch_bytes", max_batch_bytes),
-                    # a limiter that can hold calls back decides per call: nothing is drawn ahead of it
-                    "prefetch": 0 if limiter.limits else non_negative_int("prefetch", prefetch),
+                    "prefetch": non_negative_int("prefetch", prefetch), "transport": transport,
                     "storage_device": storage_device}
 
         from rayrb.io.datasets.registry import as_chunk_dataset, load_dataset
@@ -235,7 +243,7 @@ class OfflineToOnlineReplayBuffer(BufferClient):
         self._sampler_name = kinds[OFFLINE] if kinds[OFFLINE] == kinds[ONLINE] else kinds
         name = name or f"rayrb-{uuid.uuid4().hex[:12]}"
         try:
-            coord, shards = _start_actors(dataset, name, online_capacity, num_offline_shards, num_online_shards,
+            coord, shards, read_device = _start_actors(dataset, name, online_capacity, num_offline_shards, num_online_shards,
                                           schedule=schedule, kinds=kinds, epoch_end=epoch_end, seed=seed,
                                           actor_options=actor_options or {}, transport=transport, prio=prio,
                                           online_nodes=online_nodes,
@@ -244,15 +252,17 @@ class OfflineToOnlineReplayBuffer(BufferClient):
         except BaseException:
             self._remove_owned()  # no half-built buffer: what started is killed in _start_actors
             raise
-        BufferClient.__init__(self, coord, shards, dataset.spec, name=name, batch_size=batch_size, **settings)
+        BufferClient.__init__(self, coord, shards, dataset.spec, name=name, batch_size=batch_size,
+                              num_offline=num_offline_shards, read_device=read_device, **settings)
         try:  # surface construction errors (a missing chunk, a bad spec) here, not at the first sample
             # Starting processes takes seconds: the per-call timeout is not for this.
-            self._get([s.ping.remote() for s in self._shards] + [self._coord.ping.remote()],
-                      timeout=None if self._timeout is None else max(self._timeout, 300.0))
+            timeout = self.rpc.timeout
+            self.rpc.get([s.ping.remote() for s in self.rpc.shards] + [self.rpc.coord.ping.remote()],
+                         timeout=None if timeout is None else max(timeout, 300.0))
             if online_storage is not None and len(online_storage) > 0:
-                from rayrb.io.datasets.registry import _torchrl_rows
+                from rayrb.io.datasets.registry import torchrl_rows
 
-                self.extend(_torchrl_rows(online_storage))
+                self.extend(torchrl_rows(online_storage))
         except BaseException:
             self.shutdown()
             raise
@@ -267,7 +277,7 @@ class OfflineToOnlineReplayBuffer(BufferClient):
         if timeout != "same":
             args["timeout"] = check_timeout(timeout)
         if prefetch != "same":
-            args["prefetch"] = 0 if self._limited else non_negative_int("prefetch", prefetch)
+            args["prefetch"] = non_negative_int("prefetch", prefetch)
         return BufferClient(**args)
 
     def preprocess(self, fn: Callable, dest: str | os.PathLike, **kwargs: Any) -> ChunkDataset:
@@ -288,10 +298,10 @@ class OfflineToOnlineReplayBuffer(BufferClient):
         ``path`` must be readable by the shard actors (shared storage on a cluster).
         """
         from rayrb.handle.checkpoint import save
-        from rayrb.handle.iterator import report_served
+        from rayrb.handle.stream import report_served
 
-        self._lookahead.give_back()
-        report_served(self)
+        self.give_back()
+        report_served(self.rpc)
         save(self, Path(path))
 
     def loads(self, path: str | os.PathLike) -> None:
@@ -302,24 +312,35 @@ class OfflineToOnlineReplayBuffer(BufferClient):
         """
         from rayrb.handle.checkpoint import restore
 
-        self._lookahead.give_back()
+        self.give_back()
         restore(self, Path(path))
 
     dump, load = dumps, loads
+
+    @property
+    def dataset_root(self) -> str:
+        """The offline dataset's chunk directory."""
+        return self._dataset_root
+
+    @property
+    def sampler_name(self) -> str | dict[str, str]:
+        """The sampler kind (or one per side), as checkpoints record it."""
+        return self._sampler_name
 
     def shutdown(self) -> None:
         """Kill the buffer's actors and remove offline data it wrote itself. Idempotent."""
         import ray
 
-        self._closed = True
-        shards = getattr(self, "_shards", [])
-        coord = getattr(self, "_coord", None)
+        rpc = getattr(self, "rpc", None)
+        shards, coord = (rpc.shards, rpc.coord) if rpc is not None else ([], None)
+        if rpc is not None:
+            rpc.closed = True
         closing = [s.close.remote() for s in shards] + ([coord.close.remote()] if coord is not None else [])
         try:  # shards remove their state files, the coordinator its version file; a stuck one is killed anyway
             ray.wait(closing, num_returns=len(closing), timeout=5)
         except Exception:
             pass
-        for actor in [*shards, getattr(self, "_coord", None)]:
+        for actor in [*shards, coord]:
             if actor is not None:
                 try:
                     ray.kill(actor)
@@ -333,7 +354,7 @@ class OfflineToOnlineReplayBuffer(BufferClient):
         self._owned_dirs = []
 
     def __repr__(self) -> str:
-        state = "shut down" if self._closed else f"offline_rows={self._offline_rows}"
+        state = "shut down" if self.rpc is None or self.rpc.closed else f"offline_rows={self._offline_rows}"
         return f"{type(self).__name__}(name={self._name!r}, {state}, spec={self._spec!r}, batch_size={self._batch_size})"
 
 
@@ -341,7 +362,7 @@ def _start_actors(dataset: ChunkDataset, name: str, capacity: int, m: int, k: in
                   kinds: dict[str, str], epoch_end: str, seed: int | None, actor_options: dict, transport: str,
                   prio: dict[str, float], storage_dir: str | None, rate_limiter: dict,
                   storage_device: str = "cpu", online_nodes: list[str | None] | None = None
-                  ) -> tuple[Any, list]:
+                  ) -> tuple[Any, list, str | None]:
     """Start ``m`` offline shards, ``k`` online shards and the coordinator; kill them all if one fails to start."""
     import ray
 
@@ -377,14 +398,13 @@ def _start_actors(dataset: ChunkDataset, name: str, capacity: int, m: int, k: in
         coord_restart = restart if storage_dir is not None else {}
         coord = ray.remote(Coordinator).options(name=name, **coord_restart, **coord_opts).remote(
             started[:m], [b - a for a, b in ranges], started[m:], capacities, offline_fraction=schedule,
-            sampler=dict(kinds), epoch_end=epoch_end, seed=seed, name=name, transport=transport, device=device,
-            beta=prio["beta"], rate_limiter=rate_limiter,
+            sampler=dict(kinds), epoch_end=epoch_end, seed=seed, name=name, beta=prio["beta"], rate_limiter=rate_limiter,
             state_dir=shard_directory(storage_dir, instance, "coordinator"))
     except BaseException:
         for actor in started:
             ray.kill(actor)
         raise
-    return coord, started
+    return coord, started, device
 
 
 def _is_dataset_id(dataset: Any) -> bool:

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from rayrb.core.plans import OFFLINE, ONLINE, assemble
+from rayrb.core.plans import OFFLINE, ONLINE
 from rayrb.core.validation import one_of
 
 
@@ -54,8 +54,7 @@ class SideView:
 
     def sample(self, batch_size: int | None = None, return_info: bool = False):
         """``batch_size`` rows of this side, uniformly with replacement (a TensorDict; with info if asked)."""
-        dispatch = self._rb._get(self._rb._coord.sample_side.remote(self.side, self._rb._batch(batch_size)))
-        return self._rb._finish(assemble(dispatch.plan, self._rb._get(dispatch.refs), return_info), return_info)
+        return self._rb.sample_side(self.side, batch_size, return_info)
 
     def extend(self, data: Any):
         if self.side == OFFLINE:
@@ -71,16 +70,13 @@ class SideView:
 
     def state_dict(self) -> dict[str, Any]:
         """The side's shard states (rows, generations, write counts, priorities), copied to the caller."""
-        states = self._rb._get(self._rb._get(self._rb._coord.shard_states.remote(self.side)))
-        return {"side": self.side, "shards": states}
+        return {"side": self.side, "shards": self._rb.side_states(self.side)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("side") != self.side:
             raise ValueError(f"expected a state_dict of the {self.side} side, got one of {state.get('side')!r}")
         states = [{k: np.asarray(v) for k, v in st.items()} for st in state["shards"]]
-        self._rb._lookahead.give_back()  # batches drawn ahead hold rows this replaces
-        self._rb._get(self._rb._get(self._rb._coord.load_shard_states.remote(self.side, states)))
-        self._rb._get(self._rb._coord.resync.remote())
+        self._rb.load_side_states(self.side, states)  # gives back batches drawn ahead: they hold rows this replaces
 
     def __repr__(self) -> str:
         return f"SideView({self.side}, buffer={self._rb.name!r})"

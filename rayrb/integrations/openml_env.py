@@ -29,8 +29,8 @@ from tensordict import TensorDict, TensorDictBase
 from torchrl.data.tensor_specs import Categorical, Composite, Unbounded
 from torchrl.envs.common import EnvBase
 
-from rayrb.io.datasets.openml import OPENML_DATASETS, load_openml
 from rayrb.io.arrays import from_numpy_dict
+from rayrb.io.datasets.openml import OPENML_DATASETS, load_openml
 
 
 class EpochOrder:

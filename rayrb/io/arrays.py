@@ -18,7 +18,8 @@ Examples:
 from __future__ import annotations
 
 import warnings
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -26,8 +27,6 @@ from tensordict import TensorDict, TensorDictBase
 
 from rayrb.core.plans import nest
 from rayrb.core.schema import SEP, native_order
-
-
 
 _TORCH_TO_NUMPY = {
     torch.float64: np.float64, torch.float32: np.float32, torch.float16: np.float16,

@@ -39,15 +39,16 @@ import json
 import os
 import shutil
 import zlib
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any
 
 import numpy as np
 
 from rayrb.core.schema import SEP, RowSpec, native_order
-from rayrb.io.files import pwrite_all, reserve
 from rayrb.errors import ChunkError, ReadOnlyError  # noqa: F401  (re-exported)
+from rayrb.io.files import pwrite_all, reserve
 
 FORMAT = "rayrb.io.chunks"
 FORMAT_VERSION = 1

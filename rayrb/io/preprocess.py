@@ -30,12 +30,15 @@ import json
 import math
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
+from rayrb.core.schema import RowSpec
+from rayrb.errors import PreprocessError  # noqa: F401  (re-exported)
 from rayrb.io.arrow import arrow_to_arrays  # re-exported: part of this module's API
 from rayrb.io.chunks import (
     MANIFEST,
@@ -50,8 +53,6 @@ from rayrb.io.chunks import (
     write_chunk,
     write_manifest,
 )
-from rayrb.core.schema import RowSpec
-from rayrb.errors import PreprocessError  # noqa: F401  (re-exported)
 
 JOB_FILE = ".rayrb-job.json"
 

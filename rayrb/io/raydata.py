@@ -23,8 +23,9 @@ import math
 import os
 import shutil
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 import ray
@@ -32,9 +33,9 @@ import ray.data
 from ray.data.block import BlockAccessor, BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
-from rayrb.io.chunks import ChunkDataset, ChunkInfo, new_dataset_root, write_chunk, write_manifest
 from rayrb.core.schema import RowSpec
 from rayrb.core.validation import optional_positive_int
+from rayrb.io.chunks import ChunkDataset, ChunkInfo, new_dataset_root, write_chunk, write_manifest
 
 SOURCE_KIND = "ray.data.Dataset"
 

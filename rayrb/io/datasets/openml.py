@@ -28,8 +28,8 @@ from urllib.error import URLError
 
 import numpy as np
 
-from rayrb.io.chunks import ChunkDataset, ChunkError, build_in_place, read_manifest, write_dataset
 from rayrb.errors import DatasetUnavailableError, UnknownDatasetError  # noqa: F401  (re-exported)
+from rayrb.io.chunks import ChunkDataset, ChunkError, build_in_place, read_manifest, write_dataset
 
 RECIPE_VERSION = 1
 PARSER = "liac-arff"

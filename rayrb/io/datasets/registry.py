@@ -23,11 +23,12 @@ import contextlib
 import importlib
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from rayrb.io.chunks import MANIFEST, ChunkDataset
 from rayrb.errors import DatasetOptionError  # noqa: F401  (re-exported)
+from rayrb.io.chunks import MANIFEST, ChunkDataset
 
 Factory = Callable[..., Any]
 _REGISTRY: dict[str, Factory | str] = {}
@@ -127,7 +128,7 @@ for _prefix, _factory_name in {  # TorchRL's other loaders, as its registry name
     register_dataset(_prefix, _factory_name)
 
 
-def _torchrl_rows(obj: Any):
+def torchrl_rows(obj: Any):
     """Rows held by a TorchRL replay buffer or storage, as a TensorDict (duck-typed: torchrl is optional).
 
     A buffer's own transforms (a TorchRL dataset's ``DoubleToFloat``, say) are applied
@@ -192,7 +193,7 @@ def as_chunk_dataset(source: Any, *, root: str | os.PathLike | None = None, **kw
         if isinstance(source, (TensorDictBase, dict)):
             rows = source
         elif hasattr(source, "storage") or (hasattr(source, "get") and hasattr(source, "__len__")):
-            rows = _torchrl_rows(source)
+            rows = torchrl_rows(source)
         else:
             raise TypeError(
                 "expected an offline dataset as a dataset id, a chunk-dataset path, a ChunkDataset, a TensorDict, "

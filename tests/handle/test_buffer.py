@@ -279,7 +279,7 @@ def test_dead_or_shut_down_handle_raises_instead_of_hanging(make_buffer, ray_ses
     with pytest.raises(BufferUnavailableError, match="shut down"):
         rb.sample(4)
     rb2 = make_buffer(offline_rows(), online_capacity=10, seed=0, timeout=30)
-    ray.kill(rb2._coord)
+    ray.kill(rb2.rpc.coord)
     t0 = time.monotonic()
     with pytest.raises(BufferUnavailableError, match="dead"):
         rb2.sample(4)
@@ -347,7 +347,7 @@ def test_killed_offline_shard_restarts_and_remaps_its_chunks(make_buffer, ray_se
     ray = ray_session
     rb = make_buffer(offline_rows(), online_capacity=10, num_offline_shards=2, offline_fraction=1.0, seed=0)
     before = rb.sample(64)
-    ray.kill(rb._shards[0], no_restart=False)  # the actor process dies; Ray restarts it from the same root
+    ray.kill(rb.rpc.shards[0], no_restart=False)  # the actor process dies; Ray restarts it from the same root
     for _ in range(50):
         try:
             batch, info = rb.sample(64, return_info=True)
@@ -372,7 +372,6 @@ def test_a_dataset_id_needs_batch_size_but_a_dataset_path_does_not(make_buffer, 
 
 
 def test_big_endian_rows_go_in_as_their_values(make_buffer):
-    import numpy as np
 
     base = offline_rows(40)
     offline = {"obs": base["obs"].numpy().astype(">f4"), "id": base["id"].numpy().astype(">i8")}

@@ -15,18 +15,19 @@ import numpy as np
 import pytest
 import torch
 from scipy import stats
+from write_model import ModelShard
 
 import rayrb.actors.coordinator
-from rayrb.core.allocation import offline_count, split_batch, split_slices, write_pieces
-from rayrb.core.allocators import PrioritizedAllocator, UniformAllocator, WithoutReplacementAllocator
 from rayrb.actors.coordinator import Coordinator
 from rayrb.actors.metrics import ActorMetrics
+from rayrb.core.allocation import offline_count, split_batch, split_slices, write_pieces
+from rayrb.core.allocators import PrioritizedAllocator, UniformAllocator, WithoutReplacementAllocator
 from rayrb.core.plans import (
     OFFLINE,
     ONLINE,
     SIDES,
     BatchPlan,
-    GroupDispatch,
+    GroupPlan,
     ImportanceWeights,
     Part,
     assemble,
@@ -47,7 +48,6 @@ from rayrb.core.samplers import (
     register_sampler,
     sampler_class,
 )
-from rayrb.io.arrays import from_numpy_dict, to_numpy_dict
 from rayrb.core.validation import (
     callable_or_none,
     finite_number,
@@ -59,8 +59,7 @@ from rayrb.core.validation import (
     timeout,
 )
 from rayrb.durability.writelog import WriteLog, slots
-
-from write_model import ModelShard
+from rayrb.io.arrays import from_numpy_dict, to_numpy_dict
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -88,7 +87,7 @@ def local_metrics(monkeypatch):
 
 def written_online(coord: Coordinator, rows: list[int]) -> None:
     """Online shard ``i`` holds ``rows[i]`` rows, as the coordinator's write log records them."""
-    coord._log.reset(rows)
+    coord._writing.log.reset(rows)
     assert coord.sizes()[ONLINE] == list(rows)
 
 
@@ -110,8 +109,10 @@ class Layout:
         return [make_sampler(kind, max(1, int(n))) for n in self.sizes[side]]
 
     def draw(self, batch_size: int, num_slices: int = 1) -> list[tuple[BatchPlan, list]]:
-        """The plans and reads that ``sample``, ``sample_slices`` and ``feed`` submit."""
-        return self.coord._draw(batch_size, num_slices)
+        """The plans and reads that ``plan`` groups for the handles to submit."""
+        drawing, sizes = self.coord._drawing, self.coord._sizes()
+        drawing._sync_masses(sizes)
+        return drawing._draw(batch_size, sizes, num_slices, None)
 
     def read(self, plan: BatchPlan, reads: list) -> list[np.ndarray]:
         """Each part's local row indices, as its shard's sampler returns them."""
@@ -687,7 +688,7 @@ def test_split_group_recovers_each_batchs_parts():
     for (plan, _), results in zip(drawn, alone):
         for part, result in zip(plan.parts, results):
             by_shard.setdefault((part.side, part.shard), []).append(result)
-    group = GroupDispatch([plan for plan, _ in drawn], reads=list(by_shard))
+    group = GroupPlan([plan for plan, _ in drawn], reads=list(by_shard))
     joined = [(concat([r for r, _ in rs]), concat([i for _, i in rs])) for rs in by_shard.values()]
     for (plan, parts), (original, _), results in zip(split_group(group, joined), drawn, alone):
         assert plan is original and len(parts) == len(results)

@@ -4,8 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 import pytest
-
 from openml_fixtures import build_cache
+
 from rayrb.io.datasets import openml
 from rayrb.io.datasets.openml import DatasetUnavailableError, load_openml, preprocess_frame
 
@@ -141,10 +141,10 @@ def test_the_pandas3_trap_is_real(tmp_path, monkeypatch):
     """Documents why rayrb does not use the default parser: with pandas 3 it crashes on these files."""
     if int(pd.__version__.split(".")[0]) < 3:
         pytest.skip("the crash needs pandas >= 3")
-    from sklearn.datasets._openml import _retry_with_clean_cache  # noqa: F401  (the cache-deleting retry)
-    from sklearn.datasets import fetch_openml
-
     import socket
+
+    from sklearn.datasets import fetch_openml
+    from sklearn.datasets._openml import _retry_with_clean_cache  # noqa: F401  (the cache-deleting retry)
 
     def refuse(*a, **k):
         raise OSError("network is unreachable in this test")

@@ -7,8 +7,8 @@ import sys
 import numpy as np
 import pytest
 
-from rayrb.io.chunks import ChunkDataset, write_dataset
 from rayrb.cli import main
+from rayrb.io.chunks import ChunkDataset, write_dataset
 
 
 def test_info_verify_export(tmp_path, capsys):

@@ -58,7 +58,7 @@ def test_a_timeout_while_fetching_rows_loses_no_batch(make_buffer):
     # the group was dropped before its rows came: one batch of the epoch was never served
     rb = make_buffer(rows(0, 300), prefetch=8, sampler="without_replacement", offline_fraction=1.0,
                      **dict(KW, batch_size=20))
-    real, hit = rb._get, []
+    real, hit = rb.rpc.get, []
 
     def slow_once(refs, timeout="call"):
         if isinstance(refs, list) and not hit:
@@ -66,7 +66,7 @@ def test_a_timeout_while_fetching_rows_loses_no_batch(make_buffer):
             raise TimeoutError("no answer within timeout")
         return real(refs, timeout)
 
-    rb._get = slow_once
+    rb.rpc.get = slow_once
     served = []
     while len(served) < 300:
         try:

@@ -7,9 +7,9 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
+from conftest import run_marked
 from tensordict import TensorDict
 
-from conftest import run_marked
 from rayrb import ChunkDataset, OfflineToOnlineReplayBuffer, PreprocessError, export_parquet, preprocess, write_dataset
 from rayrb.io.preprocess import arrow_to_arrays
 

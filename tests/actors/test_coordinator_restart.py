@@ -6,10 +6,9 @@ import time
 
 import pytest
 import torch
+from restart_util import kill_coordinator, online_ids, rows
 
 from rayrb.core.allocation import offline_count
-
-from restart_util import kill_coordinator, online_ids, rows
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -104,12 +103,12 @@ def test_rows_planned_by_a_coordinator_that_died_are_read_again_from_the_shards(
     import numpy as np
     import ray
 
-    from rayrb.handle.iterator import fetch_group
+    pass
 
     a, b = (make_buffer(rows(0, 300), **KW) for _ in range(2))
     for rb in (a, b):
         rb.extend(rows(1000, 100))
-    ga, gb = (ray.get(rb._coord.sample_group.remote(16, 3)) for rb in (a, b))
+    ga, gb = (ray.get(rb.rpc.coord.plan.remote(16, 3)) for rb in (a, b))
     kill_coordinator(a)  # the owner of ga's reads is gone with their rows
     def same(x, y):
         if isinstance(x, dict):
@@ -123,7 +122,7 @@ def test_rows_planned_by_a_coordinator_that_died_are_read_again_from_the_shards(
         else:
             np.testing.assert_array_equal(x, y)
 
-    same(fetch_group(a, ga), fetch_group(b, gb))
+    same(a.rpc.fetch(ga, a.rpc.submit(ga)), b.rpc.fetch(gb, b.rpc.submit(gb)))
 
 
 def test_an_iterator_goes_on_through_a_restart_with_exact_batches(make_buffer):
@@ -157,12 +156,12 @@ def _half_sent_write(rb, tmp_path, write_id, data):
     the first piece on shard 0, the second never sent (shard 1 gets nothing)."""
     import ray
 
-    from rayrb.handle.iterator import _shards_by_side
+    pass
     from rayrb.durability.storage import CoordinatorState
 
     arrays = rb._rows(data, "online data")
     n = len(data)
-    online = _shards_by_side(rb)["online"]
+    online = rb.rpc.by_side["online"]
     ray.get(online[0].extend.remote(ray.put(arrays), 0, n // 2, first=0))
     journal = CoordinatorState(next((tmp_path / "state").rglob("coordinator")))
     journal.journal(write_id, [(0, 0, n // 2, 0), (1, n // 2, n, 0)])
@@ -197,11 +196,11 @@ def test_a_sample_call_whose_reply_died_with_the_coordinator_gets_the_same_batch
     that draw already, answers it with the same batch, and the stream goes on as a never-killed twin's."""
     import ray
 
-    from rayrb.handle.iterator import fetch_group
+    pass
     from rayrb.core.plans import assemble, split_group
 
     def batch_of(rb, group):
-        return [assemble(plan, parts, True)[0]["id"].tolist() for plan, parts in split_group(group, fetch_group(rb, group))]
+        return [assemble(plan, parts, True)[0]["id"].tolist() for plan, parts in split_group(group, rb.rpc.fetch(group, rb.rpc.submit(group)))]
 
     a, b = (make_buffer(rows(0, 300), **KW) for _ in range(2))
     for rb in (a, b):
@@ -209,11 +208,11 @@ def test_a_sample_call_whose_reply_died_with_the_coordinator_gets_the_same_batch
     for _ in range(3):
         assert torch.equal(a.sample()["id"], b.sample()["id"])
     call = "learner-0/call-41"
-    first = batch_of(a, ray.get(a._coord.sample_group.remote(16, 2, call=call)))  # answered and saved ...
-    twin = batch_of(b, ray.get(b._coord.sample_group.remote(16, 2)))
+    first = batch_of(a, ray.get(a.rpc.coord.plan.remote(16, 2, call=call)))  # answered and saved ...
+    twin = batch_of(b, ray.get(b.rpc.coord.plan.remote(16, 2)))
     assert first == twin
     kill_coordinator(a)  # ... then the process died before its reply got out: Ray sends the call again
-    again = batch_of(a, ray.get(a._coord.sample_group.remote(16, 2, call=call)))
+    again = batch_of(a, ray.get(a.rpc.coord.plan.remote(16, 2, call=call)))
     print("FIRST", first); print("AGAIN", again); assert again == first
     assert a.stats()["coordinator"]["calls_answered_again"] == 1
     for i in range(5):  # nothing skipped
@@ -231,7 +230,7 @@ def test_a_coordinator_killed_while_sampling_goes_on_with_the_twins_stream(make_
     for rb in (a, b):
         rb.extend(rows(1000, 100))
     want = [b.sample()["id"] for _ in range(60)]
-    got, killer = [], threading.Timer(0.05, lambda: ray.kill(a._coord, no_restart=False))
+    got, killer = [], threading.Timer(0.05, lambda: ray.kill(a.rpc.coord, no_restart=False))
     for i in range(60):
         if i == 8:
             killer.start()
@@ -267,21 +266,21 @@ def test_a_call_answered_again_after_writes_reads_the_rows_it_was_planned_over(m
     over the rows they held when it was planned (the online side is not full here, so none was overwritten)."""
     import ray
 
-    from rayrb.handle.iterator import fetch_group
+    pass
     from rayrb.core.plans import assemble, split_group
 
     def ids(rb, group):
-        return [assemble(plan, parts, True)[0]["id"].tolist() for plan, parts in split_group(group, fetch_group(rb, group))]
+        return [assemble(plan, parts, True)[0]["id"].tolist() for plan, parts in split_group(group, rb.rpc.fetch(group, rb.rpc.submit(group)))]
 
     rb = make_buffer(rows(0, 300), **{**KW, "online_capacity": 2000})
     rb.extend(rows(1000, 100))
     rb.extend(rows(1100, 100))  # 100 rows in each online shard
     rb.offline_fraction = 0.5
-    first = ids(rb, ray.get(rb._coord.sample_group.remote(16, 3, call="c1")))
+    first = ids(rb, ray.get(rb.rpc.coord.plan.remote(16, 3, call="c1")))
     assert any(i >= 1000 for batch in first for i in batch)  # online rows are in it
     rb.extend(rows(5000, 800))
     rb.extend(rows(6000, 800))  # each online shard grows from 100 to 900 rows
     assert rb.sizes()["online"] == [900, 900]
     kill_coordinator(rb)
-    again = ids(rb, ray.get(rb._coord.sample_group.remote(16, 3, call="c1")))
+    again = ids(rb, ray.get(rb.rpc.coord.plan.remote(16, 3, call="c1")))
     assert again == first

@@ -111,7 +111,7 @@ def test_a_save_from_elsewhere_serves_again_at_most_one_group_and_skips_nothing(
     rb = make_buffer(rows(200), **KW, sampler="without_replacement")
     it = rb.iter_batches(prefetch=4)  # groups of 2
     got = [next(it)["id"] for _ in range(9)]
-    state = ray.get(rb._coord.state_dict.remote())  # as another process would ask: nothing reported on purpose
+    state = ray.get(rb.rpc.coord.state_dict.remote())  # as another process would ask: nothing reported on purpose
     twin = make_buffer(rows(200), **KW, sampler="without_replacement")
     twin.load_state_dict(state)
     first = twin.sample()["id"]

@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from rayrb.actors.shards import OnlineShard
 from rayrb.core.allocation import assign_pieces
 from rayrb.core.schema import RowSpec
-from rayrb.actors.shards import OnlineShard
 from rayrb.durability.writelog import WriteLog, held_runs
 
 SPEC = RowSpec.from_arrays({"id": np.zeros(1, np.int64)}).to_json()
@@ -120,7 +120,7 @@ def test_the_coordinator_draws_only_from_counted_rows_and_reads_planned_behind_a
 
     shards = [OnlineShard(SPEC, 16, f"t/c{i}") for i in range(2)]
     c = Coordinator([object()], [100], shards, [16, 16], offline_fraction=0.0, seed=0)
-    log = c._log
+    log = c._writing.log
     for n, shard, lands in [(4, 0, True), (4, 1, True), (4, 0, False), (4, 1, True), (6, 0, True)]:
         plan = log.place(n)
         assert [w.shard for w in plan] == [shard]
@@ -129,7 +129,7 @@ def test_the_coordinator_draws_only_from_counted_rows_and_reads_planned_behind_a
             _send(shards, plan, np.arange(n))
     _resync(log, shards)
     assert c.sizes()["online"] == [s.size() for s in shards] == [4, 8]
-    group = c.sample_group(64, 1, submit=False)
+    group = c.plan(64, 1)
     assert sorted(group.reads) == [("online", 0), ("online", 1)]
     for (side, i), (counts, seeds, epochs, written) in zip(group.reads, group.args):
         out = shards[i].sample_many_tensors(counts, seeds, epochs, written=written)

@@ -11,9 +11,9 @@ import torch
 from tensordict import TensorDict
 
 from rayrb import write_dataset
-from rayrb.io.device_table import DeviceTable
-from rayrb.core.plans import Epoch
 from rayrb.actors.shards import OfflineShard, OnlineShard
+from rayrb.core.plans import Epoch
+from rayrb.io.device_table import DeviceTable
 
 
 @pytest.fixture
@@ -124,7 +124,7 @@ def test_iterating_with_reads_submitted_here_gives_the_coordinators_stream(make_
     want = [b["id"].tolist() for b in there.iter_batches(prefetch=4, num_batches=7)]
     m = 2
     monkeypatch.setattr(iterator, "_direct_reads",
-                        lambda rb, device: {"offline": rb._shards[:m], "online": rb._shards[m:]})
+                        lambda rb, device: {"offline": rb.rpc.shards[:m], "online": rb.rpc.shards[m:]})
     monkeypatch.setattr(iterator, "DIRECT_TRANSPORT", None)
     got = list(here.iter_batches(prefetch=4, num_batches=7, return_info=True))
     assert [b["id"].tolist() for b, _ in got] == want

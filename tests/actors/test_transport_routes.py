@@ -10,8 +10,8 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from rayrb.core.plans import BatchPlan, Part
 from rayrb.actors.transport import Place, choose, plan_routes, receive, refuse_shared_gpus
+from rayrb.core.plans import BatchPlan, Part
 
 GPU_SHARD = Place("rb/off-0", "node-a", ("0",))
 GPU_SHARD_B = Place("rb/on-0", "node-b", ("0",))

@@ -6,7 +6,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from rayrb.io import chunks
+from rayrb.io import chunks, files
 from rayrb.io.chunks import ChunkDataset, ChunkError, ReadOnlyError, write_dataset
 
 
@@ -230,7 +230,7 @@ def test_damaged_manifests_are_refused_when_opened(tmp_path):
 def test_short_writes_and_no_fallocate_still_write_every_byte(tmp_path, monkeypatch):
     real = os.pwrite
     monkeypatch.setattr(os, "pwrite", lambda fd, data, offset: real(fd, data[:7], offset))  # 7 bytes a call at most
-    monkeypatch.setattr(chunks, "_FALLOCATE", None)  # a platform without Linux fallocate
+    monkeypatch.setattr(files, "_FALLOCATE", None)  # a platform without Linux fallocate
     arrays = {"a": np.arange(300, dtype=np.float32).reshape(100, 3), "b": np.arange(100) % 2 == 0}
     info = chunks.write_chunk(arrays, tmp_path / "c")
     back = TensorDict.load_memmap(tmp_path / "c")
@@ -241,7 +241,7 @@ def test_short_writes_and_no_fallocate_still_write_every_byte(tmp_path, monkeypa
 
 def test_a_failed_fallocate_is_ignored(tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setattr(chunks, "_FALLOCATE", lambda fd, mode, off, n: calls.append(n) or -1)  # e.g. EOPNOTSUPP
+    monkeypatch.setattr(files, "_FALLOCATE", lambda fd, mode, off, n: calls.append(n) or -1)  # e.g. EOPNOTSUPP
     arrays = {"a": np.arange(10, dtype=np.int64)}
     chunks.write_chunk(arrays, tmp_path / "c")
     assert calls == [80]

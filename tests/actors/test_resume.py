@@ -5,13 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from tensordict import TensorDict
-
-from rayrb.io.datasets import registry
-from rayrb.durability.writelog import WriteLog
-
 from restart_util import kill_coordinator, online_ids, rows
+from tensordict import TensorDict
 from write_model import ModelShard
+
+from rayrb.durability.writelog import WriteLog
+from rayrb.io.datasets import registry
 
 
 # ------------------------------------------------------------------ writes cut short, restarts (no Ray)
@@ -112,12 +111,12 @@ def test_a_call_id_reused_with_other_arguments_is_refused():
     from rayrb.actors.coordinator import Coordinator
 
     c = Coordinator([object()], [100], [], [], seed=0)
-    first = c.sample_group(16, 1, submit=False, call="learner/7")
-    with pytest.raises(ValueError, match=r"learner/7.*\(16, 1, None\).*\(32, 1, None\)"):
-        c.sample_group(32, 1, submit=False, call="learner/7")  # answering it would give 16 rows for 32
-    again = c.sample_group(16, 1, submit=False, call="learner/7")  # the same call re-sent: the same batch
+    first = c.plan(16, 1, call="learner/7")
+    with pytest.raises(ValueError, match=r"learner/7.*\(16, 1, None, 1\).*\(32, 1, None, 1\)"):
+        c.plan(32, 1, call="learner/7")  # answering it would give 16 rows for 32
+    again = c.plan(16, 1, call="learner/7")  # the same call re-sent: the same batch
     assert [p.batch_size for p in again.plans] == [16] and again.args == first.args
-    fresh = c.sample_group(32, 1, submit=False, call="learner/8")
+    fresh = c.plan(32, 1, call="learner/8")
     assert [p.batch_size for p in fresh.plans] == [32]
 
 
@@ -179,11 +178,11 @@ def _half_sent(rb, tmp_path, write_id, data):
     """A coordinator that died between the pieces of a journalled write: shard 0 got its half, shard 1 nothing."""
     import ray
 
-    from rayrb.handle.iterator import _shards_by_side
+    pass
     from rayrb.durability.storage import CoordinatorState
 
     n = len(data)
-    ray.get(_shards_by_side(rb)["online"][0].extend.remote(ray.put(rb._rows(data, "rows")), 0, n // 2, first=0))
+    ray.get(rb.rpc.by_side["online"][0].extend.remote(ray.put(rb._rows(data, "rows")), 0, n // 2, first=0))
     CoordinatorState(next((tmp_path / "state").rglob("coordinator"))).journal(
         write_id, [(0, 0, n // 2, 0), (1, n // 2, n, 0)])
     kill_coordinator(rb)

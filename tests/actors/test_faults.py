@@ -67,7 +67,7 @@ def test_rows_are_kept_when_the_writer_exits_right_after_extend(make_buffer, ray
         ray.kill(w)  # the owner of the written object is gone at once
         ray.get(busy)
     assert rb.write_count == 300
-    assert ray.get(rb._shards[-1].written.remote()) == 300
+    assert ray.get(rb.rpc.shards[-1].written.remote()) == 300
     assert online_ids(rb) == set(range(300))
 
 
@@ -76,7 +76,7 @@ def test_a_killed_online_shard_restarts_with_every_acknowledged_row(make_buffer,
     rb = make_buffer(offline_rows(), online_capacity=400, num_online_shards=2, seed=0)
     for k in range(6):
         rb.extend(online_rows(50 * k, 50))
-    kill(ray, rb._shards[1])
+    kill(ray, rb.rpc.shards[1])
     _, recovery = retry(lambda: rb.sample(64))
     rb.extend(online_rows(300, 50))  # writes go on where they left off
     assert rb.write_count == 350
@@ -88,7 +88,7 @@ def test_extend_to_a_dead_online_shard_raises_instead_of_returning_indices(make_
     ray = ray_session
     rb = make_buffer(offline_rows(), online_capacity=100, num_online_shards=1, seed=0, storage_dir=None, timeout=30)
     rb.extend(online_rows(0, 10))
-    ray.kill(rb._shards[-1])  # in-memory rows: this shard does not come back
+    ray.kill(rb.rpc.shards[-1])  # in-memory rows: this shard does not come back
     for k in range(3):
         with pytest.raises((BufferUnavailableError, RuntimeError)):
             rb.extend(online_rows(10 + k, 1))
@@ -110,8 +110,8 @@ def test_killed_offline_shard_keeps_its_place_in_a_without_replacement_epoch(mak
     rb = make_buffer(offline_rows(120), online_capacity=10, num_offline_shards=3, sampler="without_replacement",
                      offline_fraction=1.0, seed=1)
     seen = rb.sample(30)["id"].tolist() + rb.sample(30)["id"].tolist()
-    kill(ray, rb._shards[0])
-    kill(ray, rb._shards[2])
+    kill(ray, rb.rpc.shards[0])
+    kill(ray, rb.rpc.shards[2])
     rest, _ = retry(lambda: rb.sample(30)["id"].tolist())
     seen += rest + rb.sample(30)["id"].tolist()
     assert sorted(seen) == list(range(120))  # the epoch visits every row exactly once, restart or not
@@ -125,7 +125,7 @@ def test_killed_prioritized_shards_keep_their_priorities(make_buffer, ray_sessio
     batch, info = rb.sample(2000, return_info=True)
     hot = (batch["id"] == 7) | (batch["id"] == 1003)
     rb.update_priority(info, torch.where(hot, 50.0, 1.0))
-    for shard in rb._shards:  # both offline shards and the online one
+    for shard in rb.rpc.shards:  # both offline shards and the online one
         kill(ray, shard)
     (batch, info), _ = retry(lambda: rb.sample(4000, return_info=True))
     off = batch["id"][info["offline"]]
@@ -270,8 +270,8 @@ def test_a_failed_preprocess_leaves_the_cluster_able_to_run_the_next(tmp_path):
     from rayrb import PreprocessError, preprocess
 
     src = tmp_path / "src"
-    from rayrb.io.chunks import write_dataset
     from rayrb.io.arrays import to_numpy_dict
+    from rayrb.io.chunks import write_dataset
 
     write_dataset(to_numpy_dict(offline_rows(400)), src, chunk_rows=100)
     for attempt in range(2):
@@ -307,7 +307,7 @@ def test_a_write_that_timed_out_names_itself_and_its_retry_lands_once(make_buffe
 
     ray = ray_session
     rb = make_buffer(offline_rows(), online_capacity=100, seed=0, timeout=1.0)
-    stall = rb._coord.__ray_call__.remote(lambda self: time.sleep(3))  # the coordinator is busy for 3 s
+    stall = rb.rpc.coord.__ray_call__.remote(lambda self: time.sleep(3))  # the coordinator is busy for 3 s
     with pytest.raises(WriteTimeoutError) as e:
         rb.extend(online_rows(0, 10))
     ray.get(stall)

@@ -19,9 +19,9 @@ import torch
 from tensordict import TensorDict
 
 from rayrb import write_dataset
-from rayrb.core.plans import BatchPlan, Epoch, ImportanceWeights, Part, assemble
 from rayrb.actors.shards import OfflineShard, OnlineShard
 from rayrb.actors.transport import Place, choose, plan_routes, receive, refuse_shared_gpus, shared_gpu
+from rayrb.core.plans import BatchPlan, Epoch, ImportanceWeights, Part, assemble
 
 uses_ray = pytest.mark.usefixtures("ray_session")
 
@@ -145,7 +145,7 @@ def test_a_long_random_interleaving_gives_the_unprefetched_stream(make_buffer, t
     # a saved state taken past unserved draws, a changed batch size or return_info served from stale draws.
     pair = twins(make_buffer, rows(0, 300))
     run_twins(pair, random_ops(random.Random(1), 90, tmp_path=tmp_path))
-    assert pair[0]._lookahead.stats["given_back"] > 0 and pair[0]._lookahead.stats["groups"] < 90
+    assert pair[0]._stream.stats["given_back"] > 0 and pair[0]._stream.stats["groups"] < 90
     assert coordinator_view(pair[0]) == coordinator_view(pair[1])
 
 
@@ -231,7 +231,7 @@ def test_two_handles_interleaving_without_replacement_serve_each_row_once_per_ep
             h.extend(rows(10_000 + step, 2))
     for h in handles:  # each handle drains what it holds
         h.stats()
-        while h._lookahead._ready:
+        while h._stream._ready:
             served += h.sample()["id"].tolist()
             h.stats()
     state = rb.state_dict()
@@ -240,7 +240,7 @@ def test_two_handles_interleaving_without_replacement_serve_each_row_once_per_ep
     assert len(served) == epochs * n - left
     assert set(counts.values()) <= {epochs - 1, epochs} and len(counts) == n
     assert sum(c == epochs for c in counts.values()) == n - left
-    assert sum(h._lookahead.stats["kept"] for h in handles) > 0  # the refused give-back did happen
+    assert sum(h._stream.stats["kept"] for h in handles) > 0  # the refused give-back did happen
 
 
 @uses_ray
@@ -256,7 +256,7 @@ def test_killing_an_offline_shard_while_batches_are_held_ahead(make_buffer, samp
     for rb in pair:
         rb.extend(rows(1000, 40))
         got = [flat(rb.sample(return_info=True)) for _ in range(3)]
-        ray.kill(rb._shards[1], no_restart=False)  # Ray restarts it
+        ray.kill(rb.rpc.shards[1], no_restart=False)  # Ray restarts it
         deadline = time.monotonic() + 30
         while True:
             try:
@@ -303,7 +303,7 @@ def test_a_handle_with_a_tiny_timeout_keeps_every_batch_exact(make_buffer):
 def test_batches_over_the_lookahead_byte_cap_are_not_drawn_ahead(make_buffer):
     # Catches a cap that ignores the batch's bytes: 65 MiB batches drawn 32 ahead would hold 2 GiB in the
     # object store. Under the cap, rows in flight must stay within 64 MiB; the stream stays the same.
-    from rayrb.handle.lookahead import MAX_BYTES
+    from rayrb.handle.stream import MAX_BYTES
 
     n = 80
     td = TensorDict({"x": torch.zeros(n, 1 << 18), "id": torch.arange(n)}, [n])  # 1 MiB rows
@@ -313,14 +313,14 @@ def test_batches_over_the_lookahead_byte_cap_are_not_drawn_ahead(make_buffer):
         got = []
         for bs in [65] * 3 + [21] * 7:
             got.append(rb.sample(bs)["id"].tolist())
-            look = rb._lookahead
+            look = rb._stream
             if bs == 65:  # one batch is over the cap: nothing is held beyond it
                 assert not look._ready and not look._pending
             else:  # the batch served and those held stay within the cap
                 assert (1 + len(look._ready)) * bs * rb.spec.row_bytes <= MAX_BYTES
         streams.append(got)
     assert streams[0] == streams[1]
-    assert pair[0]._lookahead.stats["groups"] < 10  # 21 MiB batches were drawn ahead, two at a time
+    assert pair[0]._stream.stats["groups"] < 10  # 21 MiB batches were drawn ahead, two at a time
 
 
 @uses_ray
@@ -336,7 +336,7 @@ def test_other_handles_writes_and_settings_reach_the_second_sample(make_buffer):
         return int((~learner.sample(return_info=True)[1]["offline"]).sum())
 
     assert n_online() == 0  # nothing online yet: all offline, and more like it held
-    assert len(learner._lookahead._ready) > 0
+    assert len(learner._stream._ready) > 0
     collector.extend(rows(1000, 50))
     n_online()
     assert n_online() == 8
@@ -347,24 +347,33 @@ def test_other_handles_writes_and_settings_reach_the_second_sample(make_buffer):
     steerer.offline_fraction = {"kind": "step", "values": [0.0, 1.0], "boundaries": [2]}
     n_online()
     assert n_online() == 16  # step 0 or 1 of the new schedule: all online
-    assert learner._lookahead.stats["stale"] >= 2
+    assert learner._stream.stats["stale"] >= 2
 
 
 @uses_ray
-def test_a_limited_buffer_draws_nothing_ahead_whatever_a_handle_asks(make_buffer):
-    # Catches a client that asks for prefetch=32 on a buffer whose rate limiter can block and gets it:
-    # rows drawn ahead would count as sampled and hold collectors back.
+def test_a_limited_buffer_draws_ahead_yet_judges_writes_by_the_rows_served(make_buffer):
+    # Catches drawing ahead that counts against collectors: rows drawn and not yet served must neither let a
+    # write through that single calls would hold back, nor change the stream. 100 rows in, 4 batches of 8
+    # online rows served: diff = 100 - 32 = 68 and max_diff = 208, so 140 rows fit and 141 do not.
     from rayrb import SampleToInsertRatio
 
-    rb = make_buffer(rows(0, 300), online_capacity=400, batch_size=16, offline_fraction=0.5, seed=0,
-                     rate_limiter=SampleToInsertRatio(samples_per_insert=1.0, min_size_to_sample=8,
-                                                      error_buffer=200), prefetch=32)
-    rb.extend(rows(1000, 100))
-    learner = rb.client(prefetch=32)
-    for _ in range(4):
-        learner.sample()
-    watcher = rb.client()
-    assert watcher.stats()["coordinator"]["rate_limiter"]["samples"] == 4 * 8  # seen from a handle that holds none
+    outcomes = []
+    for prefetch in (32, 0):
+        rb = make_buffer(rows(0, 300), online_capacity=1000, batch_size=16, offline_fraction=0.5, seed=0,
+                         rate_limiter=SampleToInsertRatio(samples_per_insert=1.0, min_size_to_sample=8,
+                                                          error_buffer=200), prefetch=prefetch, timeout=5)
+        rb.extend(rows(1000, 100))
+        learner = rb.client()
+        batches = [learner.sample()["id"].tolist() for _ in range(4)]
+        writer = rb.client(timeout=1)
+        with pytest.raises(TimeoutError):  # would go through if the unserved draws counted as sampled
+            writer.extend(rows(2000, 141))
+        writer.extend(rows(3000, 140))
+        batches += [learner.sample()["id"].tolist() for _ in range(4)]
+        outcomes.append((batches, learner._stream.stats, rb.stats()["coordinator"]["rate_limiter"]["samples"]))
+    (ahead, stats, samples), (single, _, single_samples) = outcomes
+    assert ahead == single and samples == single_samples == 8 * 8
+    assert stats["groups"] < 8 and stats["given_back"] > 0  # it did draw ahead, and gave back after the write
 
 
 # -- device tables against host memory -------------------------------------------------------------------------

@@ -3,11 +3,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import run_marked
 
 from rayrb.core.allocation import assign_pieces
 from rayrb.durability.writelog import WriteLog
-
-from conftest import run_marked
 
 
 def test_writers_beside_their_shards_write_locally_within_the_slack():

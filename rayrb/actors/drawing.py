@@ -1,0 +1,173 @@
+"""The coordinator's planning part: it draws groups of batches and gives back draws; it submits no reads.
+
+It holds the :class:`~rayrb.core.planner.Planner`, the shards' masses (prioritized
+sampling), the log of draws made ahead (:class:`~rayrb.core.ahead.AheadLog`) and the
+answers to recent plan calls (:class:`~rayrb.durability.replies.ReplyCache`). A plan
+names, per contributing shard, one read for the whole group: the caller submits it
+(``docs/architecture.md``, "The draw path").
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from rayrb.core.ahead import AheadLog, GiveBack
+from rayrb.core.planner import Planner
+from rayrb.core.plans import OFFLINE, ONLINE, SIDES, BatchPlan, GroupPlan, Part
+from rayrb.core.validation import positive_int
+from rayrb.durability.replies import ReplyCache
+from rayrb.errors import HeldBack
+
+Sizes = Mapping[str, np.ndarray]
+
+
+class Drawing:
+    """Plans for one buffer: groups of batches, their give-backs, and the side views' draws."""
+
+    def __init__(self, planner: Planner, shards: Mapping[str, Sequence[Any]], metrics: Any, seed: int | None):
+        self.planner, self._shards, self._metrics = planner, shards, metrics
+        self.ahead = AheadLog()
+        self.replies = ReplyCache()
+        self.side_rng = np.random.default_rng(None if seed is None else [seed, 1])
+        self._masses: dict[str, list[Any]] = {side: [None] * len(shards[side]) for side in SIDES}
+        self._masses_stale = False
+        for side in SIDES:
+            self.requery_masses(side, range(len(shards[side])))
+
+    # masses ---------------------------------------------------------------------
+    def requery_masses(self, side: str, shards: Any) -> None:
+        """Ask these shards for their mass now, behind every write and update sent to them."""
+        if self.planner.alloc.uses_masses:
+            for i in shards:
+                self._masses[side][i] = self._shards[side][i].mass_stats.remote()
+            self._masses_stale = True
+
+    def _sync_masses(self, sizes: Sizes) -> None:
+        if self.planner.alloc.uses_masses and self._masses_stale:
+            import ray
+
+            for side in SIDES:  # exact: the masses were asked for behind every earlier write and update
+                self.planner.alloc.set_masses(side, ray.get(self._masses[side]), sizes[side])
+            self._masses_stale = False
+
+    # planning -------------------------------------------------------------------
+    def plan(self, batch_size: int, num_batches: int, *, sizes: Sizes, counted: np.ndarray, version: int,
+             stream: str | None = None, served: int | None = None, call: str | None = None,
+             slices: int = 1) -> GroupPlan | HeldBack:
+        """Plan ``num_batches`` consecutive batches (or, with ``slices``, one batch cut in that many slices).
+
+        The batches are exactly those of as many single calls. ``stream`` names a
+        handle that draws ahead and can give back (:meth:`undo`); its group stops
+        early, with what was drawn, where a draw would be refused (an epoch's end,
+        the rate limiter). Without a stream, a sampler that cannot group batches
+        plans one. ``served`` reports, as :meth:`served` does, the stream's last
+        batch handed over. ``call`` names the call: made again (Ray re-sends it to a
+        restarted coordinator when the reply was lost) it gets the same plan.
+        """
+        request = (batch_size, num_batches, stream, slices)
+        again = self.replies.get(call, request)
+        if again is not None:
+            self._metrics.count("calls_answered_again")
+            return again
+        t0 = time.perf_counter()
+        if stream is not None and served is not None:
+            self.ahead.served(stream, int(served))
+        num_batches = positive_int("num_batches", num_batches)
+        if stream is None and not self.planner.alloc.groups_batches:
+            num_batches = 1
+        self._sync_masses(sizes)
+        drawn: list[tuple[BatchPlan, list]] = []
+        try:
+            for _ in range(num_batches):
+                drawn.extend(self._draw(batch_size, sizes, slices, stream))
+        except HeldBack as held:
+            if not drawn:
+                self._metrics.count(f"{held.call}_blocked_calls")
+                return held
+        except ValueError:
+            if not drawn or stream is None:
+                raise
+        group = self._group(drawn, counted, version, stream, len(drawn) // slices)
+        self.replies.put(call, request, group)
+        ms = (time.perf_counter() - t0) * 1e3
+        self._metrics.observe("plan_ms", ms)
+        self._metrics.count("plan_ms_total", ms)
+        return group
+
+    def _draw(self, batch_size: int, sizes: Sizes, slices: int, stream: str | None) -> list[tuple[BatchPlan, list]]:
+        out = self.planner.draw(batch_size, slices, sizes=sizes)
+        online = sum(plan.n_online for plan, _ in out)
+        rows = sum(plan.batch_size for plan, _ in out)
+        if stream is None:
+            self.ahead.forget()
+        else:
+            self.ahead.record(stream, self.planner.last_snapshot, rows, online)
+        self._metrics.count("batches")
+        self._metrics.count("rows_sampled", rows)
+        return out
+
+    def _group(self, drawn: list[tuple[BatchPlan, list]], counted: np.ndarray, version: int, stream: str | None,
+               batches: int) -> GroupPlan:
+        by_shard: dict[tuple[str, int], list[tuple[int, int, Any]]] = {}
+        for plan, reads in drawn:
+            for part, (seed, kwargs) in zip(plan.parts, reads):
+                by_shard.setdefault((part.side, part.shard), []).append((part.count, seed, kwargs.get("epoch")))
+        first = self.ahead.next_number - batches if stream is not None else -1
+        group = GroupPlan([plan for plan, _ in drawn], version=version, first=first)
+        for (side, i), items in by_shard.items():
+            counts, seeds, epochs = (list(x) for x in zip(*items))
+            group.reads.append((side, i))
+            # A shard counts no row past a hole; a read that reaches it later draws over these rows still.
+            group.args.append((counts, seeds, epochs, int(counted[i]) if side == ONLINE else None))
+        return group
+
+    def served(self, stream: str, number: int) -> None:
+        self.ahead.served(stream, int(number))
+
+    def undo(self, stream: str, count: int | None, discard: bool = False) -> GiveBack:
+        """Give back the last ``count`` batches that ``stream`` drew and did not serve (None: all of them).
+
+        :attr:`~rayrb.core.ahead.GiveBack.UNDONE` when the stream is back where it was
+        before them (no one else drew or changed a setting since). Otherwise they stand:
+        ``KEEP`` them without replacement (each row of an epoch is served once), else
+        ``DROP`` them; ``discard`` (a closed iterator) drops them in any case. Rows
+        dropped unserved no longer count as sampled for the rate limiter.
+        """
+        count = self.ahead.unserved(stream) if count is None else max(0, int(count))
+        if count == 0:
+            return GiveBack.UNDONE
+        taken = self.ahead.take_back(stream, count)
+        if taken is not None:
+            snapshot, rows, _ = taken
+            self.planner.restore(snapshot)
+            self._metrics.count("batches", -count)  # the counts say what was drawn for good
+            self._metrics.count("rows_sampled", -rows)
+            self._metrics.count("batches_undone", count)
+            return GiveBack.UNDONE
+        self._metrics.count("undo_refused")
+        if getattr(self.planner.alloc, "epoch_end", None) is not None and not discard:
+            return GiveBack.KEEP
+        _, online = self.ahead.drop(stream, count)
+        self.planner.unrecord_samples(online)
+        return GiveBack.DROP
+
+    def state_dict(self) -> dict[str, Any]:
+        """The sampling state, as if the batches drawn ahead and not yet served were given back."""
+        return self.planner.state_dict(at=self.ahead.first_unserved())
+
+    # side views -------------------------------------------------------------------
+    def plan_side(self, side: str, batch_size: int, sizes: np.ndarray) -> tuple[BatchPlan, list[np.ndarray]]:
+        """``batch_size`` rows of one side, uniformly from the union of its shards: the plan and each part's
+        local indices. Drawn from a stream of its own: the buffer's batches, epochs and limiter are untouched."""
+        from rayrb.core.allocation import multinomial_counts
+
+        if sizes.sum() == 0:
+            raise ValueError(f"cannot sample {batch_size} rows from the {side} side: it holds no rows")
+        counts = multinomial_counts(batch_size, sizes, self.side_rng)
+        parts = [Part(side, i, int(c)) for i, c in enumerate(counts) if c > 0]
+        indices = [self.side_rng.integers(0, sizes[p.shard], p.count) for p in parts]
+        n = (batch_size, 0) if side == OFFLINE else (0, batch_size)
+        return BatchPlan(parts, *n, fraction=float(side == OFFLINE), step=-1), indices

@@ -1,0 +1,163 @@
+"""The coordinator's write part: where each write's pieces go, the journal, resumed writes and resyncs.
+
+The writer ``ray.put`` s its rows and hands the ref over; the
+:class:`~rayrb.durability.writelog.WriteLog` picks shards and slots, the piece list is
+journalled, and the shards are sent their pieces (each fetches its own piece from the
+ref). The protocol, end to end, is in ``docs/durability.md``.
+
+Rows count for sampling once their shard has acknowledged them: a piece sent and not
+yet acknowledged (or failed) holds its shard's count below it, as a hole does. So a
+plan never names rows a shard has not applied, and a read the caller submits after
+it always finds them, from whichever process it comes.
+"""
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from typing import Any
+
+import numpy as np
+
+from rayrb.core.validation import positive_int
+from rayrb.durability.writelog import WriteLog
+
+
+class Writing:
+    """Write sequencing over the online shards (``log`` is None when the buffer has none)."""
+
+    def __init__(self, log: WriteLog | None, shards: Sequence[Any], state: Any, metrics: Any):
+        self.log, self._shards, self._state, self._metrics = log, list(shards), state, metrics
+        self._nodes: list[str] | None = None  # each online shard's node, once a writer names its own
+        self._unsettled: list[tuple[int, int, Any]] = []  # pieces sent, not acknowledged: (shard, first row, ack)
+
+    def counted(self) -> np.ndarray:
+        """Rows each shard counts and has acknowledged: up to its first hole or piece still on its way."""
+        if self.log is None:
+            return np.zeros(0, np.int64)
+        counted = self.log.counted
+        if self._unsettled:
+            self._settle()
+            counted = counted.copy()
+            for shard, first, _ in self._unsettled:
+                counted[shard] = min(counted[shard], first)
+        return counted
+
+    def sizes(self) -> np.ndarray:
+        """Rows each shard is sampled from: its :meth:`counted` rows, at most its capacity."""
+        if self.log is None:
+            return np.zeros(0, np.int64)
+        return np.minimum(self.counted(), self.log.capacity)
+
+    def _settle(self) -> None:
+        """Drop the pieces whose acknowledgement came back (never waits); a failed one stays until a resync."""
+        import ray
+
+        acks = [a for _, _, a in self._unsettled]
+        ready, _ = ray.wait(acks, num_returns=len(acks), timeout=0)
+        if not ready:
+            return
+        done = set()
+        for ref in ready:
+            try:
+                ray.get(ref)
+                done.add(ref)
+            except Exception:
+                pass
+        self._unsettled = [u for u in self._unsettled if u[2] not in done]
+
+    def _sent(self, pieces: Sequence[Any], acks: Sequence[Any]) -> None:
+        self._unsettled += [(w.shard, w.first, a) for w, a in zip(pieces, acks)]
+
+    def check(self, rows: int, write_id: str | None) -> tuple[int, Any]:
+        """``(rows, what an earlier write with this id got)``; raises if this buffer cannot take the write."""
+        if self.log is None:
+            raise RuntimeError("this buffer has no online shards")
+        rows, seen = positive_int("rows", rows), self.log.seen(write_id)
+        if seen is not None and len(seen[0]) != rows:  # its pieces would be cut from other rows
+            raise ValueError(f"write_id {write_id!r} names a write of {len(seen[0])} rows, got a retry of {rows} "
+                             "rows: a retry must send the same rows (or use a new write_id)")
+        return rows, seen
+
+    def write(self, rows_ref: Sequence[Any], rows: int, write_id: str | None, node: str | None
+              ) -> tuple[np.ndarray, list[Any], list[int]]:
+        """Place a new write, journal it and send its pieces: ``(indices, acks, shards written)``."""
+        local = self._local_shards(node)
+        plan = self.log.place(rows, local)
+        acks = self._send(rows_ref, write_id, plan, plan)
+        self.log.commit(plan, write_id, acks)
+        self._sent(plan, acks)
+        self._metrics.count("rows_written", int(rows))
+        if local:
+            self._metrics.count("rows_written_local", sum(w.rows for w in plan if w.shard in local))
+        return self.log.indices(plan), acks, [w.shard for w in plan]
+
+    def resume(self, rows_ref: Sequence[Any], write_id: str, failed: bool
+               ) -> tuple[np.ndarray, list[Any], list[int]]:
+        """Finish a write whose pieces may not all have landed: send only those the shards lack."""
+        if failed:  # the shards' own counts tell which pieces they hold
+            self._unsettled = []
+            self.log.reset(*self.write_states())
+        whole, send = self.log.resume(write_id)
+        if not send:
+            return self.log.indices(whole), [], []
+        acks = self._send(rows_ref, write_id, whole, send)
+        self.log.remember(write_id, whole, acks)
+        self._sent(send, acks)
+        self._metrics.count("rows_written", sum(w.rows for w in send))
+        self._metrics.count("writes_resumed")
+        return self.log.indices(whole), acks, [w.shard for w in send]
+
+    def _send(self, rows_ref: Sequence[Any], write_id: str | None, whole: Sequence[Any], send: Sequence[Any]
+              ) -> list[Any]:
+        """Journal a write's ``whole`` plan under ``write_id``, then send the pieces in ``send``; their acks."""
+        if self._state is not None and write_id is not None:  # before the shards get it: a restart must know
+            self._state.journal(write_id, [(w.shard, w.start, w.stop, w.first) for w in whole])
+        # The ref came nested in a list, so it is still unresolved: each shard fetches its piece itself.
+        return [self._shards[w.shard].extend.remote(rows_ref[0], w.start, w.stop, first=w.first) for w in send]
+
+    def write_states(self) -> tuple[list[int], list[list[tuple[int, int]]]]:
+        """Each online shard's write count, and the rows it holds beyond it (for :meth:`WriteLog.reset`)."""
+        import ray
+
+        states = ray.get([s.write_state.remote() for s in self._shards])
+        return [c for c, _ in states], [runs for _, runs in states]
+
+    def resync(self) -> None:
+        """Take the shards' own write counts (after a failed write, a restore or a restart)."""
+        self._nodes = None  # a shard that failed may run elsewhere now
+        if self.log is not None:
+            self._unsettled = []  # the shards' counts say what landed
+            self.log.reset(*self.write_states())
+
+    def recall(self, journal: Any) -> None:
+        """After a restart: the shards' counts, then the journalled writes, so a retry is answered once."""
+        if self.log is not None:
+            self.log.reset(*self.write_states())
+            self.log.recall(journal)
+
+    def _local_shards(self, node: str | None) -> Collection[int]:
+        """The online shards on ``node`` (asked of the shards once; a restarted shard may have moved: a hint)."""
+        if node is None:
+            return set()
+        if self._nodes is None:
+            import ray
+
+            self._nodes = [p["node"] for p in ray.get([s.place.remote() for s in self._shards])]
+        return {i for i, n in enumerate(self._nodes) if n == node}
+
+    def sizes_report(self) -> dict[str, list[int]]:
+        log = self.log
+        return {"online_written": [] if log is None else log.written.tolist(),
+                "online_capacity": [] if log is None else log.capacity.tolist()}
+
+
+def failed(acks: list[Any]) -> bool:
+    """Whether any of these shard acknowledgements has already come back as an error (never waits)."""
+    import ray
+
+    ready, _ = ray.wait(list(acks), num_returns=len(acks), timeout=0)
+    for ref in ready:
+        try:
+            ray.get(ref)
+        except Exception:
+            return True
+    return False

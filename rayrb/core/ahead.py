@@ -1,0 +1,144 @@
+"""Batches drawn ahead of being served, and giving them back. No Ray here.
+
+A handle's stream (:mod:`rayrb.handle.stream`) asks for batches before its caller
+does. Each draw is logged here with the planner's snapshot before it, so that the
+handle can give back what it did not serve and the stream goes on as if those
+draws had never been made.
+
+* Draws are numbered per log; a handle reports the last number it has served
+  (:meth:`AheadLog.served`) and those draws are never given back.
+* Only the most recent caller's draws can be rewound: a draw by anyone else, or a
+  change of settings (:meth:`AheadLog.forget`), makes every earlier draw stand. A
+  handle that gives back draws that stand keeps them (without replacement: each row
+  of an epoch is served once) or drops them (with replacement).
+* Rows drawn and not yet served are counted per handle (:meth:`AheadLog.unserved_rows`),
+  so that a rate limiter can judge writes against the rows actually served, as it
+  would if nothing were drawn ahead.
+
+Examples:
+    >>> log = AheadLog(limit=8)
+    >>> [log.record("h", ("state", i), rows=10, online=4) for i in range(4)]
+    [0, 1, 2, 3]
+    >>> log.served("h", 0)
+    >>> log.first_unserved(), log.unserved_rows()
+    (('state', 1), 12)
+    >>> log.take_back("h", 2)  # draws 2 and 3: the state before draw 2, and their rows
+    Taken(snapshot=('state', 2), rows=20, online=8)
+    >>> log.record("other", ("state", 9), rows=5, online=5)  # draw 1 of "h" now stands
+    4
+    >>> log.take_back("h", 1) is None, log.drop("h", 1), log.unserved_rows()
+    (True, (10, 4), 5)
+"""
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict
+from typing import Any, NamedTuple
+
+# Draws one handle may have ahead: a handle holds at most 2 groups of rayrb.handle.stream.MAX_DEPTH + 1,
+# and an iterator draws no deeper than this.
+MAX_AHEAD = 256
+MAX_HANDLES = 1024  # handles tracked at once; the oldest is forgotten past this
+
+
+class GiveBack(enum.Enum):
+    """What became of batches a handle gave back."""
+
+    UNDONE = "undone"  # the stream is back where it was before them
+    KEEP = "keep"  # they stand (another caller drew since); without replacement the handle serves them
+    DROP = "drop"  # they stand; with replacement the handle drops them
+
+
+class Taken(NamedTuple):
+    """Draws taken back: the planner's snapshot before them, their rows, and how many of those were online."""
+
+    snapshot: tuple
+    rows: int
+    online: int
+
+
+class AheadLog:
+    """Draws handles made ahead of serving them (see the module)."""
+
+    def __init__(self, limit: int = MAX_AHEAD):
+        self.limit = limit
+        self.latest: str | None = None  # the handle whose draws are the most recent, rewindable
+        # per handle: [number, snapshot before it (None once it stands), rows, online rows], oldest first
+        self._entries: OrderedDict[str, list[list[Any]]] = OrderedDict()
+        self._next = 0
+
+    def record(self, handle: str, snapshot: tuple, rows: int, online: int = 0) -> int:
+        """Log a draw made for ``handle``; returns its number. Another handle's draws stand from now on."""
+        if handle != self.latest:
+            self.forget()
+            self.latest = handle
+        number, self._next = self._next, self._next + 1
+        entries = self._entries.setdefault(handle, [])
+        self._entries.move_to_end(handle)
+        entries.append([number, snapshot, int(rows), int(online)])
+        del entries[:-self.limit]
+        while len(self._entries) > MAX_HANDLES:
+            self._entries.popitem(last=False)
+        return number
+
+    @property
+    def next_number(self) -> int:
+        """The number the next draw gets."""
+        return self._next
+
+    def forget(self) -> None:
+        """Every draw so far stands (another caller drew, or a setting changed); their rows stay counted."""
+        for entries in self._entries.values():
+            for e in entries:
+                e[1] = None
+        self.latest = None
+
+    def served(self, handle: str, number: int) -> None:
+        """``handle`` has served its draws up to ``number``: those are never given back."""
+        entries = self._entries.get(handle)
+        if entries:
+            entries[:] = [e for e in entries if e[0] > number]
+            if not entries:
+                del self._entries[handle]
+
+    def take_back(self, handle: str, count: int) -> Taken | None:
+        """Remove ``handle``'s last ``count`` draws if they can be rewound: the snapshot before them and their
+        rows; else None and nothing changes (another caller drew since, or they were served)."""
+        entries = self._entries.get(handle, [])
+        if handle != self.latest or not 0 < count <= len(entries) or entries[-count][1] is None:
+            return None
+        taken = entries[-count:]
+        del entries[-count:]
+        return Taken(taken[0][1], sum(e[2] for e in taken), sum(e[3] for e in taken))
+
+    def drop(self, handle: str, count: int | None = None) -> tuple[int, int]:
+        """Remove ``handle``'s last ``count`` draws (all with None) that it will never serve; their rows and
+        online rows."""
+        entries = self._entries.get(handle, [])
+        count = len(entries) if count is None else min(int(count), len(entries))
+        dropped = entries[len(entries) - count:]
+        del entries[len(entries) - count:]
+        if not entries:
+            self._entries.pop(handle, None)
+        return sum(e[2] for e in dropped), sum(e[3] for e in dropped)
+
+    def unserved(self, handle: str) -> int:
+        """How many of ``handle``'s draws are logged and not served.
+
+        >>> log = AheadLog(limit=8)
+        >>> [log.record("it", ("state", i), rows=5) for i in range(3)]
+        [0, 1, 2]
+        >>> log.served("it", 0)
+        >>> log.unserved("it"), log.take_back("it", log.unserved("it")).rows, log.unserved("other")
+        (2, 10, 0)
+        """
+        return len(self._entries.get(handle, ()))
+
+    def unserved_rows(self) -> int:
+        """Online rows drawn by any handle and not (yet) served (what a rate limiter counts)."""
+        return sum(e[3] for entries in self._entries.values() for e in entries)
+
+    def first_unserved(self) -> tuple | None:
+        """The snapshot before the most recent handle's oldest draw not known to be served, or None."""
+        entries = self._entries.get(self.latest) if self.latest is not None else None
+        return entries[0][1] if entries else None

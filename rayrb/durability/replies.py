@@ -1,0 +1,54 @@
+"""Answers to the last few plan calls, by call id, kept with the coordinator's saved state. No Ray here.
+
+Ray re-sends an actor call whose reply was lost when the actor died; the restarted
+coordinator must answer it with the same batches, not the next ones. A call id
+names one call: the same id with other arguments is refused.
+
+>>> cache = ReplyCache(kept=2)
+>>> cache.put("a", (16, 1), "plan-a"); cache.put("b", (16, 1), "plan-b"); cache.put("c", (16, 1), "plan-c")
+>>> cache.get("a", (16, 1)) is None, cache.get("c", (16, 1))
+(True, 'plan-c')
+>>> cache.get("c", (32, 1))
+Traceback (most recent call last):
+ValueError: call 'c' was answered for (16, 1), got (32, 1): a call id names one call; use a new id for a new call
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable
+from typing import Any
+
+# Calls whose reply one crash can lose: each handle has at most two plan calls in flight
+# (rayrb.handle.stream), so this covers four handles caught mid-call at once.
+REPLIES_KEPT = 8
+
+
+class ReplyCache:
+    """The last ``kept`` answers by call id, with the request each answered."""
+
+    def __init__(self, kept: int = REPLIES_KEPT):
+        self.kept = int(kept)
+        self._answers: OrderedDict[str, tuple[Hashable, Any]] = OrderedDict()
+
+    def get(self, call: str | None, request: Hashable) -> Any:
+        """The answer given to ``call``, or None; raises if ``call`` was answered for another request."""
+        if call is None or call not in self._answers:
+            return None
+        asked, answer = self._answers[call]
+        if asked != request:
+            raise ValueError(f"call {call!r} was answered for {asked}, got {request}: a call id names one call; "
+                             "use a new id for a new call")
+        return answer
+
+    def put(self, call: str | None, request: Hashable, answer: Any) -> None:
+        if call is None:
+            return
+        self._answers[call] = (request, answer)
+        while len(self._answers) > self.kept:
+            self._answers.popitem(last=False)
+
+    def items(self) -> list[tuple[str, tuple[Hashable, Any]]]:
+        return list(self._answers.items())
+
+    def load(self, items: Any) -> None:
+        self._answers = OrderedDict(items or ())

@@ -1,0 +1,134 @@
+"""The one narrow way a handle reaches its buffer's actors: calls, waits, backoff and shard reads.
+
+Every remote call of a handle goes through :class:`Rpc`, which bounds each wait by
+``timeout`` and turns Ray's failures into ``TimeoutError``,
+:class:`~rayrb.errors.BufferUnavailableError` or the actor's own ``ValueError``. The
+handle's other modules (the stream, views, checkpoints) use this interface, never
+the handle's private attributes.
+
+Reads go from here to the shards: a plan from the coordinator names, per shard, one
+read for a whole group of batches, with the online write count it was planned at.
+A read that reaches an online shard before those writes have landed there draws
+nothing (the shard answers None) and is sent again, within the same ``timeout``.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from rayrb.core.plans import OFFLINE, ONLINE, GroupPlan
+from rayrb.errors import BufferUnavailableError, HeldBack, HeldBackTimeout
+
+DIRECT_TRANSPORT: str | None = "cuda_ipc"  # GPU shards to a GPU actor reading directly (None: object store)
+
+
+class Rpc:
+    """A handle's connection to the coordinator and shards of buffer ``name``."""
+
+    def __init__(self, coord: Any, shards: Sequence[Any], num_offline: int, *, name: str, timeout: float | None):
+        self.coord, self.name, self.timeout = coord, name, timeout
+        self.shards = list(shards)  # offline first
+        self.by_side = {OFFLINE: self.shards[:num_offline], ONLINE: self.shards[num_offline:]}
+        self.closed = False
+        self._version_map: Any = None  # the coordinator's version file, when on this node (False: not)
+
+    def get(self, refs: Any, timeout: float | None | str = "call") -> Any:
+        """``ray.get`` within ``timeout``, Ray's failures turned into this package's errors."""
+        import ray
+        from ray.exceptions import GetTimeoutError, ObjectLostError, RayActorError, RayTaskError
+
+        if self.closed:
+            raise BufferUnavailableError(f"buffer {self.name!r} was shut down")
+        timeout = self.timeout if timeout == "call" else timeout
+        try:
+            return ray.get(refs, timeout=timeout)
+        except GetTimeoutError as e:
+            raise TimeoutError(f"buffer {self.name!r}: no answer within timeout={timeout}s") from e
+        except (RayActorError, ObjectLostError) as e:
+            raise BufferUnavailableError(
+                f"buffer {self.name!r}: an actor of this buffer is dead (killed, shut down, or its node failed)"
+            ) from e
+        except RayTaskError as e:
+            if isinstance(e.cause, (ValueError, TypeError, IndexError, PermissionError)):
+                raise e.cause from None
+            raise
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """The coordinator's ``method(*args, **kwargs)``, asked again while the rate limiter holds it back.
+
+        The wait is bounded by ``timeout``; past it :class:`~rayrb.errors.HeldBackTimeout`
+        is raised and nothing was drawn or written. The call that goes through reports
+        how long it waited.
+        """
+        t0, waited = time.monotonic(), 0.0
+        while True:
+            extra = {"waited": time.monotonic() - t0} if waited else {}
+            out = self.get(getattr(self.coord, method).remote(*args, **kwargs, **extra))
+            if not isinstance(out, HeldBack):
+                return out
+            waited = self.backoff(waited, out)
+
+    def backoff(self, waited: float, held: HeldBack) -> float:
+        """Sleep before asking again a call the rate limiter held back; past ``timeout``, raise."""
+        delay = min(0.05, 0.001 + waited)
+        if self.timeout is not None and waited + delay > self.timeout:
+            raise HeldBackTimeout(f"buffer {self.name!r}: waited {self.timeout}s for the rate limiter: {held.reason}")
+        time.sleep(delay)
+        return waited + delay
+
+    def tell(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Send the coordinator ``method(*args, **kwargs)`` without waiting; its ref (None once closed)."""
+        if self.closed:
+            return None
+        return getattr(self.coord, method).remote(*args, **kwargs)
+
+    # reads ------------------------------------------------------------------------
+    def submit(self, group: GroupPlan, direct: dict[str, list] | None = None) -> list[Any]:
+        """One read per shard of ``group``: numpy rows through the object store, or, with ``direct`` (the
+        shards by side, on this actor's GPU), CUDA tensors over Ray Direct Transport."""
+        return [self._read(side, i, args, direct) for (side, i), args in zip(group.reads, group.args)]
+
+    def _read(self, side: str, i: int, args: tuple, direct: dict[str, list] | None) -> Any:
+        counts, seeds, epochs, written = args
+        if direct is None:
+            return self.by_side[side][i].sample_many.remote(counts, seeds, epochs, written)
+        method = direct[side][i].sample_many_tensors
+        if DIRECT_TRANSPORT is not None:
+            method = method.options(tensor_transport=DIRECT_TRANSPORT)
+        return method.remote(counts, seeds, epochs, written=written)
+
+    def fetch(self, group: GroupPlan, refs: list[Any], direct: dict[str, list] | None = None) -> list[Any]:
+        """The reads' results, sending again those that reached an online shard before its planned writes.
+
+        The whole wait, remote calls included, is bounded by ``timeout``.
+        """
+        t0 = time.monotonic()
+        results = self.get(refs)
+        while True:
+            behind = [j for j, r in enumerate(results) if r is None or (direct is not None and "behind" in r)]
+            if not behind:
+                return results
+            if self.timeout is not None and time.monotonic() - t0 > self.timeout:
+                raise TimeoutError(f"buffer {self.name!r}: online shards {[group.reads[j] for j in behind]} did "
+                                   f"not apply the writes this group was planned with within timeout={self.timeout}s")
+            time.sleep(0.001)
+            again = [self._read(*group.reads[j], group.args[j], direct) for j in behind]
+            left = None if self.timeout is None else max(0.0, self.timeout - (time.monotonic() - t0))
+            for j, r in zip(behind, self.get(again, timeout=left)):
+                results[j] = r
+
+    def version(self) -> int | None:
+        """The coordinator's version read from its memory map, when it runs on this node (else None)."""
+        if self._version_map is None:
+            import numpy as np
+            import ray
+
+            self._version_map = False
+            try:
+                node, path = self.get(self.coord.version_file.remote())
+                if path is not None and node == ray.get_runtime_context().get_node_id():
+                    self._version_map = np.memmap(path, dtype=np.int64, mode="r", shape=(1,))
+            except (OSError, ValueError):
+                pass
+        return None if self._version_map is False else int(self._version_map[0])
