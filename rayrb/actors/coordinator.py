@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from rayrb.actors.drawing import Drawing
+from rayrb.actors.lifecycle import begin
 from rayrb.actors.metrics import ActorMetrics
 from rayrb.actors.version import Version
 from rayrb.actors.writing import Writing, failed
@@ -44,7 +45,7 @@ SAVED_AFTER = ("set_offline_fraction", "anneal", "set_step", "set_base_fraction"
 class Coordinator:
     def __init__(
         self,
-        offline_shards: Sequence[Any],
+        offline_shards: Sequence[Any],  # actor names (or handles)
         offline_sizes: Sequence[int],
         online_shards: Sequence[Any],
         online_capacities: Sequence[int],
@@ -60,7 +61,7 @@ class Coordinator:
         state_dir: str | None = None,
     ):
         self._name = name
-        self._shards = {OFFLINE: list(offline_shards), ONLINE: list(online_shards)}
+        self._shards = {OFFLINE: [_actor(s) for s in offline_shards], ONLINE: [_actor(s) for s in online_shards]}
         self._offline_sizes = np.asarray(offline_sizes, np.int64)
         self._metrics = ActorMetrics("coordinator", {"buffer": name})
         planner = Planner({s: len(self._shards[s]) for s in SIDES}, offline_fraction=offline_fraction,
@@ -71,17 +72,17 @@ class Coordinator:
         self._version = Version(name)
         # With a state directory, a restarted coordinator (Ray re-runs this with the same arguments) picks up
         # its sampling state there and its write counts from the shards.
+        self._lives = begin(state_dir, f"the coordinator of buffer {name!r}")
         self._state = None if state_dir is None else CoordinatorState(state_dir)
         log = WriteLog(online_capacities) if online_shards else None
         self._writing = Writing(log, self._shards[ONLINE], self._state, self._metrics)
         if self._state is not None:
-            import ray
-
-            if ray.get_runtime_context().was_current_actor_reconstructed:
+            if self._lives.restarts:
                 self._restart(self._state.load())
             else:
                 self._state.clear()
                 self._save()
+        self._lives.ready()
 
     # state ------------------------------------------------------------------------
     def _save(self) -> None:
@@ -110,7 +111,6 @@ class Coordinator:
             self._version.restarted(saved["version"], saved.get("version_path"))
             self._drawing.replies.load(saved.get("answers"))
         self._writing.recall(self._state.writes())  # a retry is answered, and only missing pieces sent
-        self._metrics.count("restarts")
         self._save()
 
     def _changed(self, settings: bool = False) -> None:
@@ -298,11 +298,21 @@ class Coordinator:
         planner = self._planner.stats()
         self._metrics.gauge("rate_limiter_diff", planner["rate_limiter"]["diff"] or 0.0)
         self._metrics.gauge("cpu_seconds", _cpu_seconds())
+        self._metrics.gauge("restarts", self._lives.restarts)
         out = {"coordinator": {**self._metrics.snapshot(), **planner, "offline_fraction": self.offline_fraction(),
-                               **self.sizes()}}
+                               **self.sizes(), **self._lives.stats()}}
         if include_shards:
             out["shards"] = ray.get([s.stats.remote() for side in SIDES for s in self._shards[side]])
         return out
+
+
+def _actor(shard: Any) -> Any:
+    """A shard's handle: looked up by its actor name, or (tests of the parts) the object given."""
+    if isinstance(shard, str):
+        import ray
+
+        return ray.get_actor(shard)
+    return shard
 
 
 def _cpu_seconds() -> float:

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from rayrb.actors.lifecycle import begin
 from rayrb.actors.metrics import ActorMetrics
 from rayrb.core.plans import Epoch
 from rayrb.core.samplers import make_sampler
@@ -42,8 +43,10 @@ class _Shard:
     kind = "shard"
 
     def __init__(self, shard_id: str, sampler: str, capacity: int = 0,
-                 sampler_options: Mapping[str, float] | None = None, device: str | None = None):
+                 sampler_options: Mapping[str, float] | None = None, device: str | None = None,
+                 state_dir: str | None = None):
         self.shard_id = shard_id
+        self._lives = begin(state_dir, f"shard {shard_id}")
         self._device = device  # None: rows in host memory maps; else a DeviceTable on this torch device
         self._table = None
         opts = dict(sampler_options or {})
@@ -233,9 +236,10 @@ class _Shard:
     def stats(self) -> dict[str, Any]:
         self._metrics.gauge("size", self.size())
         self._metrics.gauge("device_bytes", 0 if self._table is None else self._table.nbytes)
+        self._metrics.gauge("restarts", self._lives.restarts)
         for name, value in process_memory().items():
             self._metrics.gauge(name, value)
-        return self._metrics.snapshot()
+        return {**self._metrics.snapshot(), **self._lives.stats()}
 
     def ping(self) -> str:
         return self.shard_id
@@ -258,7 +262,7 @@ class OfflineShard(_Shard):
                  sampler_options: Mapping[str, float] | None = None, state_dir: str | None = None,
                  device: str | None = None):
         super().__init__(shard_id, sampler, capacity=max(1, stop - start), sampler_options=sampler_options,
-                         device=device)
+                         device=device, state_dir=state_dir)
         self._ds = ChunkDataset.open(root)
         if not 0 <= start < stop <= len(self._ds):
             raise ValueError(f"shard {shard_id}: expected 0 <= start < stop <= {len(self._ds)}, got [{start}, {stop})")
@@ -272,6 +276,7 @@ class OfflineShard(_Shard):
         self._store = PriorityStore(max(1, stop - start), state_dir if self._sampler.per_slot_state else None)
         self._sampler.attach(self._store.priority, self._store.max_priority, self._store.reopened)
         self._metrics.gauge("dataset_bytes", (stop - start) * self._ds.spec.row_bytes)
+        self._lives.ready()
 
     def size(self) -> int:
         return self._stop - self._start
@@ -302,18 +307,20 @@ class OnlineShard(_Shard):
                  sampler_options: Mapping[str, float] | None = None, state_dir: str | None = None,
                  device: str | None = None):
         capacity = positive_int(f"shard {shard_id}: capacity", capacity)
-        super().__init__(shard_id, sampler, capacity=capacity, sampler_options=sampler_options, device=device)
+        super().__init__(shard_id, sampler, capacity=capacity, sampler_options=sampler_options, device=device,
+                         state_dir=state_dir)
         self._spec = RowSpec.from_json(spec_json)
         self._capacity = int(capacity)
         self._store = OnlineStorage(self._spec, self._capacity, state_dir)
         self._data, self._gen = self._store.rows, self._store.generation
         # writes applied beyond the write count (behind a piece still to come): first row -> end; a
         # restarted shard finds them again from the generations
-        self._ahead: dict[int, int] = dict(held_runs(self._gen, self._store.written))
+        self._held: dict[int, int] = dict(held_runs(self._gen, self._store.written))
         self._mirror()
         if self._store.reopened:
             self._sampler.on_write(np.arange(self.size()))
         self._sampler.attach(self._store.priority, self._store.max_priority, self._store.reopened)
+        self._lives.ready()
 
     @property
     def _written(self) -> int:
@@ -374,15 +381,15 @@ class OnlineShard(_Shard):
     def _advance(self, first: int, end: int) -> None:
         written = self._store.written
         if first > written:  # an earlier write is still to come (a retry out of order)
-            self._ahead[first] = end
+            self._held[first] = end
             return
         written = max(written, end)
         # Every run the count reaches, also one that starts inside the rows it passed: a write wider than the
         # shard keeps only its tail, and a restarted shard (or the log, after a resync) knows just that.
-        for a in sorted(self._ahead):
+        for a in sorted(self._held):
             if a > written:
                 break
-            written = max(written, self._ahead.pop(a))
+            written = max(written, self._held.pop(a))
         self._store.written = written
 
     def _mirror(self) -> None:
@@ -417,8 +424,8 @@ class OnlineShard(_Shard):
                 self._data[k][...] = rows[k]
             self._gen[...] = gen
             self._store.written = int(state["written"])
-            self._ahead.clear()  # rows the saved shard held behind a hole: counted once it is filled
-            self._ahead.update(held_runs(self._gen, self._store.written))
+            self._held.clear()  # rows the saved shard held behind a hole: counted once it is filled
+            self._held.update(held_runs(self._gen, self._store.written))
             self._mirror()
 
         return apply

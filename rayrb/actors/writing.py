@@ -71,7 +71,7 @@ class Writing:
         """``(rows, what an earlier write with this id got)``; raises if this buffer cannot take the write."""
         if self.log is None:
             raise RuntimeError("this buffer has no online shards")
-        rows, seen = positive_int("rows", rows), self.log.seen(write_id)
+        rows, seen = positive_int("rows", rows), self.log.lookup(write_id)
         if seen is not None and len(seen[0]) != rows:  # its pieces would be cut from other rows
             raise ValueError(f"write_id {write_id!r} names a write of {len(seen[0])} rows, got a retry of {rows} "
                              "rows: a retry must send the same rows (or use a new write_id)")

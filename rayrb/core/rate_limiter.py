@@ -65,15 +65,15 @@ Examples (``spi = 2``, ``min_size_to_sample = 3``, ``error_buffer = 4``: window 
     >>> rl.min_diff, rl.max_diff
     (2.0, 10.0)
     >>> rl.decide(n_online_rows=2, online_size=0)  # below min size: the batch goes all offline
-    'all_offline'
+    <Decision.ALL_OFFLINE: 'all_offline'>
     >>> rl.can_insert(3, online_size=0); rl.record_insert(3); rl.diff  # 0 + 3 * 2 <= 10
     True
     6.0
     >>> rl.decide(4, online_size=3); rl.record_sample(4); rl.diff  # 6 - 1 >= 2
-    'as_planned'
+    <Decision.AS_PLANNED: 'as_planned'>
     2.0
     >>> rl.decide(1, online_size=3)  # 2 - 1 < 2
-    'wait'
+    <Decision.WAIT: 'wait'>
     >>> rl.can_insert(3, online_size=3); rl.record_insert(3); rl.diff  # 2 + 6 <= 10
     True
     8.0
@@ -84,6 +84,7 @@ Examples (``spi = 2``, ``min_size_to_sample = 3``, ``error_buffer = 4``: window 
 """
 from __future__ import annotations
 
+import enum
 import math
 import warnings
 from collections.abc import Mapping
@@ -92,7 +93,16 @@ from typing import Any
 
 from rayrb.core.validation import finite_number, non_negative_int, one_of, positive_int
 
-AS_PLANNED, ALL_OFFLINE, WAIT = "as_planned", "all_offline", "wait"
+
+class Decision(str, enum.Enum):
+    """The rate limiter's say on a planned batch (a ``str``, so it compares equal to its value)."""
+
+    AS_PLANNED = "as_planned"
+    ALL_OFFLINE = "all_offline"  # below min_size_to_sample, when_below_min_size="offline"
+    WAIT = "wait"
+
+
+AS_PLANNED, ALL_OFFLINE, WAIT = Decision.AS_PLANNED, Decision.ALL_OFFLINE, Decision.WAIT
 BELOW_MIN_SIZE = ("offline", "wait")
 SIDES = ("insert", "sample")
 _COUNTS = ("inserts", "samples", "prefilled", "insert_blocked_calls", "sample_blocked_calls")
@@ -190,7 +200,7 @@ class RateLimiter:
             return True
         return not self._sample_allowed(size)
 
-    def decide(self, n_online_rows: int, online_size: int) -> str:
+    def decide(self, n_online_rows: int, online_size: int) -> Decision:
         """For a planned batch: ``"as_planned"``, ``"all_offline"`` (below min size) or ``"wait"``."""
         if self.can_sample(n_online_rows, online_size):
             return AS_PLANNED

@@ -13,7 +13,7 @@ slots and global indices without changing anything; :meth:`WriteLog.commit`
 applies it once the shards hold the rows.
 
 A write may carry an identity. A write whose identity was committed before is
-not applied again: :meth:`WriteLog.seen` returns the indices it got (and the
+not applied again: :meth:`WriteLog.lookup` returns the indices it got (and the
 receipt the caller kept with them, such as the shards' acknowledgements), so a
 caller that retries after a timeout writes its rows once. A write whose pieces
 did not all land (a shard failed, or the coordinator died between sending its
@@ -34,7 +34,7 @@ Examples:
     >>> [(w.shard, w.slots.tolist()) for w in plan], log.indices(plan).tolist()
     ([(0, [0, 1, 2, 0])], [0, 1, 2, 0])
     >>> log.commit(plan, write_id="w1")
-    >>> log.written.tolist(), log.sizes.tolist(), log.seen("w1")[0].tolist()
+    >>> log.written.tolist(), log.sizes.tolist(), log.lookup("w1")[0].tolist()
     ([4, 0], [3, 0], [0, 1, 2, 0])
     >>> [(w.shard, log.indices([w]).tolist()) for w in log.plan([2])]  # shard 1 is behind: it gets the rows
     [(1, [3, 4])]
@@ -231,7 +231,7 @@ class WriteLog:
             self.remember(write_id, plan)
             self._ids[write_id][3].update(over)
 
-    def seen(self, write_id: Hashable | None) -> tuple[np.ndarray, Any] | None:
+    def lookup(self, write_id: Hashable | None) -> tuple[np.ndarray, Any] | None:
         """``(indices, receipt)`` of an earlier write with this identity, or None."""
         found = None if write_id is None else self._ids.get(write_id)
         return None if found is None else found[:2]
@@ -275,9 +275,9 @@ class WriteLog:
         self.remember(write_id, whole)
         return whole, send
 
-    def reset(self, written: Sequence[int], parked: Sequence[Sequence[tuple[int, int]]] | None = None) -> None:
+    def reset(self, written: Sequence[int], held: Sequence[Sequence[tuple[int, int]]] | None = None) -> None:
         """Take the shards' own write counts (after a failure or a restore), and the runs of rows each holds
-        beyond its count (``parked``, see :func:`held_runs`).
+        beyond its count (``held``, see :func:`held_runs`).
 
         Rows planned beyond what a shard holds are free again: the gaps below its last
         held row become holes, which the next writes fill, and a remembered write's
@@ -295,15 +295,15 @@ class WriteLog:
         if written.shape != self.written.shape or np.any(written < 0):
             raise ValueError(f"expected {self.written.size} non-negative write counts, got {written.tolist()}")
         bad = ValueError(f"expected per shard runs [a, b) of rows at or beyond its count {written.tolist()}, "
-                         f"got {parked!r}")
+                         f"got {held!r}")
         try:
-            parked = [sorted((int(a), int(b)) for a, b in runs) for runs in (parked or [[] for _ in written])]
+            held = [sorted((int(a), int(b)) for a, b in runs) for runs in (held or [[] for _ in written])]
         except (TypeError, ValueError):  # a run that is not a pair of integers
             raise bad from None
-        if len(parked) != written.size or any(a < c or b <= a for runs, c in zip(parked, written) for a, b in runs):
+        if len(held) != written.size or any(a < c or b <= a for runs, c in zip(held, written) for a, b in runs):
             raise bad
-        self.written = np.array([max([int(c)] + [b for _, b in runs]) for c, runs in zip(written, parked)], np.int64)
-        self.holes = [_gaps(int(c), runs) for c, runs in zip(written, parked)]
+        self.written = np.array([max([int(c)] + [b for _, b in runs]) for c, runs in zip(written, held)], np.int64)
+        self.holes = [_gaps(int(c), runs) for c, runs in zip(written, held)]
         for _, _, plan, missing in self._ids.values():
             missing.update(i for i, w in enumerate(plan) if not self._held(w))
 

@@ -134,9 +134,17 @@ class BufferClient(LearnerPaths):
         write_id = write_id if write_id is not None else uuid.uuid4().hex
         ref = ray.put(arrays)  # one object; each shard copies its own contiguous piece out of it
         try:
-            indices, acks = self.rpc.call("extend", [ref], n, write_id=write_id, prefill=bool(prefill),
-                                          node=_node_id())
-            self.rpc.get(acks)
+            for attempt in range(MAX_ASKS):
+                indices, acks = self.rpc.call("extend", [ref], n, write_id=write_id, prefill=bool(prefill),
+                                              node=_node_id())
+                try:
+                    self.rpc.get(acks)
+                    break
+                except BufferUnavailableError as e:
+                    # The coordinator died holding the shards' acknowledgements: ask it again under the same
+                    # write id; restarted, it answers from its journal and sends only what did not land.
+                    if not _owner_died(e) or attempt == MAX_ASKS - 1:
+                        raise
         except TimeoutError as e:  # the write may still land: name it, so that a retry lands it once
             raise WriteTimeoutError(f"{e}; the write may still be applied: retry it with write_id={write_id!r} "
                                     "to apply it once", write_id) from e
@@ -360,6 +368,15 @@ def _gives_back(method):
 
 for _name in GIVES_BACK_BEFORE:
     setattr(BufferClient, _name, _gives_back(getattr(BufferClient, _name)))
+
+
+MAX_ASKS = 100  # times extend() asks again a coordinator that keeps dying before its acknowledgements are read
+
+
+def _owner_died(e: BaseException) -> bool:
+    from ray.exceptions import OwnerDiedError
+
+    return isinstance(e.__cause__, OwnerDiedError)
 
 
 def _client(args: dict[str, Any]) -> BufferClient:

@@ -121,6 +121,10 @@ class OfflineToOnlineReplayBuffer(BufferClient):
             writes, steers or saves, so the stream is the one unprefetched calls give
             (:mod:`rayrb.handle.stream`). Under a rate limiter, batches are drawn ahead only
             as far as the limiter allows, and writes are judged against the rows served.
+        max_restarts (int): how often Ray restarts each actor of the buffer after a crash, over the
+            buffer's whole life; ``-1`` (default) without end, so that a buffer lives as long as its
+            job. Calls in flight are retried to match. A start that keeps crashing backs off (up to
+            30 s between starts) and says why in the log. ``stats()`` counts each actor's restarts.
         **dataset_kwargs: forwarded to :func:`~rayrb.load_dataset` for dataset ids.
 
     Sampled batches are rebuilt from numpy arrays without copying where possible:
@@ -173,6 +177,7 @@ class OfflineToOnlineReplayBuffer(BufferClient):
         rate_limiter: Any = None,
         prefetch: int = PREFETCH,
         storage_device: str = "cpu",
+        max_restarts: int = -1,
         **dataset_kwargs: Any,
     ):
         self.rpc, self._owned_dirs = None, []  # until the actors run, nothing is usable or owned
@@ -202,6 +207,7 @@ class OfflineToOnlineReplayBuffer(BufferClient):
             drop_last = getattr(getattr(offline_dataset, "_sampler", None), "drop_last", None)
         epoch_end = epoch_end_option(epoch_end, drop_last)
         prio = priority_options(alpha, beta, eps)
+        max_restarts = restarts_option(max_restarts)
         transport = check_transport(transport)
         online_nodes = online_nodes_option(online_nodes, num_online_shards, actor_options or {})
         storage_device = check_storage_device(storage_device)
@@ -248,7 +254,8 @@ class OfflineToOnlineReplayBuffer(BufferClient):
                                           actor_options=actor_options or {}, transport=transport, prio=prio,
                                           online_nodes=online_nodes,
                                           storage_dir=None if storage_dir is None else str(storage_dir),
-                                          rate_limiter=limiter.config(), storage_device=storage_device)
+                                          rate_limiter=limiter.config(), storage_device=storage_device,
+                                          max_restarts=max_restarts)
         except BaseException:
             self._remove_owned()  # no half-built buffer: what started is killed in _start_actors
             raise
@@ -361,7 +368,8 @@ class OfflineToOnlineReplayBuffer(BufferClient):
 def _start_actors(dataset: ChunkDataset, name: str, capacity: int, m: int, k: int, *, schedule: Schedule,
                   kinds: dict[str, str], epoch_end: str, seed: int | None, actor_options: dict, transport: str,
                   prio: dict[str, float], storage_dir: str | None, rate_limiter: dict,
-                  storage_device: str = "cpu", online_nodes: list[str | None] | None = None
+                  storage_device: str = "cpu", online_nodes: list[str | None] | None = None,
+                  max_restarts: int = -1
                   ) -> tuple[Any, list, str | None]:
     """Start ``m`` offline shards, ``k`` online shards and the coordinator; kill them all if one fails to start."""
     import ray
@@ -378,26 +386,30 @@ def _start_actors(dataset: ChunkDataset, name: str, capacity: int, m: int, k: in
     so = {"alpha": prio["alpha"], "eps": prio["eps"]}
     # A restarted offline shard re-maps its chunks; its priorities, and an online shard's rows, come back
     # from its state files. Without those files an online shard's rows would be lost, so it does not restart.
-    restart = {"max_restarts": 3, "max_task_retries": 3}
+    restart = {"max_restarts": max_restarts, "max_task_retries": -1 if max_restarts else 0}
     off_opts = {**restart, **opts}
     on_opts = {**restart, **opts} if storage_dir is not None else opts
     instance = f"{name.replace('/', '_')}-{uuid.uuid4().hex[:8]}"
     started: list = []
     try:
         for i, (a, b) in enumerate(ranges):
-            started.append(ray.remote(**cls_opts)(OfflineShard).options(**shard_placement(dataset, a, b, off_opts))
+            started.append(ray.remote(**cls_opts)(OfflineShard).options(
+                name=f"{name}/off-{i}", **shard_placement(dataset, a, b, off_opts))
                            .remote(str(dataset.root), a, b, f"{name}/off-{i}", kinds[OFFLINE], sampler_options=so,
                                    state_dir=shard_directory(storage_dir, instance, f"off-{i}"), device=table))
         for i, c in enumerate(capacities):
             started.append(ray.remote(**cls_opts)(OnlineShard).options(
-                **on_node(on_opts, online_nodes[i] if online_nodes else None)).remote(
+                name=f"{name}/on-{i}", **on_node(on_opts, online_nodes[i] if online_nodes else None)).remote(
                 dataset.spec.to_json(), c, f"{name}/on-{i}", kinds[ONLINE], sampler_options=so,
                 state_dir=shard_directory(storage_dir, instance, f"on-{i}"), device=table))
         # The coordinator restarts too when it can keep its state on disk: the stream, settings and
         # version there, the write counts in the shards.
         coord_restart = restart if storage_dir is not None else {}
+        # Shards by name, not handle: a handle in the arguments would live in the object store, and a restart
+        # needs its arguments for as long as the buffer lives (ray#53727).
         coord = ray.remote(Coordinator).options(name=name, **coord_restart, **coord_opts).remote(
-            started[:m], [b - a for a, b in ranges], started[m:], capacities, offline_fraction=schedule,
+            [f"{name}/off-{i}" for i in range(m)], [b - a for a, b in ranges],
+            [f"{name}/on-{i}" for i in range(k)], capacities, offline_fraction=schedule,
             sampler=dict(kinds), epoch_end=epoch_end, seed=seed, name=name, beta=prio["beta"], rate_limiter=rate_limiter,
             state_dir=shard_directory(storage_dir, instance, "coordinator"))
     except BaseException:
@@ -405,6 +417,13 @@ def _start_actors(dataset: ChunkDataset, name: str, capacity: int, m: int, k: in
             ray.kill(actor)
         raise
     return coord, started, device
+
+
+def restarts_option(value: Any) -> int:
+    """``max_restarts=``: -1 (without end) or a non-negative integer."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < -1:
+        raise ValueError(f"max_restarts must be -1 (restart without end) or a non-negative integer, got {value!r}")
+    return int(value)
 
 
 def _is_dataset_id(dataset: Any) -> bool:

@@ -393,11 +393,11 @@ class BatchIterator:
 
     def __next__(self):
         s = self._stream
+        if s.closed or s.exhausted:
+            raise StopIteration
         if self._handle.rpc.closed:  # no batch drawn before the buffer was shut down is handed out
             s.close()
             raise BufferUnavailableError(f"buffer {self._handle.name!r} was shut down")
-        if s.closed or s.exhausted:
-            raise StopIteration
         held = s.next()
         if s.direct is not None:  # already a TensorDict on this actor's GPU
             return self._handle.finish_tensors(held.batch, self._return_info)

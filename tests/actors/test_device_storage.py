@@ -114,7 +114,8 @@ def test_a_read_that_arrives_before_its_planned_writes_draws_nothing(dataset, tm
 @pytest.mark.usefixtures("ray_session")
 def test_iterating_with_reads_submitted_here_gives_the_coordinators_stream(make_buffer, monkeypatch):
     """The GPU actor's path (plan at the coordinator, read from the shards here), over the object store."""
-    import rayrb.handle.iterator as iterator
+    import rayrb.handle.client as client
+    import rayrb.handle.rpc as rpc
 
     td = TensorDict({"obs": torch.randn(500, 5), "id": torch.arange(500), "nested": {"r": torch.rand(500)}}, [500])
     kwargs = dict(online_capacity=100, num_offline_shards=2, num_online_shards=2, seed=4, batch_size=32)
@@ -123,9 +124,9 @@ def test_iterating_with_reads_submitted_here_gives_the_coordinators_stream(make_
         rb.extend(td[:60].clone().apply(lambda t: t + 1000 if t.dtype == torch.int64 else t))
     want = [b["id"].tolist() for b in there.iter_batches(prefetch=4, num_batches=7)]
     m = 2
-    monkeypatch.setattr(iterator, "_direct_reads",
+    monkeypatch.setattr(client, "_direct_reads",
                         lambda rb, device: {"offline": rb.rpc.shards[:m], "online": rb.rpc.shards[m:]})
-    monkeypatch.setattr(iterator, "DIRECT_TRANSPORT", None)
+    monkeypatch.setattr(rpc, "DIRECT_TRANSPORT", None)
     got = list(here.iter_batches(prefetch=4, num_batches=7, return_info=True))
     assert [b["id"].tolist() for b, _ in got] == want
     assert all(int(info["offline"].sum()) == 16 for _, info in got)

@@ -545,13 +545,13 @@ def test_write_log_write_identity_returns_the_same_indices_and_receipt_until_for
         plan = log.plan([2])
         receipts[name] = (log.indices(plan), object())
         log.commit(plan, write_id=name, receipt=receipts[name][1])
-    assert log.seen("a") is None and log.seen(None) is None
+    assert log.lookup("a") is None and log.lookup(None) is None
     for name in "bcd":
-        indices, receipt = log.seen(name)
+        indices, receipt = log.lookup(name)
         assert indices.tolist() == receipts[name][0].tolist() and receipt is receipts[name][1]
     written = log.written.tolist()
     log.commit([], write_id="empty")
-    assert log.written.tolist() == written and log.seen("b") is None and log.seen("empty")[0].size == 0
+    assert log.written.tolist() == written and log.lookup("b") is None and log.lookup("empty")[0].size == 0
 
 
 def test_write_log_reset_takes_counts_only_of_the_right_shape():

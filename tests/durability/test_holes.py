@@ -67,7 +67,7 @@ def test_a_write_after_a_hole_that_the_next_lap_wrapped_over_keeps_its_rows():
         if np.all(gen == rows // 8 + 1):  # not evicted at once by a newer lap (the hole's rows are)
             assert shard._data["id"][at].tolist() == [base, base + 1], (base, shard._data["id"].tolist())
     assert shard._data["id"][log.indices(plan)].tolist() == [600, 601]  # the last write is in the buffer
-    assert shard.written() == int(log.written[0]) and not shard._ahead
+    assert shard.written() == int(log.written[0]) and not shard._held
 
 
 def test_a_piece_wider_than_the_shard_behind_a_hole_is_counted_when_the_hole_fills():
@@ -79,11 +79,11 @@ def test_a_piece_wider_than_the_shard_behind_a_hole_is_counted_when_the_hole_fil
         plan = log.place(3)
         log.commit(plan)
         _send([shard], plan, [0, 0, 0])
-    assert shard.written() == int(log.written[0]), (shard.written(), log.written, shard._ahead)
+    assert shard.written() == int(log.written[0]), (shard.written(), log.written, shard._held)
     plan = log.place(2)
     log.commit(plan)
     _send([shard], plan, [700, 701])
-    assert shard.written() == int(log.written[0]) and not shard._ahead
+    assert shard.written() == int(log.written[0]) and not shard._held
     assert shard._data["id"][log.indices(plan)].tolist() == [700, 701]
 
 
@@ -276,7 +276,7 @@ def test_holes_wraps_restarts_and_restores_keep_every_acknowledged_row(tmp_path)
             send(plan, w)
         assert not any(log.holes), trial
         for i, s in enumerate(shards):
-            assert s.written() == int(log.written[i]) and not s._ahead, (trial, i, s.write_state(), log.written)
+            assert s.written() == int(log.written[i]) and not s._held, (trial, i, s.write_state(), log.written)
         assert log.sizes.tolist() == [s.size() for s in shards], trial
         for w, (plan, indices) in acked.items():
             for p in plan:

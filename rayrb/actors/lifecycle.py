@@ -1,0 +1,51 @@
+"""An actor's start: counted, and held back when starts keep crashing (``rayrb.durability.restarts``)."""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from rayrb.durability.restarts import RestartLog
+
+logger = logging.getLogger("rayrb")
+
+
+def begin(directory: str | None, what: str) -> RestartLog:
+    """Record this start of actor ``what`` in ``directory``; wait first if the starts before it kept crashing.
+
+    Call :meth:`RestartLog.ready` once the actor is up.
+    """
+    log = RestartLog(directory)
+    restarted = reconstructed()
+    wait = log.started(restarted, last_death_cause() if restarted else None)
+    if wait:
+        logger.warning("rayrb: %s crashed before it finished starting %d time(s) in a row (last cause: %s); "
+                       "waiting %.1f s before starting again", what, log.failed_starts, log.last_cause, wait)
+        time.sleep(wait)
+    return log
+
+
+def reconstructed() -> bool:
+    """Whether Ray restarted the actor this runs in (False outside an actor, as in tests of the parts)."""
+    try:
+        import ray
+
+        return bool(ray.get_runtime_context().was_current_actor_reconstructed)
+    except (AssertionError, AttributeError, ImportError):
+        return False
+
+
+def last_death_cause() -> str | None:
+    """Why Ray says this actor's previous process died, where it says (its actor table), in one line."""
+    try:
+        import ray
+        from ray._private import state
+
+        cause: Any = state.actors(ray.get_runtime_context().get_actor_id()).get("DeathCause")
+        kind = cause.WhichOneof("context")
+        if kind is None:
+            return None
+        message = str(getattr(getattr(cause, kind), "error_message", "") or "").strip().splitlines()
+        return f"{kind}: {message[0]}" if message else kind
+    except Exception:  # a developer API: the count does not depend on it
+        return None

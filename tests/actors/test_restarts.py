@@ -1,0 +1,145 @@
+"""A buffer lives as long as its job: any actor of it restarts after any number of crashes, with its state."""
+from __future__ import annotations
+
+import gc
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+from tensordict import TensorDict
+
+from rayrb import OfflineToOnlineReplayBuffer
+from rayrb.core.allocation import offline_count
+
+
+def rows(ids: np.ndarray) -> TensorDict:
+    ids = torch.as_tensor(ids, dtype=torch.int64)
+    return TensorDict({"obs": ids.float()[:, None], "id": ids}, [len(ids)])
+
+
+def pid(ray, actor) -> int:
+    return ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=60)
+
+
+def kill_and_wait(ray, actor) -> None:
+    """Kill the actor's process as a crash would, and wait until a new process answers."""
+    before = pid(ray, actor)
+    ray.kill(actor, no_restart=False)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if pid(ray, actor) != before:
+                return
+        except Exception:
+            pass
+        assert time.monotonic() < deadline, "the actor was not restarted within 60 s"
+        time.sleep(0.05)
+
+
+def test_the_coordinator_and_an_online_shard_each_survive_ten_kills_while_writers_and_samplers_run(
+        tmp_path, ray_session):
+    ray = ray_session
+    B, f, per_write, kills = 32, 0.5, 20, 10
+
+    @ray.remote(num_cpus=0)
+    class Writer:
+        def __init__(self, rb, base):
+            self.rb, self.base, self.acked, self.stop = rb, base, [], False
+
+        def run(self):
+            k = 0
+            while not self.stop:
+                ids = self.base + np.arange(k, k + per_write)
+                self.rb.extend(rows(ids), write_id=f"{self.base}-{k}")  # a retry with the same id lands once
+                self.acked.extend(ids.tolist())
+                k += per_write
+            return self.acked
+
+        def halt(self):
+            self.stop = True
+
+    @ray.remote(num_cpus=0)
+    class Sampler:
+        def __init__(self, rb):
+            self.rb, self.stop = rb, False
+
+        def run(self):
+            batches, bad = 0, []
+            while not self.stop:
+                _, info = self.rb.sample(B, return_info=True)
+                n_off = int(info["offline"].sum())
+                if n_off not in (B, offline_count(B, f)) or len(info["offline"]) != B:
+                    bad.append(n_off)
+                batches += 1
+            return batches, bad
+
+        def halt(self):
+            self.stop = True
+
+    rb = OfflineToOnlineReplayBuffer(rows(np.arange(-500, 0)), online_capacity=100_000, num_offline_shards=1,
+                                     num_online_shards=2, offline_fraction=f, seed=0, timeout=120,
+                                     dataset_root=tmp_path / "ds", storage_dir=tmp_path / "state")
+    try:
+        ws = [Writer.options(max_concurrency=2).remote(rb.client(), 10_000_000 * (i + 1)) for i in range(2)]
+        ss = [Sampler.options(max_concurrency=2).remote(rb.client())]
+        ray.get([a.__ray_ready__.remote() for a in ws + ss])
+        work = [a.run.remote() for a in ws + ss]
+        for actor in (rb.rpc.coord, rb.rpc.shards[-1]):
+            for _ in range(kills):
+                time.sleep(0.3)
+                kill_and_wait(ray, actor)
+        ray.get([a.halt.remote() for a in ws + ss])
+        acked = [i for ids in ray.get(work[:2]) for i in ids]
+        (batches, bad), = ray.get(work[2:])
+        assert not bad and batches > 0
+        stats = rb.stats()
+        assert stats["coordinator"]["restarts"] == kills
+        assert [s["restarts"] for s in stats["shards"]] == [0, 0, kills]
+        held = []
+        for state in ray.get([s.state.remote() for s in rb.rpc.by_side["online"]]):
+            held += state["rows/id"][state["generation"] > 0].tolist()
+        assert sorted(held) == sorted(acked) and len(set(held)) == len(held)  # every acknowledged row, once
+        assert len(rb.sample(B)) == B  # and the buffer answers
+    finally:
+        rb.shutdown()
+
+
+def test_a_coordinator_comes_back_after_the_driver_dropped_all_but_a_client(tmp_path, ray_session):
+    ray = ray_session
+
+    def build():
+        rb = OfflineToOnlineReplayBuffer(rows(np.arange(100)), online_capacity=100, seed=0, batch_size=8,
+                                         dataset_root=tmp_path / "ds", storage_dir=tmp_path / "state")
+        rb.extend(rows(np.arange(1000, 1010)))
+        return rb.client()
+
+    client = build()  # the owner object and every ref the driver held are gone: only this handle is left
+    gc.collect()
+    try:
+        kill_and_wait(ray, client.rpc.coord)
+        assert len(client.sample()) == 8 and client.write_count == 10
+        assert client.stats()["coordinator"]["restarts"] == 1
+    finally:
+        for a in [*client.rpc.shards, client.rpc.coord]:
+            ray.kill(a)
+
+
+def test_a_start_that_keeps_crashing_backs_off(tmp_path):
+    from rayrb.durability.restarts import RestartLog
+
+    waits = [RestartLog(tmp_path).started(restarted=True, cause="init failed") for _ in range(9)]
+    assert waits[0] == 0.0 and waits[1:4] == [0.5, 1.0, 2.0] and max(waits) == 30.0
+    log = RestartLog(tmp_path)
+    assert log.stats() == {"restarts": 9, "last_restart_cause": "init failed"}
+    log.started(restarted=True)
+    log.ready()
+    assert RestartLog(tmp_path).started(restarted=True) == 0.0  # the start before got going: no wait
+
+
+@pytest.mark.parametrize("value", [-2, 1.5, "many", None])
+def test_max_restarts_is_checked(tmp_path, value):
+    with pytest.raises((ValueError, TypeError), match="max_restarts"):
+        OfflineToOnlineReplayBuffer(rows(np.arange(10)), online_capacity=10, max_restarts=value,
+                                    dataset_root=tmp_path / "ds")
