@@ -92,6 +92,8 @@ class Drawing:
                 raise
         group = self._group(drawn, counted, version, stream, len(drawn) // slices)
         self.replies.put(call, request, group)
+        self._metrics.count("batches", len(group.plans) // slices)
+        self._metrics.count("rows_sampled", sum(p.batch_size for p in group.plans))
         ms = (time.perf_counter() - t0) * 1e3
         self._metrics.observe("plan_ms", ms)
         self._metrics.count("plan_ms_total", ms)
@@ -105,8 +107,6 @@ class Drawing:
             self.ahead.forget()
         else:
             self.ahead.record(stream, self.planner.last_snapshot, rows, online)
-        self._metrics.count("batches")
-        self._metrics.count("rows_sampled", rows)
         return out
 
     def _group(self, drawn: list[tuple[BatchPlan, list]], counted: np.ndarray, version: int, stream: str | None,

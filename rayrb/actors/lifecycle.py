@@ -30,6 +30,8 @@ def reconstructed() -> bool:
     try:
         import ray
 
+        if not ray.is_initialized():
+            return False
         return bool(ray.get_runtime_context().was_current_actor_reconstructed)
     except (AssertionError, AttributeError, ImportError):
         return False

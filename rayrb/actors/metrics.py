@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+EXPORT_EVERY = 1.0  # seconds between exports of counters to Ray's metrics
 _BOUNDARIES_MS = [0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 1000]
 
 
@@ -30,6 +31,8 @@ class ActorMetrics:
         self._export = export
         self._ray: dict[str, Any] = {}
         self._started = time.time()
+        self._unexported: dict[str, float] = {}  # counter increments not yet handed to Ray
+        self._exported_at = 0.0
 
     def _metric(self, kind: str, name: str):
         if not self._export:
@@ -56,9 +59,21 @@ class ActorMetrics:
 
     def count(self, name: str, value: float = 1) -> None:
         self._counters[name] = self._counters.get(name, 0) + value
-        m = self._metric("counter", name)
-        if m is not None and value > 0:
-            m.inc(value)
+        if self._export and value > 0:
+            self._unexported[name] = self._unexported.get(name, 0) + value
+            self._flush()
+
+    def _flush(self, every: float = EXPORT_EVERY) -> None:
+        """Hand counter increments to Ray at most every ``every`` seconds: each costs microseconds on a hot path."""
+        now = time.monotonic()
+        if now - self._exported_at < every:
+            return
+        self._exported_at = now
+        pending, self._unexported = self._unexported, {}
+        for name, value in pending.items():
+            m = self._metric("counter", name)
+            if m is not None:
+                m.inc(value)
 
     def gauge(self, name: str, value: float) -> None:
         self._gauges[name] = value
@@ -73,6 +88,7 @@ class ActorMetrics:
             m.observe(value_ms)
 
     def snapshot(self) -> dict[str, Any]:
+        self._flush(every=0.0)
         out: dict[str, Any] = {**self.tags, **self._counters, **self._gauges}
         elapsed = max(time.time() - self._started, 1e-9)
         for name, value in self._counters.items():

@@ -64,7 +64,12 @@ def _weights(name: str, values: Sequence[float]) -> np.ndarray:
 
 def multinomial_counts(n: int, weights: Sequence[float], rng: np.random.Generator) -> np.ndarray:
     """Per-shard counts ~ Multinomial(n, w / sum(w)): uniform (w = sizes) or prioritized (w = masses)."""
-    w = _weights("weights", weights)
+    if isinstance(weights, np.ndarray) and weights.dtype.kind in "iu" and weights.ndim == 1 and weights.size:
+        if weights.min() < 0:  # integer sizes are finite; the division below gives the float path's values
+            raise ValueError(f"expected a non-empty list of non-negative finite weights, got {weights.tolist()!r}")
+        w = weights
+    else:
+        w = _weights("weights", weights)
     total = w.sum()
     if n == 0:
         return np.zeros(w.size, dtype=np.int64)

@@ -46,6 +46,7 @@ class Allocator:
     """Per-shard counts for one kind of sampling. The base allocates by size (uniform with replacement)."""
 
     uses_masses = False  # the coordinator feeds :meth:`set_masses` before each draw
+    reads_with_args = False  # whether :meth:`read_args` can return anything
     groups_batches = True  # several batches may be drawn ahead in one group of reads
 
     def __init__(self, num_shards: Mapping[str, int], **options: Any):
@@ -170,6 +171,8 @@ class WithoutReplacementAllocator(Allocator):
         self._left[side] = self._left[side] - counts
         return counts
 
+    reads_with_args = True
+
     def read_args(self, side: str, shard: int) -> dict[str, Any]:
         """The epoch a read belongs to and where it starts, so a shard can rebuild its place exactly."""
         e = self._epoch[side]
@@ -248,6 +251,10 @@ class PerSide(Allocator):
 
     def counts(self, side: str, n: int, sizes: np.ndarray, rng: np.random.Generator) -> np.ndarray:
         return self.parts[side].counts(side, n, sizes, rng)
+
+    @property
+    def reads_with_args(self) -> bool:
+        return any(a.reads_with_args for a in self.parts.values())
 
     def read_args(self, side: str, shard: int) -> dict[str, Any]:
         return self.parts[side].read_args(side, shard)

@@ -154,8 +154,9 @@ class Planner:
             for side, begin in self.alloc.check(need, sizes).items():  # raises before anything changes
                 if begin:
                     self.alloc.begin_epoch(side, sizes[side], self.rng)
-            out = [self._slice(n_off, n_on, fraction, sizes)
-                   for n_off, n_on in split_slices(need[OFFLINE], need[ONLINE], num_slices)]
+            cuts = [(need[OFFLINE], need[ONLINE])] if num_slices == 1 else \
+                split_slices(need[OFFLINE], need[ONLINE], num_slices)
+            out = [self._slice(n_off, n_on, fraction, sizes) for n_off, n_on in cuts]
             self.limiter.record_sample(need[ONLINE])
             self.step += 1
             if need[OFFLINE] and self._ends_epoch(batch_size, sizes, online):
@@ -191,13 +192,15 @@ class Planner:
         for side, n in ((OFFLINE, n_off), (ONLINE, n_on)):
             if n == 0:
                 continue
-            kwargs = [self.alloc.read_args(side, i) for i in range(self.num_shards[side])]
+            # asked before the counts, which move an epoch's cursor
+            kwargs = [self.alloc.read_args(side, i) for i in range(self.num_shards[side])] \
+                if self.alloc.reads_with_args else None
             counts = self.alloc.counts(side, n, sizes[side], self.rng)
             seeds = self.rng.integers(0, 2**63 - 1, len(counts))
             for i, (c, s) in enumerate(zip(counts, seeds)):
                 if c > 0:
                     parts.append(Part(side, i, int(c)))
-                    reads.append((int(s), kwargs[i]))
+                    reads.append((int(s), kwargs[i] if kwargs is not None else {}))
         return BatchPlan(parts, n_off, n_on, fraction, self.step, self.alloc.weights()), reads
 
     # writes -----------------------------------------------------------------

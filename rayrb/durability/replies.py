@@ -14,6 +14,7 @@ ValueError: call 'c' was answered for (16, 1), got (32, 1): a call id names one 
 """
 from __future__ import annotations
 
+import pickle
 from collections import OrderedDict
 from collections.abc import Hashable
 from typing import Any
@@ -38,12 +39,13 @@ class ReplyCache:
         if asked != request:
             raise ValueError(f"call {call!r} was answered for {asked}, got {request}: a call id names one call; "
                              "use a new id for a new call")
-        return answer
+        return pickle.loads(answer)
 
     def put(self, call: str | None, request: Hashable, answer: Any) -> None:
         if call is None:
             return
-        self._answers[call] = (request, answer)
+        # kept pickled: a save of the cache (after every call) then copies bytes instead of pickling plans again
+        self._answers[call] = (request, pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL))
         while len(self._answers) > self.kept:
             self._answers.popitem(last=False)
 
