@@ -4,7 +4,7 @@ The bandit is TorchRL's ``OpenMLEnv``: the context is a row's features ``X``, th
 reward is 1 when the action is the row's label ``y``, else 0.
 
 1. A Ray task prepares the dataset (TorchRL's recipe) and splits it into training and held-out rows.
-2. ``rayrb.io.preprocess`` logs a behaviour policy (uniform random by default) on the training contexts, as Ray
+2. ``rayrb.preprocess`` logs a behaviour policy (uniform random by default) on the training contexts, as Ray
    tasks, into the offline dataset: ``observation``, ``action``, ``action_log_prob`` (the behaviour policy's),
    ``("next", "reward")`` and ``("next", "done")``.
 3. An offline-only baseline learner trains on offline batches.
@@ -503,7 +503,7 @@ def main(argv: list[str] | None = None) -> dict:
     behaviour_reward = float(logged.read()["next/reward"].mean())
     test_y = ChunkDataset.open(splits["test"]).read()["y"]
     behaviour_acc = float(behaviour_probs(args.behaviour, K)[test_y].mean())  # its expected held-out reward
-    print(f"logged the {args.behaviour} behaviour policy on {len(logged)} contexts with rayrb.io.preprocess "
+    print(f"logged the {args.behaviour} behaviour policy on {len(logged)} contexts with rayrb.preprocess "
           f"({timing['log_s']:.1f}s): mean reward {behaviour_reward:.3f}, spec {logged.spec}", flush=True)
 
     rb = OfflineToOnlineReplayBuffer(logged.root, online_capacity=args.online_capacity, offline_fraction=1.0,

@@ -279,6 +279,10 @@ class Coordinator:
         """The sampling state, as if the batches drawn ahead and not yet served were given back."""
         return self._drawing.state_dict()
 
+    def check_state_dict(self, state: dict[str, Any]) -> None:
+        """Raise, naming what is wrong, unless :meth:`load_state_dict` would take ``state``; change nothing."""
+        self._planner.check_state_dict(state, self._sizes())
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the sampling state; checked whole before anything changes."""
         self._planner.load_state_dict(state)

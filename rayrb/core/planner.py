@@ -237,25 +237,75 @@ class Planner:
                 "rate_limiter": {"config": self.limiter.config(), "state": limiter}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`; checked whole before anything changes.
+        """Restore :meth:`state_dict`; checked whole before anything changes (:meth:`check_state_dict`).
 
         Without ``allocator`` (a checkpoint restored onto another shard layout) epochs
         start afresh; without ``rate_limiter`` the limiter is kept.
         """
+        step, schedule, base, rng, alloc, limiter = self._checked(state)
+        self.step, self.schedule, self._base = step, schedule, base
+        self.rng.bit_generator.state = rng.bit_generator.state
+        self.alloc, self.limiter = alloc, limiter
+
+    def check_state_dict(self, state: Any, sizes: Sizes | None = None) -> None:
+        """Raise ``ValueError`` naming the key, the value and what was expected unless :meth:`load_state_dict`
+        takes ``state`` and the stream can go on from it (a draw is tried on a copy); change nothing."""
+        import copy
+
+        _, _, _, rng, alloc, limiter = self._checked(state)
+        if sizes is None:
+            return
+        scratch = copy.copy(self)
+        scratch.rng, scratch.alloc, scratch.limiter = rng, copy.deepcopy(alloc), copy.deepcopy(limiter)
+        scratch.step, scratch.schedule = int(state["step"]), make_schedule(state["schedule"])
+        try:
+            scratch.draw(1, sizes=sizes)
+        except (HeldBack, ValueError):
+            pass  # a state may be held back or at an epoch's end; it is not damaged for that
+        except Exception as e:
+            raise ValueError(f"the sampling state cannot draw a batch: {type(e).__name__}: {e}") from None
+
+    def _checked(self, state: Any) -> tuple:
+        def bad(key: str, value: Any, expected: str, error: Exception | None = None) -> ValueError:
+            why = f" ({type(error).__name__}: {error})" if error is not None else ""
+            return ValueError(f"sampling state[{key}] = {value!r:.200}: expected {expected}{why}")
+
+        if not isinstance(state, Mapping):
+            raise ValueError(f"expected a sampling state dict, got {type(state).__name__}")
+        for key in ("step", "schedule", "rng"):
+            if key not in state:
+                raise ValueError(f"sampling state is missing {key!r}; it has {sorted(state)}")
         if state.get("sampler", self.sampler) != self.sampler:
             raise ValueError(f"state was saved by a buffer sampling {state['sampler']!r}, this one samples "
                              f"{self.sampler!r}")
-        step, schedule = non_negative_int("step", state["step"]), make_schedule(state["schedule"])
+        step = non_negative_int("sampling state['step']", state["step"])
+        try:
+            schedule = make_schedule(state["schedule"])
+        except (TypeError, ValueError, KeyError) as e:
+            raise bad("'schedule'", state["schedule"], "a schedule config", e) from None
+        base = state.get("base_fraction")
+        if base is not None:
+            from rayrb.core.validation import fraction
+
+            base = fraction("sampling state['base_fraction']", base)
         rng = np.random.default_rng()
-        rng.bit_generator.state = state["rng"]
+        try:
+            rng.bit_generator.state = state["rng"]
+        except (TypeError, ValueError, KeyError) as e:
+            raise bad("'rng'", state["rng"], "a numpy bit generator state", e) from None
         alloc = make_allocator(self.sampler, self.num_shards, **self._alloc_options)
         if "allocator" in state:
-            alloc.load_state_dict(state["allocator"])
+            try:
+                alloc.load_state_dict(state["allocator"])
+            except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
+                raise bad("'allocator'", state["allocator"], f"the {self.sampler!r} allocator's state", e) from None
         limiter = self.limiter
         if "rate_limiter" in state:
-            limiter = make_rate_limiter(state["rate_limiter"]["config"])
-            limiter.validate(online_capacity=self._online_capacity)
-            limiter.load_state_dict(state["rate_limiter"]["state"])
-        self.step, self.schedule, self._base = step, schedule, state.get("base_fraction")
-        self.rng.bit_generator.state = rng.bit_generator.state
-        self.alloc, self.limiter = alloc, limiter
+            saved = state["rate_limiter"]
+            try:
+                limiter = make_rate_limiter(saved["config"])
+                limiter.validate(online_capacity=self._online_capacity)
+                limiter.load_state_dict(saved["state"])
+            except (TypeError, ValueError, KeyError) as e:
+                raise bad("'rate_limiter'", saved, "a rate limiter config and its counters", e) from None
+        return step, schedule, base, rng, alloc, limiter

@@ -109,6 +109,43 @@ class GroupPlan:
     version: int = -1  # the coordinator's version (writes, updates, settings) the group was planned at
     first: int = -1  # drawn ahead for a stream: the number of its first batch (rayrb.core.ahead.AheadLog)
 
+    def to_json(self) -> dict[str, Any]:
+        return group_to_json(self)
+
+    @staticmethod
+    def from_json(data: Mapping[str, Any]) -> GroupPlan:
+        return group_from_json(data)
+
+
+def _epoch(e: Any) -> Any:
+    return None if e is None else list(e)
+
+
+def group_to_json(group: GroupPlan) -> dict[str, Any]:
+    """A plan as plain JSON data (what the coordinator saves for calls it may have to answer again)."""
+    plans = [{"parts": [list(p) for p in b.parts], "n_offline": b.n_offline, "n_online": b.n_online,
+              "fraction": b.fraction, "step": b.step, "last_of_epoch": b.last_of_epoch,
+              "weights": None if b.weights is None else {"beta": b.weights.beta, "min_p": dict(b.weights.min_p)}}
+             for b in group.plans]
+    args = [[list(map(int, c)), list(map(int, s)), [_epoch(e) for e in (ep or [])], w] for c, s, ep, w in group.args]
+    return {"plans": plans, "reads": [list(r) for r in group.reads], "args": args, "version": group.version,
+            "first": group.first}
+
+
+def group_from_json(data: Mapping[str, Any]) -> GroupPlan:
+    """The inverse of :func:`group_to_json`.
+
+    >>> g = GroupPlan([BatchPlan([Part("online", 1, 3)], 0, 3, fraction=0.0, step=7)], reads=[("online", 1)],
+    ...               args=[([3], [42], [Epoch(0, 5, 10, 2)], 40)], version=2, first=9)
+    >>> group_from_json(group_to_json(g)) == g
+    True
+    """
+    plans = [BatchPlan([Part(*p) for p in b["parts"]], b["n_offline"], b["n_online"], b["fraction"], b["step"],
+                       None if b["weights"] is None else ImportanceWeights(b["weights"]["beta"], b["weights"]["min_p"]),
+                       b["last_of_epoch"]) for b in data["plans"]]
+    args = [(list(c), list(s), [None if e is None else Epoch(*e) for e in ep], w) for c, s, ep, w in data["args"]]
+    return GroupPlan(plans, [tuple(r) for r in data["reads"]], args, data["version"], data["first"])
+
 
 def reads_by_plan(group: GroupPlan) -> list[list[tuple[str, int, Read]]]:
     """The group's reads cut per plan, one per part: ``(side, shard, ([count], [seed], [epoch], written))``.

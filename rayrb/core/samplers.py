@@ -171,6 +171,24 @@ class SumTree:
     def total(self) -> float:
         return float(self._tree[1])
 
+    def range_sum(self, start: int, stop: int) -> float:
+        """``sum(v[start:stop])`` in O(log n).
+
+        >>> t = SumTree(5); t.update(np.arange(5), np.array([1.0, 2.0, 3.0, 4.0, 5.0]))
+        >>> t.range_sum(0, 2), t.range_sum(1, 4), t.range_sum(3, 3)
+        (3.0, 9.0, 0.0)
+        """
+        lo, hi, out = self._n + max(0, start), self._n + min(stop, self._n), 0.0
+        while lo < hi:
+            if lo & 1:
+                out += self._tree[lo]
+                lo += 1
+            if hi & 1:
+                hi -= 1
+                out += self._tree[hi]
+            lo, hi = lo // 2, hi // 2
+        return float(out)
+
     def values(self, idx: np.ndarray) -> np.ndarray:
         return self._tree[np.asarray(idx, dtype=np.int64) + self._n]
 
@@ -245,12 +263,19 @@ class PrioritizedSampler(Sampler):
 
     update_priority = set_priority
 
+    def _total(self, size: int) -> float:
+        """``sum(p[:size])``: rows a shard holds past a hole have priorities but are not counted yet, so they
+        neither add to its mass nor lend theirs to the last counted row."""
+        if size < self.tree.capacity and self.tree.range_sum(size, self.tree.capacity) > 0:
+            return self.tree.range_sum(0, size)
+        return self.tree.total()  # the same sum, added in the tree's order
+
     def mass(self, size: int) -> tuple[float, float]:
         """Total and smallest ``p_i`` over the first ``size`` rows."""
-        return self.tree.total(), self.tree.min(size)
+        return self._total(size), self.tree.min(size)
 
     def sample(self, count: int, size: int, rng: np.random.Generator, epoch: Epoch | None = None) -> np.ndarray:
-        total = self.tree.total()
+        total = self._total(size)
         if count > 0 and (size <= 0 or total <= 0):
             raise ValueError(f"cannot draw {count} rows from a shard with no priority mass")
         u = rng.uniform(0.0, total, count) * (1.0 - 1e-12)

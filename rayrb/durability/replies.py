@@ -4,7 +4,7 @@ Ray re-sends an actor call whose reply was lost when the actor died; the restart
 coordinator must answer it with the same batches, not the next ones. A call id
 names one call: the same id with other arguments is refused.
 
->>> cache = ReplyCache(kept=2)
+>>> cache = ReplyCache(kept=2)  # answers here are strings; plans are GroupPlans
 >>> cache.put("a", (16, 1), "plan-a"); cache.put("b", (16, 1), "plan-b"); cache.put("c", (16, 1), "plan-c")
 >>> cache.get("a", (16, 1)) is None, cache.get("c", (16, 1))
 (True, 'plan-c')
@@ -14,7 +14,7 @@ ValueError: call 'c' was answered for (16, 1), got (32, 1): a call id names one 
 """
 from __future__ import annotations
 
-import pickle
+import json
 from collections import OrderedDict
 from collections.abc import Hashable
 from typing import Any
@@ -39,18 +39,32 @@ class ReplyCache:
         if asked != request:
             raise ValueError(f"call {call!r} was answered for {asked}, got {request}: a call id names one call; "
                              "use a new id for a new call")
-        return pickle.loads(answer)
+        return self._decode(answer)
 
     def put(self, call: str | None, request: Hashable, answer: Any) -> None:
         if call is None:
             return
-        # kept pickled: a save of the cache (after every call) then copies bytes instead of pickling plans again
-        self._answers[call] = (request, pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL))
+        # kept encoded: a save of the cache (after every call) then copies strings instead of encoding plans again
+        self._answers[call] = (request, self._encode(answer))
         while len(self._answers) > self.kept:
             self._answers.popitem(last=False)
 
-    def items(self) -> list[tuple[str, tuple[Hashable, Any]]]:
-        return list(self._answers.items())
+    def items(self) -> list[list[Any]]:
+        """``[call, request, encoded answer]`` per answer, oldest first: plain data, for the saved state."""
+        return [[call, list(request), answer] for call, (request, answer) in self._answers.items()]
 
     def load(self, items: Any) -> None:
-        self._answers = OrderedDict(items or ())
+        self._answers = OrderedDict((call, (tuple(request), answer)) for call, request, answer in items or ())
+
+    @staticmethod
+    def _encode(answer: Any) -> str:
+        if hasattr(answer, "to_json"):
+            return json.dumps(answer.to_json(), separators=(",", ":"))
+        return json.dumps(answer)
+
+    @staticmethod
+    def _decode(answer: str) -> Any:
+        from rayrb.core.plans import GroupPlan
+
+        data = json.loads(answer)
+        return GroupPlan.from_json(data) if isinstance(data, dict) and "plans" in data else data

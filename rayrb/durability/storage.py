@@ -145,6 +145,9 @@ def shard_directory(root: str | os.PathLike | None, buffer_id: str, shard: str) 
 
 
 _MAGIC = b"RRBS"
+# The coordinator's saved state: 1 = JSON {"planner", "side_rng", "version", "version_path", "answers"}
+# (docs/durability.md, "Files and formats"). A version that changes what is saved bumps it.
+STATE_SCHEMA = 1
 _HEADER = struct.Struct("<4sQQQ")  # magic, sequence number, payload length, xxh3_64 of the payload
 
 
@@ -196,9 +199,8 @@ class CoordinatorState:
         return self.directory / "writes.log"
 
     def save(self, state: dict[str, Any]) -> None:
-        import pickle
-
-        payload = pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
+        """Write ``state`` (plain JSON data: dicts, lists, strings, numbers) under :data:`STATE_SCHEMA`."""
+        payload = json.dumps({"schema": STATE_SCHEMA, "state": state}, separators=(",", ":")).encode()
         sequence = self._sequence + 1
         header = _HEADER.pack(_MAGIC, sequence, len(payload), xxhash.xxh3_64_intdigest(payload))
         fd = os.open(self._slot(sequence), os.O_WRONLY | os.O_CREAT, 0o644)
@@ -209,9 +211,7 @@ class CoordinatorState:
         self._sequence = sequence
 
     def load(self) -> dict[str, Any] | None:
-        """The newest state whose save completed, or None."""
-        import pickle
-
+        """The newest state whose save completed, or None; a state of another schema is refused."""
         best: tuple[int, bytes] | None = None
         for slot in (0, 1):
             try:
@@ -228,7 +228,16 @@ class CoordinatorState:
         if best is None:
             return None
         self._sequence = best[0]
-        return pickle.loads(best[1])
+        try:
+            saved = json.loads(best[1])
+        except ValueError:
+            saved = None
+        schema = saved.get("schema") if isinstance(saved, dict) else None
+        if schema != STATE_SCHEMA:
+            raise ValueError(f"coordinator state in {self.directory} has schema {schema!r}; this rayrb reads schema "
+                             f"{STATE_SCHEMA} only (docs/durability.md): start the buffer afresh or restore a "
+                             "checkpoint")
+        return saved["state"]
 
     def journal(self, write_id: str, pieces: list[tuple[int, int, int, int]]) -> None:
         line = json.dumps([write_id, [[int(x) for x in p] for p in pieces]]) + "\n"

@@ -29,7 +29,8 @@ from rayrb.core.allocation import split_evenly
 from rayrb.durability.writelog import slots
 from rayrb.io.files import file_digest
 
-FORMAT, VERSION = "rayrb.handle.owner", 2
+FORMAT, VERSION = "rayrb.buffer", 3  # 3: the manifest carries a digest of itself
+READABLE = (2, 3)
 MANIFEST = "buffer.json"
 
 
@@ -53,8 +54,10 @@ def save(rb: Any, path: Path) -> None:
                 "dataset_fingerprint": dataset_fingerprint(ChunkDataset.open(rb.dataset_root)),
                 "spec": rb.spec.to_json(), "sampler": rb.sampler_name, "sizes": cut["sizes"],
                 "coordinator": cut["state"], "files": files}
+        meta = json.loads(json.dumps(meta, default=int))  # as it will be read back
+        meta["digest"] = manifest_digest(meta)
         with open(tmp / MANIFEST, "w") as f:
-            json.dump(meta, f, default=int)
+            json.dump(meta, f)
             f.flush()
             os.fsync(f.fileno())
         old = None
@@ -69,6 +72,12 @@ def save(rb: Any, path: Path) -> None:
         raise
 
 
+def manifest_digest(meta: dict[str, Any]) -> str:
+    """sha256 of the manifest's canonical JSON, its own ``digest`` left out: an edited manifest fails it."""
+    body = {k: v for k, v in meta.items() if k != "digest"}
+    return "sha256:" + hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
 def read_checkpoint(path: Path) -> dict[str, Any]:
     """The manifest of a checkpoint, after checking that every file it names is whole."""
     path = Path(path)
@@ -79,9 +88,16 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"checkpoint manifest {path / MANIFEST} is not valid JSON ({e}): the checkpoint is "
                          "damaged") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") != VERSION:
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") not in READABLE:
         got = (meta.get("format"), meta.get("version")) if isinstance(meta, dict) else type(meta).__name__
-        raise ValueError(f"expected a {FORMAT} checkpoint of version {VERSION} at {path}, got {got}")
+        raise ValueError(f"expected a {FORMAT} checkpoint of version {' or '.join(map(str, READABLE))} at {path}, "
+                         f"got {got}")
+    if meta["version"] >= 3 and meta.get("digest") != manifest_digest(meta):
+        raise ValueError(f"checkpoint manifest {path / MANIFEST} was changed after it was written: its digest "
+                         f"{meta.get('digest')!r} does not match its contents ({manifest_digest(meta)})")
+    missing = [k for k in ("dataset_fingerprint", "spec", "sampler", "sizes", "coordinator", "files") if k not in meta]
+    if missing:
+        raise ValueError(f"checkpoint manifest {path / MANIFEST} lacks {missing}")
     for name, want in meta["files"].items():
         f = path / name
         if not f.is_file():
@@ -178,6 +194,15 @@ def reshard(states: list[dict[str, np.ndarray]], offline_sizes: tuple[list[int],
 
 
 def restore(rb: Any, path: Path) -> None:
+    """Load checkpoint ``path`` into ``rb`` whole, or leave ``rb`` as it was.
+
+    Every part is checked before any actor changes: the manifest (format, version, its
+    digest), each file's size and checksum, spec, sampler, dataset and layout, the
+    coordinator's section (a draw is tried on a copy of the sampling state), and each
+    shard's file by that shard. Then the buffer as it is is saved beside ``path`` and
+    the checkpoint applied; if applying still fails, that save is put back (and if even
+    that fails, the error says the buffer is unusable).
+    """
     path = Path(path)
     meta = read_checkpoint(path)
     sizes = rb.sizes()
@@ -199,12 +224,40 @@ def restore(rb: Any, path: Path) -> None:
             np.savez(tmp / f"shard-{j}.npz", **st)
             names.append(str(tmp / f"shard-{j}.npz"))
         state.pop("allocator", None)
+    backup = None
     try:
+        rb.rpc.get(rb.rpc.coord.check_state_dict.remote(state))
         # Every shard checks its file before any shard loads one: a refused file changes no shard.
         rb.rpc.get([s.check.remote(str(path / n)) for s, n in zip(rb.rpc.shards, names)])
-        rb.rpc.get([s.load.remote(str(path / n)) for s, n in zip(rb.rpc.shards, names)])
+        backup = path.parent / f".{path.name}.before-{uuid.uuid4().hex[:8]}"
+        save(rb, backup)
+        try:
+            _apply(rb, [str(path / n) for n in names], state)
+        except BaseException as e:
+            _put_back(rb, backup, e)
+            raise
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+        if backup is not None:
+            shutil.rmtree(backup, ignore_errors=True)
+
+
+def _apply(rb: Any, files: list[str], state: dict[str, Any]) -> None:
+    rb.rpc.get([s.load.remote(f) for s, f in zip(rb.rpc.shards, files)])
     rb.rpc.get(rb.rpc.coord.resync.remote())
-    rb.load_state_dict(state)
+    rb.rpc.get(rb.rpc.coord.load_state_dict.remote(state))
+
+
+def _put_back(rb: Any, backup: Path, error: BaseException) -> None:
+    """After a restore failed halfway: the buffer as it was before it, from the save taken then."""
+    from rayrb.errors import BufferUnavailableError
+
+    try:
+        meta = read_checkpoint(backup)
+        names = sorted(meta["files"], key=lambda n: int(n.split("-")[1].split(".")[0]))
+        _apply(rb, [str(backup / n) for n in names], meta["coordinator"])
+    except BaseException as again:
+        raise BufferUnavailableError(
+            f"restoring the checkpoint failed halfway ({type(error).__name__}: {error}) and putting the buffer "
+            f"back as it was failed too ({type(again).__name__}: {again}): it is unusable; shut it down") from again

@@ -50,7 +50,7 @@ from rayrb.core.schema import SEP, RowSpec, native_order
 from rayrb.errors import ChunkError, ReadOnlyError  # noqa: F401  (re-exported)
 from rayrb.io.files import pwrite_all, reserve
 
-FORMAT = "rayrb.io.chunks"
+FORMAT = "rayrb.chunks"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 DEFAULT_CHUNK_BYTES = 64 << 20
