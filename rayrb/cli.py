@@ -8,6 +8,7 @@ examples:
   rayrb preprocess ~/.cache/rayrb/openml/shuttle-float32 /tmp/shuttle-std --fn my_fns:standardize --batched
   rayrb preprocess /mnt/rayrb/shuttle /mnt/rayrb/shuttle-std --fn my_fns:standardize --batched --address auto
   rayrb bench --smoke
+  rayrb gc --dry-run
 
 --address (every command): the Ray cluster to use ("auto", "host:6379", "ray://host:10001").
 preprocess and bench start a local Ray without it. prepare, info, verify and export-parquet run in
@@ -40,6 +41,7 @@ EXAMPLES = {
     "preprocess": "rayrb preprocess /tmp/rayrb/openml/shuttle-float32 /tmp/shuttle-std --fn my_fns:standardize "
                   "--batched\n  (my_fns.py in the current directory: def standardize(td): ...; return td)",
     "bench": "rayrb bench --smoke --sections preprocess --out /tmp/bench",
+    "gc": "rayrb gc --storage-dir /tmp/rayrb-state --dry-run",
 }
 
 
@@ -174,6 +176,10 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument("--chunk-rows", type=int, default=None, help="input rows per task and output chunk")
     sp.add_argument("--num-frames", type=int, default=None, help="transform only the first rows (to debug fn)")
     sp.add_argument("--no-resume", action="store_true", help="recompute chunks an interrupted run finished")
+    sp = add("gc", "remove what buffers whose owner died without shutdown() left on this node")
+    sp.add_argument("--storage-dir", action="append", default=None,
+                    help="a buffer's storage_dir to search (default: the default one); may repeat")
+    sp.add_argument("--dry-run", action="store_true", help="print what would be removed, remove nothing")
     add("bench", "run pipelines/benchmark.py (other arguments pass through)", add_help=False)
     return p
 
@@ -198,7 +204,22 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_FAILURE
 
 
+def collect_leftovers(storage_dirs: list[str] | None, dry_run: bool) -> list[str]:
+    """Version maps and state directories of buffers whose owner died without shutdown(), on this node."""
+    from rayrb.durability.leftovers import remove, state_dirs, version_files
+    from rayrb.handle.owner import DEFAULT_STORAGE
+
+    found = version_files()
+    for root in storage_dirs or [DEFAULT_STORAGE]:
+        found += state_dirs(root)
+    return [str(p) for p in (found if dry_run else remove(found))]
+
+
 def run(args: argparse.Namespace, rest: list[str]) -> int:
+    if args.cmd == "gc":
+        for path in run_here_or_on(args.address, collect_leftovers, args.storage_dir, args.dry_run):
+            print(path)
+        return 0
     if args.cmd == "bench":
         script = Path(__file__).resolve().parents[1] / "pipelines" / "benchmark.py"
         if not script.is_file():

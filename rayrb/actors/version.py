@@ -9,6 +9,7 @@ read it from the answer to their previous call.
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 import uuid
 
@@ -25,7 +26,9 @@ class VersionFile:
         """The map's path (made now if needed), or None where no shared folder can be written."""
         if self.path is None:
             folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-            path = os.path.join(folder, f"rayrb-{self._name.replace('/', '_')}-{uuid.uuid4().hex[:8]}.version")
+            # the pid names the process that keeps it: rayrb.durability.leftovers removes it once that is gone
+            path = os.path.join(folder, f"rayrb-{self._name.replace('/', '_')}-{os.getpid()}-"
+                                        f"{uuid.uuid4().hex[:8]}.version")
             try:
                 self._map = np.memmap(path, dtype=np.int64, mode="w+", shape=(1,))
                 self.path = path
@@ -38,7 +41,9 @@ class VersionFile:
         """After a restart: the file handles on this node already map, if it is still there."""
         if path is not None and os.path.exists(path):
             try:
-                self._map, self.path = np.memmap(path, dtype=np.int64, mode="r+", shape=(1,)), path
+                mine = re.sub(r"-\d+-([0-9a-f]+)\.version$", rf"-{os.getpid()}-\1.version", path)
+                os.rename(path, mine)  # handles' maps stay valid; the name says who keeps it now
+                self._map, self.path = np.memmap(mine, dtype=np.int64, mode="r+", shape=(1,)), mine
             except (OSError, ValueError):
                 return
             self.write(version)

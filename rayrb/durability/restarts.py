@@ -74,7 +74,8 @@ class RestartLog:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.path.with_suffix(".tmp")
             tmp.write_text(json.dumps({"restarts": self.restarts, "failed_starts": self.failed_starts,
-                                       "starting": self.starting, "last_cause": self.last_cause}))
+                                       "starting": self.starting, "last_cause": self.last_cause,
+                                       "pid": os.getpid()}))  # for rayrb.durability.leftovers
             os.replace(tmp, self.path)
         except OSError:  # the count is for stats; a full disk must not stop the actor
             pass

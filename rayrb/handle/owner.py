@@ -259,6 +259,7 @@ class OfflineToOnlineReplayBuffer(BufferClient):
         except BaseException:
             self._remove_owned()  # no half-built buffer: what started is killed in _start_actors
             raise
+        _remove_leftovers(storage_dir)
         BufferClient.__init__(self, coord, shards, dataset.spec, name=name, batch_size=batch_size,
                               num_offline=num_offline_shards, read_device=read_device, **settings)
         try:  # surface construction errors (a missing chunk, a bad spec) here, not at the first sample
@@ -417,6 +418,16 @@ def _start_actors(dataset: ChunkDataset, name: str, capacity: int, m: int, k: in
             ray.kill(actor)
         raise
     return coord, started, device
+
+
+def _remove_leftovers(storage_dir: Any) -> None:
+    """What buffers whose owner died without shutdown() left on this node (rayrb.durability.leftovers)."""
+    from rayrb.durability.leftovers import remove, state_dirs, version_files
+
+    try:
+        remove(version_files() + (state_dirs(storage_dir) if storage_dir is not None else []))
+    except Exception:  # a clean-up: never a reason not to start
+        pass
 
 
 def restarts_option(value: Any) -> int:
