@@ -33,9 +33,10 @@ class Writing:
         """Rows each shard counts and has acknowledged: up to its first hole or piece still on its way."""
         if self.log is None:
             return np.zeros(0, np.int64)
-        counted = self.log.counted
         if self._unsettled:
             self._settle()
+        counted = self.log.counted
+        if self._unsettled:
             counted = counted.copy()
             for shard, first, _ in self._unsettled:
                 counted[shard] = min(counted[shard], first)
@@ -55,14 +56,16 @@ class Writing:
         ready, _ = ray.wait(acks, num_returns=len(acks), timeout=0)
         if not ready:
             return
-        done = set()
+        done, failed = set(), False
         for ref in ready:
             try:
                 ray.get(ref)
                 done.add(ref)
             except Exception:
-                pass
+                failed = True
         self._unsettled = [u for u in self._unsettled if u[2] not in done]
+        if failed:  # a piece that failed for good is a hole: the shards' counts say what landed behind it
+            self.resync()
 
     def _sent(self, pieces: Sequence[Any], acks: Sequence[Any]) -> None:
         self._unsettled += [(w.shard, w.first, a) for w, a in zip(pieces, acks)]

@@ -148,8 +148,8 @@ class BufferClient(LearnerPaths):
         except TimeoutError as e:  # the write may still land: name it, so that a retry lands it once
             raise WriteTimeoutError(f"{e}; the write may still be applied: retry it with write_id={write_id!r} "
                                     "to apply it once", write_id) from e
-        except (BufferUnavailableError, RuntimeError):
-            try:  # the shards' own counts, so the next write goes where the rows really are
+        except Exception:  # any failure: the shards' own counts, so the next write goes where rows really are
+            try:
                 self.rpc.get(self.rpc.coord.resync.remote())
             except Exception:
                 pass

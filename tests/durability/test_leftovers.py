@@ -48,3 +48,20 @@ def test_a_buffers_state_is_removed_only_when_all_its_actors_are_gone_and_it_is_
     assert not gone.exists() and one_alive.exists() and fresh.exists()
     age(fresh, 3600)
     assert state_dirs(tmp_path) == [fresh]
+
+
+def test_the_reply_cache_answers_again_every_call_one_crash_can_catch():
+    """Each stream has at most two plan calls in flight (rayrb.handle.stream), so a crash can lose the replies of
+    at most two calls per stream: REPLIES_KEPT covers four streams caught mid-call at once, and a call made again
+    after more answers than that were given gets a new plan (the stream then skips the lost one's batches)."""
+    from rayrb.durability.replies import REPLIES_KEPT, ReplyCache
+
+    cache = ReplyCache()
+    streams, in_flight = 4, 2
+    calls = [f"stream{s}/call{c}" for s in range(streams) for c in range(in_flight)]
+    assert len(calls) <= REPLIES_KEPT
+    for i, call in enumerate(calls):
+        cache.put(call, (16, 8, None, 1), {"plan": i})
+    assert [cache.get(call, (16, 8, None, 1)) for call in calls] == [{"plan": i} for i in range(len(calls))]
+    cache.put("one more", (16, 8, None, 1), {"plan": -1})
+    assert cache.get(calls[0], (16, 8, None, 1)) is None  # past the bound: answered anew
