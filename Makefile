@@ -10,7 +10,7 @@ export RAY_AUTH_MODE ?= disabled
 export RAY_USAGE_STATS_ENABLED ?= 0
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER ?= 0
 
-.PHONY: install test test-fast lint demo bench clean
+.PHONY: install test test-fast lint docs docs-check demo bench clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
-test: install lint
+test: install lint docs
 	$(PY) -m pytest -q
 
 # The layers without Ray: pure decisions and durability (no actors), with their doctests. Seconds, not minutes.
@@ -31,6 +31,16 @@ test-fast: install
 
 lint: install
 	$(PY) -m ruff check .
+
+# The docs site (MkDocs, Material, an API reference from the docstrings) into build/site; --strict: a broken link,
+# a missing page or a reference to a name that does not exist fails the build.
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+
+# Every page opened in headless Chromium (Debian's, installed here if missing); screenshots in build/screenshots.
+docs-check: docs
+	@command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
+	$(PY) scripts/docs_check.py --site build/site --out build/screenshots
 
 demo: install
 	$(PY) pipelines/train_bandit.py --dataset $(DATASET) $(if $(DATA_HOME),--data-home $(DATA_HOME),)

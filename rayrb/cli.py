@@ -1,7 +1,7 @@
 """The ``rayrb`` command: prepare, inspect, verify, export and preprocess datasets; run the benchmark.
 
 examples:
-  rayrb prepare openml:shuttle --data-home ../shared/data
+  rayrb prepare openml:shuttle --data-home ~/scikit_learn_data
   rayrb info ~/.cache/rayrb/openml/shuttle-float32
   rayrb verify ~/.cache/rayrb/openml/shuttle-float32
   rayrb export-parquet ~/.cache/rayrb/openml/shuttle-float32 /tmp/shuttle-parquet
@@ -34,7 +34,7 @@ from typing import Any
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
 EXAMPLES = {
-    "prepare": "rayrb prepare openml:mushroom_onehot --data-home ../shared/data --root /tmp/rayrb",
+    "prepare": "rayrb prepare openml:mushroom_onehot --data-home ~/scikit_learn_data --root /tmp/rayrb",
     "info": "rayrb info /tmp/rayrb/openml/mushroom_onehot-float32",
     "verify": "rayrb verify /tmp/rayrb/openml/mushroom_onehot-float32   # exit 1 if a chunk was altered",
     "export-parquet": "rayrb export-parquet /tmp/rayrb/openml/shuttle-float32 /tmp/shuttle-parquet",

@@ -1,8 +1,8 @@
 """Every error rayrb raises on purpose, under one base class.
 
 Each also subclasses the builtin it stands for, so code written against the
-builtins keeps working: ``except TimeoutError`` catches :class:`WriteTimeoutError`,
-``except ValueError`` catches :class:`SchemaError`.
+builtins keeps working: ``except TimeoutError`` catches ``WriteTimeoutError``,
+``except ValueError`` catches ``SchemaError``.
 
 >>> issubclass(WriteTimeoutError, (RayrbError, TimeoutError)), issubclass(SchemaError, ValueError)
 (True, True)

@@ -2,16 +2,16 @@
 
 It holds shard handles and shard sizes, never rows, and it submits no reads:
 
-* :class:`~rayrb.actors.drawing.Drawing` plans groups of batches (the exact split,
+* ``Drawing`` plans groups of batches (the exact split,
   the rate limiter's say, per-shard counts and seeds) and gives back draws. The
   handle that asked submits the shard reads, so rows go shard -> consumer once.
-* :class:`~rayrb.actors.writing.Writing` places, journals and sends writes, and
+* ``Writing`` places, journals and sends writes, and
   resumes those cut short.
-* :class:`~rayrb.actors.version.Version` counts the changes handles must see.
-* :class:`~rayrb.durability.storage.CoordinatorState` keeps what a restart needs,
-  saved after the calls in :data:`SAVED_AFTER`.
+* ``Version`` counts the changes handles must see.
+* ``CoordinatorState`` keeps what a restart needs,
+  saved after the calls in ``SAVED_AFTER``.
 
-A call the rate limiter holds back returns :class:`~rayrb.errors.HeldBack` and changes
+A call the rate limiter holds back returns ``HeldBack`` and changes
 nothing; the handle asks again. ``docs/architecture.md`` draws the whole picture,
 ``docs/durability.md`` the write and restart protocol.
 """
@@ -86,7 +86,7 @@ class Coordinator:
 
     # state ------------------------------------------------------------------------
     def _save(self) -> None:
-        """Keep what a restart needs (after each call in :data:`SAVED_AFTER`).
+        """Keep what a restart needs (after each call in ``SAVED_AFTER``).
 
         A save that fails (a full or broken disk) does not fail the call, which has already
         changed the stream or sent a write: the answer stays true, a restart resumes from the
@@ -172,7 +172,7 @@ class Coordinator:
     # drawing ------------------------------------------------------------------------
     def plan(self, batch_size: int, num_batches: int = 1, *, stream: str | None = None, served: int | None = None,
              call: str | None = None, slices: int = 1, waited: float = 0.0) -> GroupPlan | HeldBack:
-        """Plan a group of batches for the caller to read (:meth:`Drawing.plan`)."""
+        """Plan a group of batches for the caller to read (``Drawing.plan``)."""
         group = self._drawing.plan(batch_size, num_batches, sizes=self._sizes(), counted=self._writing.counted(),
                                    version=self._version.value, stream=stream, served=served, call=call,
                                    slices=slices)
@@ -192,11 +192,11 @@ class Coordinator:
         return self._version.value
 
     def undo(self, stream: str, count: int | None, discard: bool = False) -> GiveBack:
-        """Give back draws ``stream`` did not serve (:meth:`Drawing.undo`)."""
+        """Give back draws ``stream`` did not serve (``Drawing.undo``)."""
         return self._drawing.undo(stream, count, discard)
 
     def plan_side(self, side: str, batch_size: int) -> tuple[BatchPlan, list[np.ndarray]]:
-        """Rows of one side for the buffer-like views (:meth:`Drawing.plan_side`)."""
+        """Rows of one side for the buffer-like views (``Drawing.plan_side``)."""
         side, batch_size = one_of("side", side, SIDES), positive_int("batch_size", batch_size)
         return self._drawing.plan_side(side, batch_size, self._sizes()[side])
 
@@ -210,7 +210,7 @@ class Coordinator:
         before returns that write's indices and acknowledgements, and writes nothing.
         The rate limiter may hold a write back; ``prefill`` writes past it. A write
         from ``node`` (the writer's node id) prefers the online shards there, while
-        they are at most :attr:`~rayrb.durability.writelog.WriteLog.slack` rows ahead of the rest.
+        they are at most ``slack`` rows ahead of the rest.
         """
         rows, seen = self._writing.check(rows, write_id)
         if seen is not None and seen[1] is not None and not failed(seen[1]):
@@ -263,7 +263,7 @@ class Coordinator:
         return [s.state.remote() for s in self._shards[side]]
 
     def load_shard_states(self, side: str, states: Sequence[dict]) -> list[Any]:
-        """Give each shard of ``side`` its state; the acks, then :meth:`resync`, complete it.
+        """Give each shard of ``side`` its state; the acks, then ``resync``, complete it.
 
         Every shard checks its state before any shard takes one, so a refused call changes nothing.
         """
@@ -280,7 +280,7 @@ class Coordinator:
         return self._drawing.state_dict()
 
     def check_state_dict(self, state: dict[str, Any]) -> None:
-        """Raise, naming what is wrong, unless :meth:`load_state_dict` would take ``state``; change nothing."""
+        """Raise, naming what is wrong, unless ``load_state_dict`` would take ``state``; change nothing."""
         self._planner.check_state_dict(state, self._sizes())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

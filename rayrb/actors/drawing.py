@@ -1,8 +1,8 @@
 """The coordinator's planning part: it draws groups of batches and gives back draws; it submits no reads.
 
-It holds the :class:`~rayrb.core.planner.Planner`, the shards' masses (prioritized
-sampling), the log of draws made ahead (:class:`~rayrb.core.ahead.AheadLog`) and the
-answers to recent plan calls (:class:`~rayrb.durability.replies.ReplyCache`). A plan
+It holds the ``Planner``, the shards' masses (prioritized
+sampling), the log of draws made ahead (``AheadLog``) and the
+answers to recent plan calls (``ReplyCache``). A plan
 names, per contributing shard, one read for the whole group: the caller submits it
 (``docs/architecture.md``, "The draw path").
 """
@@ -60,10 +60,10 @@ class Drawing:
         """Plan ``num_batches`` consecutive batches (or, with ``slices``, one batch cut in that many slices).
 
         The batches are exactly those of as many single calls. ``stream`` names a
-        handle that draws ahead and can give back (:meth:`undo`); its group stops
+        handle that draws ahead and can give back (``undo``); its group stops
         early, with what was drawn, where a draw would be refused (an epoch's end,
         the rate limiter). Without a stream, a sampler that cannot group batches
-        plans one. ``served`` reports, as :meth:`served` does, the stream's last
+        plans one. ``served`` reports, as ``served`` does, the stream's last
         batch handed over. ``call`` names the call: made again (Ray re-sends it to a
         restarted coordinator when the reply was lost) it gets the same plan.
         """
@@ -130,7 +130,7 @@ class Drawing:
     def undo(self, stream: str, count: int | None, discard: bool = False) -> GiveBack:
         """Give back the last ``count`` batches that ``stream`` drew and did not serve (None: all of them).
 
-        :attr:`~rayrb.core.ahead.GiveBack.UNDONE` when the stream is back where it was
+        ``UNDONE`` when the stream is back where it was
         before them (no one else drew or changed a setting since). Otherwise they stand:
         ``KEEP`` them without replacement (each row of an epoch is served once), else
         ``DROP`` them; ``discard`` (a closed iterator) drops them in any case. Rows

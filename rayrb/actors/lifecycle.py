@@ -13,7 +13,7 @@ logger = logging.getLogger("rayrb")
 def begin(directory: str | None, what: str) -> RestartLog:
     """Record this start of actor ``what`` in ``directory``; wait first if the starts before it kept crashing.
 
-    Call :meth:`RestartLog.ready` once the actor is up.
+    Call ``RestartLog.ready`` once the actor is up.
     """
     log = RestartLog(directory)
     restarted = reconstructed()

@@ -67,7 +67,7 @@ HINTED_CPUS = 0.0001
 def on_node(opts: dict, node: str | None) -> dict:
     """``opts`` preferring ``node`` (a soft hint: a shard restarted after its node is lost runs elsewhere).
 
-    An actor that asks for nothing asks for :data:`HINTED_CPUS`, so that Ray honours the hint.
+    An actor that asks for nothing asks for ``HINTED_CPUS``, so that Ray honours the hint.
     """
     if node is None:
         return opts

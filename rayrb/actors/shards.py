@@ -1,8 +1,8 @@
 """Shard actors: thin shells around storage and a sampler.
 
-* :class:`OfflineShard` maps a contiguous row range of a chunk dataset read-only
+* ``OfflineShard`` maps a contiguous row range of a chunk dataset read-only
   (memory maps; nothing copied into the heap or through the object store).
-* :class:`OnlineShard` is a circular buffer that copies rows on insert, so it never
+* ``OnlineShard`` is a circular buffer that copies rows on insert, so it never
   keeps a view into an object-store buffer (pinned plasma memory, ray#8234).
 
 Both return rows as flat dicts of numpy arrays plus provenance (local index and
@@ -83,7 +83,7 @@ class _Shard:
         return self._sampler.mass(self.size())
 
     def check_priority(self, idx: np.ndarray, generation: np.ndarray, priority: np.ndarray) -> int:
-        """Raise if :meth:`update_priority` would refuse these rows; change nothing."""
+        """Raise if ``update_priority`` would refuse these rows; change nothing."""
         idx = np.asarray(idx, dtype=np.int64)
         if idx.size and (idx.min() < 0 or idx.max() >= self.size()):
             raise IndexError(f"shard {self.shard_id}: expected indices in [0, {self.size()}), "
@@ -136,7 +136,7 @@ class _Shard:
 
     def sample_many_tensors(self, counts: list[int], seeds: list[int], epochs: list[Epoch | None] | None = None,
                             device: str | None = None, written: int | None = None) -> dict[str, Any]:
-        """:meth:`sample_many` as one flat dict of torch tensors (``rows/..``, ``info/..``), for Ray Direct Transport.
+        """``sample_many`` as one flat dict of torch tensors (``rows/..``, ``info/..``), for Ray Direct Transport.
 
         A shard that holds its rows on a GPU gathers there and returns CUDA tensors (sent
         with ``.options(tensor_transport="cuda_ipc" | "nccl")``); ``device`` moves them.
@@ -188,15 +188,15 @@ class _Shard:
             raise ValueError(f"shard {self.shard_id}: cannot read saved state {path}: {e}") from None
 
     def load(self, path: str) -> None:
-        """Take the state :meth:`dump` wrote; a file that does not fit this shard changes nothing."""
+        """Take the state ``dump`` wrote; a file that does not fit this shard changes nothing."""
         self.load_state(self._read(path))
 
     def check(self, path: str) -> None:
-        """Raise if :meth:`load` would refuse this file; change nothing (the first phase of a restore)."""
+        """Raise if ``load`` would refuse this file; change nothing (the first phase of a restore)."""
         self._checked(self._read(path))
 
     def state(self) -> dict[str, np.ndarray]:
-        """This shard's mutable state as arrays (what :meth:`dump` writes)."""
+        """This shard's mutable state as arrays (what ``dump`` writes)."""
         return {**self._state(), **{f"sampler/{k}": v for k, v in self._sampler.state_dict().items()}}
 
     def gather(self, idx: np.ndarray) -> tuple[Rows, Info]:
@@ -223,7 +223,7 @@ class _Shard:
         return apply
 
     def load_state(self, state: dict[str, np.ndarray]) -> None:
-        """Take :meth:`state`'s arrays; state that does not fit this shard changes nothing."""
+        """Take ``state``'s arrays; state that does not fit this shard changes nothing."""
         self._checked(state)()
 
     def _state(self) -> dict[str, np.ndarray]:
@@ -297,7 +297,7 @@ class OnlineShard(_Shard):
     """A circular buffer of ``capacity`` rows; the oldest rows are overwritten first.
 
     Rows, generations, the write count and priorities live in
-    :class:`~rayrb.durability.storage.OnlineStorage`, memory-mapped under ``state_dir`` when
+    ``OnlineStorage``, memory-mapped under ``state_dir`` when
     given: a restarted shard reopens them with every acknowledged write.
     """
 

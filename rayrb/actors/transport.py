@@ -1,9 +1,9 @@
 """How rows reach learners: the object store, or Ray Direct Transport (gloo on CPU; NCCL and CUDA IPC on GPU).
 
-Which route each shard-learner pair takes (:func:`plan_routes`), the checks that
+Which route each shard-learner pair takes (``plan_routes``), the checks that
 refuse a route before Ray would deadlock or NCCL would hang, the collective group
-that carries RDT refs, and :func:`receive`, which turns a learner's parts back
-into a TensorDict. Array conversion lives in :mod:`rayrb.io.arrays`.
+that carries RDT refs, and ``receive``, which turns a learner's parts back
+into a TensorDict. Array conversion lives in ``rayrb.io.arrays``.
 """
 from __future__ import annotations
 
@@ -166,7 +166,7 @@ def _place_of(actor: Any) -> tuple[str, list[str]]:  # runs inside the actor, th
 
 
 def places(actors: Sequence[Any], names: Sequence[str], timeout: float = 60.0) -> list[Place]:
-    """Each actor's :class:`Place`, asked of the actor itself."""
+    """Each actor's ``Place``, asked of the actor itself."""
     import ray
 
     got = ray.get([a.__ray_call__.remote(_place_of) for a in actors], timeout=timeout)
@@ -235,7 +235,7 @@ def split_flat(flat: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]
 
 
 def receive(plan: BatchPlan, *parts: Any):
-    """A learner's slice from :meth:`OfflineToOnlineReplayBuffer.feed`: ``(TensorDict, info)``.
+    """A learner's slice from ``OfflineToOnlineReplayBuffer.feed``: ``(TensorDict, info)``.
 
     ``parts`` are the shard parts as Ray resolved them: ``(rows, info)`` numpy pairs
     (object store) or flat tensor dicts (Ray Direct Transport; tensors stay on the

@@ -3,7 +3,7 @@
 A handle holding batches drawn ahead at an older version gives them back before
 its next ``sample()``, so that allocation never uses sizes staler than the previous
 call. Handles on the coordinator's node read the counter from a memory map
-(:class:`VersionFile`, in ``/dev/shm`` where there is one) without a call; others
+(``VersionFile``, in ``/dev/shm`` where there is one) without a call; others
 read it from the answer to their previous call.
 """
 from __future__ import annotations
@@ -63,7 +63,7 @@ class VersionFile:
 
 
 class Version:
-    """The counter and its file; :meth:`bump` after every change handles must see."""
+    """The counter and its file; ``bump`` after every change handles must see."""
 
     def __init__(self, name: str):
         self.value = 0

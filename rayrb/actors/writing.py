@@ -1,7 +1,7 @@
 """The coordinator's write part: where each write's pieces go, the journal, resumed writes and resyncs.
 
 The writer ``ray.put`` s its rows and hands the ref over; the
-:class:`~rayrb.durability.writelog.WriteLog` picks shards and slots, the piece list is
+``WriteLog`` picks shards and slots, the piece list is
 journalled, and the shards are sent their pieces (each fetches its own piece from the
 ref). The protocol, end to end, is in ``docs/durability.md``.
 
@@ -43,7 +43,7 @@ class Writing:
         return counted
 
     def sizes(self) -> np.ndarray:
-        """Rows each shard is sampled from: its :meth:`counted` rows, at most its capacity."""
+        """Rows each shard is sampled from: its ``counted`` rows, at most its capacity."""
         if self.log is None:
             return np.zeros(0, np.int64)
         return np.minimum(self.counted(), self.log.capacity)
@@ -118,7 +118,7 @@ class Writing:
         return [self._shards[w.shard].extend.remote(rows_ref[0], w.start, w.stop, first=w.first) for w in send]
 
     def write_states(self) -> tuple[list[int], list[list[tuple[int, int]]]]:
-        """Each online shard's write count, and the rows it holds beyond it (for :meth:`WriteLog.reset`)."""
+        """Each online shard's write count, and the rows it holds beyond it (for ``WriteLog.reset``)."""
         import ray
 
         states = ray.get([s.write_state.remote() for s in self._shards])

@@ -1,17 +1,17 @@
 """Batches drawn ahead of being served, and giving them back. No Ray here.
 
-A handle's stream (:mod:`rayrb.handle.stream`) asks for batches before its caller
+A handle's stream (``rayrb.handle.stream``) asks for batches before its caller
 does. Each draw is logged here with the planner's snapshot before it, so that the
 handle can give back what it did not serve and the stream goes on as if those
 draws had never been made.
 
 * Draws are numbered per log; a handle reports the last number it has served
-  (:meth:`AheadLog.served`) and those draws are never given back.
+  (``AheadLog.served``) and those draws are never given back.
 * Only the most recent caller's draws can be rewound: a draw by anyone else, or a
-  change of settings (:meth:`AheadLog.forget`), makes every earlier draw stand. A
+  change of settings (``AheadLog.forget``), makes every earlier draw stand. A
   handle that gives back draws that stand keeps them (without replacement: each row
   of an epoch is served once) or drops them (with replacement).
-* Rows drawn and not yet served are counted per handle (:meth:`AheadLog.unserved_rows`),
+* Rows drawn and not yet served are counted per handle (``AheadLog.unserved_rows``),
   so that a rate limiter can judge writes against the rows actually served, as it
   would if nothing were drawn ahead.
 

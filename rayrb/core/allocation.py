@@ -109,7 +109,7 @@ def write_pieces(n: int, num_shards: int, min_piece: int = 1024) -> np.ndarray:
 
     Small writes stay whole (one shard task, which is most of a write's cost);
     large ones are cut in up to ``num_shards`` pieces so that no shard takes a whole
-    large batch. Fill levels stay balanced either way (see :func:`assign_pieces`).
+    large batch. Fill levels stay balanced either way (see ``assign_pieces``).
     """
     pieces = int(min(num_shards, max(1, n // min_piece)))
     return split_evenly(n, pieces)

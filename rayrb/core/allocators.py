@@ -1,18 +1,18 @@
 """The coordinator's half of a sampling kind: per-shard counts for one side of a batch. No Ray here.
 
 An allocator turns "``n`` rows from this side" into per-shard counts whose
-distribution is that of sampling the union of shards (:mod:`rayrb.core.allocation`
+distribution is that of sampling the union of shards (``rayrb.core.allocation``
 has the math):
 
-* :class:`UniformAllocator`: ``Multinomial(n, size_i / sum(size))``;
-* :class:`WithoutReplacementAllocator`: multivariate hypergeometric over the rows
+* ``UniformAllocator``: ``Multinomial(n, size_i / sum(size))``;
+* ``WithoutReplacementAllocator``: multivariate hypergeometric over the rows
   each shard has left in the epoch; it owns the epochs and ``drop_last``;
-* :class:`PrioritizedAllocator`: ``Multinomial(n, mass_i / sum(mass))``, and the
+* ``PrioritizedAllocator``: ``Multinomial(n, mass_i / sum(mass))``, and the
   importance weights' global ``min p`` per side.
 
-A draw is two steps, so that a refused call changes nothing: :meth:`Allocator.check`
+A draw is two steps, so that a refused call changes nothing: ``Allocator.check``
 validates both sides and reports which need a new epoch, touching no state; only
-then :meth:`Allocator.begin_epoch` and :meth:`Allocator.counts` mutate.
+then ``Allocator.begin_epoch`` and ``Allocator.counts`` mutate.
 
 Examples:
     >>> import numpy as np
@@ -45,8 +45,8 @@ Sizes = Mapping[str, np.ndarray]
 class Allocator:
     """Per-shard counts for one kind of sampling. The base allocates by size (uniform with replacement)."""
 
-    uses_masses = False  # the coordinator feeds :meth:`set_masses` before each draw
-    reads_with_args = False  # whether :meth:`read_args` can return anything
+    uses_masses = False  # the coordinator feeds ``set_masses`` before each draw
+    reads_with_args = False  # whether ``read_args`` can return anything
     groups_batches = True  # several batches may be drawn ahead in one group of reads
 
     def __init__(self, num_shards: Mapping[str, int], **options: Any):
@@ -112,7 +112,7 @@ class WithoutReplacementAllocator(Allocator):
     An epoch of a side begins with that side's first draw, and again when its rows
     run out. When a side has fewer rows left than a batch needs, ``epoch_end`` says
     what happens: ``"short"`` (TorchRL's default) serves a short final batch with
-    what is left, split exactly (the planner shrinks it, see :meth:`room`);
+    what is left, split exactly (the planner shrinks it, see ``room``);
     ``"drop"`` (TorchRL's ``drop_last=True``) drops the rows left and begins the next
     epoch; ``"raise"`` refuses the call.
     """

@@ -1,20 +1,20 @@
 """The coordinator's sampling state and its one decision: what the next batch is made of. No Ray here.
 
-A :class:`Planner` holds the offline-fraction schedule, the step, the seeded RNG,
-the sampler kind's :class:`~rayrb.core.allocators.Allocator` and the
-:class:`~rayrb.core.rate_limiter.RateLimiter`. Given the shard sizes, :meth:`Planner.draw`
-turns a batch size into :class:`~rayrb.core.plans.BatchPlan` s:
+A ``Planner`` holds the offline-fraction schedule, the step, the seeded RNG,
+the sampler kind's ``Allocator`` and the
+``RateLimiter``. Given the shard sizes, ``Planner.draw``
+turns a batch size into ``BatchPlan`` s:
 
 1. ``f`` from the schedule at this step and these sizes;
 2. the exact split ``n_off = floor(f * B + 1/2)``, ``n_on = B - n_off``
-   (:func:`~rayrb.core.allocation.split_batch`), all offline while the online side is empty;
+   (``split_batch``), all offline while the online side is empty;
 3. the rate limiter's say on ``n_on``: as planned, all offline, or wait
-   (:class:`~rayrb.errors.HeldBack`);
+   (``HeldBack``);
 4. the allocator's check of both sides, epochs begun where needed;
 5. per slice, per side: each shard's read arguments, then per-shard counts, then
    one seed per shard.
 
-A draw that raises, :class:`~rayrb.errors.HeldBack` included, leaves the step, the RNG, the
+A draw that raises, ``HeldBack`` included, leaves the step, the RNG, the
 allocator and the limiter as they were, so the seeded stream goes on as if it
 had not been asked.
 
@@ -81,7 +81,7 @@ class Planner:
         self._base = self.schedule.value if isinstance(self.schedule, Constant) else None
 
     def base_fraction(self, sizes: Sizes) -> float:
-        """The fraction :meth:`anneal` decays from."""
+        """The fraction ``anneal`` decays from."""
         return self._base if self._base is not None else self.fraction(sizes)
 
     def set_base_fraction(self, value: Any) -> None:
@@ -105,11 +105,11 @@ class Planner:
 
     # drawing ----------------------------------------------------------------
     def snapshot(self) -> tuple:
-        """What :meth:`restore` needs to put the stream back here: RNG, step, allocator, sampled rows."""
+        """What ``restore`` needs to put the stream back here: RNG, step, allocator, sampled rows."""
         return (self.rng.bit_generator.state, self.step, self.alloc.state_dict(), self.limiter.state_dict()["samples"])
 
     def restore(self, saved: tuple) -> None:
-        """Go back to a :meth:`snapshot`, as if no draw had been made since.
+        """Go back to a ``snapshot``, as if no draw had been made since.
 
         Settings are kept, and so are the limiter's inserts and waits: writes since the
         snapshot still count; only the draws' sampled rows are taken back.
@@ -136,7 +136,7 @@ class Planner:
 
         Each slice is allocated on its own, so every slice and their union have the
         distribution of sampling the union of shards, and each slice's split is exact
-        to within one row. Raises :class:`~rayrb.errors.HeldBack` when the rate limiter holds it back.
+        to within one row. Raises ``HeldBack`` when the rate limiter holds it back.
         """
         batch_size = positive_int("batch_size", batch_size)
         if not 1 <= num_slices <= batch_size:
@@ -205,7 +205,7 @@ class Planner:
 
     # writes -----------------------------------------------------------------
     def admit_insert(self, rows: int, online_size: int, *, prefill: bool = False, unserved: int = 0) -> None:
-        """Raise :class:`~rayrb.errors.HeldBack` if the rate limiter holds a write of ``rows`` back (never for a
+        """Raise ``HeldBack`` if the rate limiter holds a write of ``rows`` back (never for a
         prefill). ``unserved`` online rows were drawn ahead and not served yet: the write is judged against
         the rows served, as it would be if nothing had been drawn ahead."""
         if not prefill and not self.limiter.can_insert(rows, online_size, unserved=unserved):
@@ -228,7 +228,7 @@ class Planner:
                 "rate_limiter": self.limiter.stats()}
 
     def state_dict(self, at: tuple | None = None) -> dict[str, Any]:
-        """The sampling state; ``at`` a :meth:`snapshot`, the state as if the draws since it were given back."""
+        """The sampling state; ``at`` a ``snapshot``, the state as if the draws since it were given back."""
         rng, step, alloc = (at[0], at[1], at[2]) if at is not None else (
             self.rng.bit_generator.state, self.step, self.alloc.state_dict())
         limiter = self._limiter_state(at) if at is not None else self.limiter.state_dict()
@@ -237,7 +237,7 @@ class Planner:
                 "rate_limiter": {"config": self.limiter.config(), "state": limiter}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`; checked whole before anything changes (:meth:`check_state_dict`).
+        """Restore ``state_dict``; checked whole before anything changes (``check_state_dict``).
 
         Without ``allocator`` (a checkpoint restored onto another shard layout) epochs
         start afresh; without ``rate_limiter`` the limiter is kept.
@@ -248,7 +248,7 @@ class Planner:
         self.alloc, self.limiter = alloc, limiter
 
     def check_state_dict(self, state: Any, sizes: Sizes | None = None) -> None:
-        """Raise ``ValueError`` naming the key, the value and what was expected unless :meth:`load_state_dict`
+        """Raise ``ValueError`` naming the key, the value and what was expected unless ``load_state_dict``
         takes ``state`` and the stream can go on from it (a draw is tried on a copy); change nothing."""
         import copy
 

@@ -1,7 +1,7 @@
 """What a sampled batch is made of, and how its shard parts become one batch. No Ray here.
 
-The coordinator *draws* a :class:`BatchPlan`: the exact split ``n_offline +
-n_online``, and for each shard that contributes, a :class:`Part` ``(side, shard,
+The coordinator *draws* a ``BatchPlan``: the exact split ``n_offline +
+n_online``, and for each shard that contributes, a ``Part`` ``(side, shard,
 count)``. Each part is read by its shard, which returns ``(rows, info)``: flat
 ``{"a/b": ndarray}`` rows and per-row ``index``, ``generation`` (and ``priority``
 under prioritized sampling). Parts are ordered offline first, so a batch's rows
@@ -133,7 +133,7 @@ def group_to_json(group: GroupPlan) -> dict[str, Any]:
 
 
 def group_from_json(data: Mapping[str, Any]) -> GroupPlan:
-    """The inverse of :func:`group_to_json`.
+    """The inverse of ``group_to_json``.
 
     >>> g = GroupPlan([BatchPlan([Part("online", 1, 3)], 0, 3, fraction=0.0, step=7)], reads=[("online", 1)],
     ...               args=[([3], [42], [Epoch(0, 5, 10, 2)], 40)], version=2, first=9)
@@ -244,7 +244,7 @@ def split_group(group: GroupPlan, results: Sequence[tuple[Rows, Info]]) -> list[
 
 
 def assemble_slice(plan: BatchPlan, return_info: bool, postprocess: Callable | None, *results: tuple[Rows, Info]):
-    """:func:`assemble`, then ``postprocess(rows)`` (``postprocess(rows, info)`` with info), as a task runs it."""
+    """``assemble``, then ``postprocess(rows)`` (``postprocess(rows, info)`` with info), as a task runs it."""
     out = assemble(plan, results, return_info)
     if postprocess is not None:
         out = (postprocess(out[0], out[1]), out[1]) if return_info else postprocess(out)

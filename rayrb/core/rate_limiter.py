@@ -216,7 +216,7 @@ class RateLimiter:
         self._state["samples"] += non_negative_int("n_online_rows", n_online_rows)
 
     def unrecord_sample(self, n_online_rows: int) -> None:
-        """Rows counted by :meth:`record_sample` that were never served (dropped by the handle that drew them)."""
+        """Rows counted by ``record_sample`` that were never served (dropped by the handle that drew them)."""
         self._state["samples"] = max(0, self._state["samples"] - non_negative_int("n_online_rows", n_online_rows))
 
     def record_prefill(self, n_rows: int, online_size: int) -> None:

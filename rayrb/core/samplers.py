@@ -2,18 +2,18 @@
 
 A sampling kind has two halves, registered together under one name:
 
-* a :class:`Sampler` here, held by each shard actor: *which* rows (TorchRL's
+* a ``Sampler`` here, held by each shard actor: *which* rows (TorchRL's
   ``Sampler``: ``sample``, ``update_priority``, ``state_dict``);
-* an :class:`~rayrb.core.allocators.Allocator`, held by the coordinator: *how many*
+* an ``Allocator``, held by the coordinator: *how many*
   rows each shard draws, so that the batch has the distribution of sampling the
-  union of shards (:mod:`rayrb.core.allocators`).
+  union of shards (``rayrb.core.allocators``).
 
 Samplers are plain numpy objects, and all of a shard's kind-specific behaviour
-lives in them: the extra provenance a row carries (:meth:`Sampler.info`), what a
-write does (:meth:`Sampler.on_write`), the mass the coordinator allocates by
-(:meth:`Sampler.mass`) and the state a checkpoint or a restart keeps.
+lives in them: the extra provenance a row carries (``Sampler.info``), what a
+write does (``Sampler.on_write``), the mass the coordinator allocates by
+(``Sampler.mass``) and the state a checkpoint or a restart keeps.
 
-Without replacement, each read carries an :class:`Epoch`: which permutation the
+Without replacement, each read carries an ``Epoch``: which permutation the
 coordinator planned with and where in it this read starts. A shard whose state
 differs (it restarted, or missed a step) rebuilds the permutation from the seed,
 so its place in the epoch never depends on its process surviving.
@@ -56,7 +56,7 @@ class Sampler:
 
     name: ClassVar[str] = "sampler"
     allocator: ClassVar[type[Allocator]] = Allocator
-    per_slot_state: ClassVar[bool] = False  # whether :meth:`attach` has anything to keep
+    per_slot_state: ClassVar[bool] = False  # whether ``attach`` has anything to keep
 
     def __init__(self, capacity: int = 0, **options: Any):
         pass
@@ -79,7 +79,7 @@ class Sampler:
         raise ValueError(f"update_priority needs sampler='prioritized', this shard samples {self.name!r}")
 
     def check_priority(self, idx: np.ndarray, priority: np.ndarray) -> None:
-        """Raise before anything changes if :meth:`update_priority` would refuse these values."""
+        """Raise before anything changes if ``update_priority`` would refuse these values."""
         self.update_priority(idx[:0], priority[:0])
 
     def state_dict(self) -> dict[str, np.ndarray]:

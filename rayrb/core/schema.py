@@ -1,6 +1,6 @@
 """Row specs: which keys a row has, with their trailing shapes and dtypes.
 
-A :class:`RowSpec` is the one schema shared by the offline dataset and the online
+A ``RowSpec`` is the one schema shared by the offline dataset and the online
 buffer. It is plain numpy (no torch), so shard actors can use it without
 importing torch.
 
@@ -118,7 +118,7 @@ class RowSpec:
         """Check a flat dict of arrays against this spec; return its row count.
 
         Bookkeeping keys (TorchRL's ``index`` and friends) must be dropped first,
-        see :func:`strip_bookkeeping`. Raises :class:`SchemaError` naming the
+        see ``strip_bookkeeping``. Raises ``SchemaError`` naming the
         first key that differs and both specs.
         """
         got = set(arrays)

@@ -3,8 +3,8 @@
 Ray restarts a crashed actor at once, and rayrb starts its actors with unlimited
 restarts, so a buffer lives as long as its job. An actor whose start itself crashes
 (a damaged state file, a missing chunk) would then spin. Each start reads this log:
-when the previous start never got as far as :meth:`RestartLog.ready`, it waits before
-going on, twice as long each time (from :data:`FIRST_WAIT` up to :data:`MAX_WAIT`), and
+when the previous start never got as far as ``RestartLog.ready``, it waits before
+going on, twice as long each time (from ``FIRST_WAIT`` up to ``MAX_WAIT``), and
 the actor says why in its log. A restart after a life that got going waits nothing.
 
 Examples:

@@ -164,7 +164,7 @@ class CoordinatorState:
     shards are sent their pieces: ``[write_id, [[shard, start, stop, first], ...]]``.
     A restarted coordinator takes the write counts from the shards and remembers the
     journalled writes, so a retry of one is answered, and only the pieces the shards
-    lack are sent (:meth:`rayrb.durability.writelog.WriteLog.resume`). A torn last line (a crash
+    lack are sent (``rayrb.durability.writelog.WriteLog.resume``). A torn last line (a crash
     mid-append) is skipped.
 
     Examples:
@@ -199,7 +199,7 @@ class CoordinatorState:
         return self.directory / "writes.log"
 
     def save(self, state: dict[str, Any]) -> None:
-        """Write ``state`` (plain JSON data: dicts, lists, strings, numbers) under :data:`STATE_SCHEMA`."""
+        """Write ``state`` (plain JSON data: dicts, lists, strings, numbers) under ``STATE_SCHEMA``."""
         payload = json.dumps({"schema": STATE_SCHEMA, "state": state}, separators=(",", ":")).encode()
         sequence = self._sequence + 1
         header = _HEADER.pack(_MAGIC, sequence, len(payload), xxhash.xxh3_64_intdigest(payload))

@@ -6,27 +6,27 @@ capacities before it. Its ``w``-th row ever written goes to slot
 ``w mod capacity_s``, so a shard's cursor is never stored: it is ``written_s mod
 capacity_s``, and its size is ``min(written_s, capacity_s)``.
 
-A write of ``n`` rows is cut into contiguous pieces (:func:`rayrb.core.allocation.write_pieces`),
-the largest pieces going to the least-written shards (:func:`rayrb.core.allocation.assign_pieces`),
-so fill levels stay balanced. :meth:`WriteLog.plan` computes a write's pieces,
-slots and global indices without changing anything; :meth:`WriteLog.commit`
+A write of ``n`` rows is cut into contiguous pieces (``rayrb.core.allocation.write_pieces``),
+the largest pieces going to the least-written shards (``rayrb.core.allocation.assign_pieces``),
+so fill levels stay balanced. ``WriteLog.plan`` computes a write's pieces,
+slots and global indices without changing anything; ``WriteLog.commit``
 applies it once the shards hold the rows.
 
 A write may carry an identity. A write whose identity was committed before is
-not applied again: :meth:`WriteLog.lookup` returns the indices it got (and the
+not applied again: ``WriteLog.lookup`` returns the indices it got (and the
 receipt the caller kept with them, such as the shards' acknowledgements), so a
 caller that retries after a timeout writes its rows once. A write whose pieces
 did not all land (a shard failed, or the coordinator died between sending its
-pieces) is finished by :meth:`WriteLog.resume`: the pieces the shards hold stay
+pieces) is finished by ``WriteLog.resume``: the pieces the shards hold stay
 where they are, and only the others are sent, so no row lands twice.
 
 A piece that never lands leaves a hole in its shard's write stream; the rows
 written after it there are held, but not counted (a shard counts contiguous rows
-only: :func:`held_runs`). :meth:`WriteLog.reset` takes both from the shards: the
+only: ``held_runs``). ``WriteLog.reset`` takes both from the shards: the
 log then plans after every row a shard holds, and the next writes fill the holes
-first (:meth:`WriteLog.place`), so held rows are never planned over and the count
+first (``WriteLog.place``), so held rows are never planned over and the count
 moves on past them. Until then the shard's size counts the rows before its first hole
-only (:attr:`WriteLog.counted`), as the shard's own does.
+only (``WriteLog.counted``), as the shard's own does.
 
 Examples:
     >>> log = WriteLog([3, 2])
@@ -97,7 +97,7 @@ class WriteLog:
         return np.minimum(self.counted, self.capacity)
 
     def cut(self, n: int, min_piece: int = 1024) -> list[int]:
-        """Piece sizes for a write of ``n`` rows: :func:`~rayrb.core.allocation.write_pieces`, in more pieces
+        """Piece sizes for a write of ``n`` rows: ``write_pieces``, in more pieces
         where one would overflow the smallest shard while the buffer as a whole has room.
 
         A write larger than the whole buffer is cut so that the newest rows are the ones kept
@@ -123,7 +123,7 @@ class WriteLog:
         return int(self.capacity.min()) // 8
 
     def plan(self, piece_rows: Sequence[int], local: Collection[int] = ()) -> list[Write]:
-        """Where each piece of a write goes, preferring the shards in ``local`` within :attr:`slack`;
+        """Where each piece of a write goes, preferring the shards in ``local`` within ``slack``;
         changes nothing."""
         if len(piece_rows) > self.capacity.size:
             raise ValueError(f"expected at most {self.capacity.size} pieces, one per online shard, "
@@ -138,8 +138,8 @@ class WriteLog:
         return out
 
     def place(self, n: int, local: Collection[int] = ()) -> list[Write]:
-        """Where a write of ``n`` rows goes: its first rows into holes, the rest :meth:`cut` and
-        :meth:`plan`-ned; changes nothing.
+        """Where a write of ``n`` rows goes: its first rows into holes, the rest ``cut`` and
+        ``plan``-ned; changes nothing.
 
         >>> log = WriteLog([8, 8]); log.commit(log.plan([4, 4])); log.reset([1, 4], [[(3, 4)], []])
         >>> log.holes, log.written.tolist()  # shard 0 holds row 0 and row 3; rows 1-2 never landed
@@ -195,7 +195,7 @@ class WriteLog:
         """Record a write (committed here, or found in a journal), so that a retry of it is not applied again.
 
         Its pieces that end beyond a shard's write count are not held by that shard: they
-        are marked missing, for :meth:`resume`.
+        are marked missing, for ``resume``.
         """
         plan = list(plan)
         missing = {i for i, w in enumerate(plan) if not self._held(w)}
@@ -205,7 +205,7 @@ class WriteLog:
             self._ids.popitem(last=False)
 
     def recall(self, journal: Sequence[tuple[Hashable, Sequence[Sequence[int]]]]) -> None:
-        """Remember journalled writes, oldest first, after :meth:`reset` took the shards' counts.
+        """Remember journalled writes, oldest first, after ``reset`` took the shards' counts.
 
         A piece is missing where its shard's count falls short of it, and also where a later
         write was planned over its rows: the coordinator put that write there because the
@@ -239,7 +239,7 @@ class WriteLog:
     def resume(self, write_id: Hashable) -> tuple[list[Write], list[Write]]:
         """Finish an earlier write; return its whole plan and the pieces to send now (committed here).
 
-        The pieces missing (see :meth:`reset`) are sent again to the rows first planned
+        The pieces missing (see ``reset``) are sent again to the rows first planned
         for them when those are still their shard's next rows, and planned anew
         otherwise (another write took them since). The pieces the shards hold keep their
         indices, so no row lands twice.
@@ -277,11 +277,11 @@ class WriteLog:
 
     def reset(self, written: Sequence[int], held: Sequence[Sequence[tuple[int, int]]] | None = None) -> None:
         """Take the shards' own write counts (after a failure or a restore), and the runs of rows each holds
-        beyond its count (``held``, see :func:`held_runs`).
+        beyond its count (``held``, see ``held_runs``).
 
         Rows planned beyond what a shard holds are free again: the gaps below its last
         held row become holes, which the next writes fill, and a remembered write's
-        pieces that the shard does not hold are marked missing, so that :meth:`resume`
+        pieces that the shard does not hold are marked missing, so that ``resume``
         sends them again.
 
         >>> log = WriteLog([8]); log.commit(log.plan([2]), "a"); log.commit(log.plan([2]), "b")

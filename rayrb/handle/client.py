@@ -1,14 +1,14 @@
-"""The handle that collectors and learners hold: :class:`BufferClient`.
+"""The handle that collectors and learners hold: ``BufferClient``.
 
 A client holds the coordinator's and shards' actor handles, the row spec and a few
 settings; it is small and picklable, so it is passed to collector and learner
 actors. It writes, samples and steers, but it does not own the buffer: only the
-:class:`~rayrb.OfflineToOnlineReplayBuffer` that created the actors shuts them
+``OfflineToOnlineReplayBuffer`` that created the actors shuts them
 down. Pickling that owner gives a client.
 
-Every remote call goes through its :class:`~rayrb.handle.rpc.Rpc`. Every way of
-sampling goes through a :class:`~rayrb.handle.stream.Stream`: the coordinator plans,
-this handle reads the shards. The methods in :data:`GIVES_BACK_BEFORE` first give
+Every remote call goes through its ``Rpc``. Every way of
+sampling goes through a ``Stream``: the coordinator plans,
+this handle reads the shards. The methods in ``GIVES_BACK_BEFORE`` first give
 back what the handle's ``sample()`` loop drew ahead.
 """
 from __future__ import annotations
@@ -44,7 +44,7 @@ def _numpy(x: Any) -> np.ndarray:
 
 
 class BufferClient(LearnerPaths):
-    """Write, sample and steer a running buffer. Made by :meth:`OfflineToOnlineReplayBuffer.client`."""
+    """Write, sample and steer a running buffer. Made by ``OfflineToOnlineReplayBuffer.client``."""
 
     _owner = False
 
@@ -113,13 +113,13 @@ class BufferClient(LearnerPaths):
         """Copy rows into the online buffer; return their online indices once the shards hold them.
 
         ``data`` (a TensorDict or dict of arrays) is checked against the offline row
-        spec before anything ships; a mismatch raises :class:`~rayrb.SchemaError`
+        spec before anything ships; a mismatch raises ``SchemaError``
         naming the key, and nothing is written. When this returns, the rows are in
         the buffer until capacity evicts them, whatever happens to the caller next.
 
         ``write_id`` names the write (one is made up when not given): a retry with the
         same id is applied once and returns the same indices. A write that times out
-        raises :class:`~rayrb.errors.WriteTimeoutError` carrying its ``write_id``.
+        raises ``WriteTimeoutError`` carrying its ``write_id``.
 
         With a rate limiter, a write that runs ahead of the learners waits (up to
         ``timeout``); ``prefill=True`` writes past the limiter, to seed the online side.
@@ -207,7 +207,7 @@ class BufferClient(LearnerPaths):
                 return
 
     def to_tensordict(self, flat: Any, return_info: bool = False, device: Any = None):
-        """Rebuild a batch from :meth:`sample_async` / :meth:`sample_slices` output (applies ``transform``)."""
+        """Rebuild a batch from ``sample_async`` / ``sample_slices`` output (applies ``transform``)."""
         return self.finish(flat, return_info, device)
 
     def iter_batches(self, batch_size: int | None = None, *, prefetch: int = 2, device: Any = None,
@@ -229,7 +229,7 @@ class BufferClient(LearnerPaths):
     # TorchRL's sub-buffers ------------------------------------------------------
     @property
     def offline_buffer(self):
-        """The offline side, buffer-like (``len``, ``sample``, ``state_dict``); see :mod:`rayrb.handle.views`."""
+        """The offline side, buffer-like (``len``, ``sample``, ``state_dict``); see ``rayrb.handle.views``."""
         from rayrb.handle.views import SideView
 
         return SideView(self, OFFLINE)

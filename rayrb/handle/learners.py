@@ -1,6 +1,6 @@
 """The handle's ways of sampling for learners: one global batch cut in slices, each read from the shards
-and assembled near its learner (:meth:`sample_slices`, :meth:`sample_async`), or handed to connected learner
-actors over the route each shard-learner pair takes (:meth:`feed`).
+and assembled near its learner (``sample_slices``, ``sample_async``), or handed to connected learner
+actors over the route each shard-learner pair takes (``feed``).
 
 The coordinator plans the batch; this handle submits the reads (and, for ``feed``,
 the learners' calls that take them), so the rows go from the shards to each learner
@@ -17,7 +17,7 @@ from rayrb.core.validation import positive_int
 
 
 class LearnerPaths:
-    """Mixed into :class:`~rayrb.handle.client.BufferClient`: slices and feeding (see the module)."""
+    """Mixed into ``BufferClient``: slices and feeding (see the module)."""
 
     _routes: Any = None  # rayrb.actors.transport.Routes to the learners connected here
     _learners: list = []
@@ -30,7 +30,7 @@ class LearnerPaths:
         """An ObjectRef to the next batch as a flat dict of numpy arrays (``(rows, info)`` with info).
 
         Does not wait for the rows. ``rb.to_tensordict(ray.get(ref))`` rebuilds what
-        :meth:`sample` returns; the same seed gives the same batches either way.
+        ``sample`` returns; the same seed gives the same batches either way.
         """
         import ray
 
@@ -76,7 +76,7 @@ class LearnerPaths:
         return out
 
     def connect_learners(self, learners: list) -> dict[str, int]:
-        """Set the learner actors that :meth:`feed` on this handle hands slices to; return how many shard-learner
+        """Set the learner actors that ``feed`` on this handle hands slices to; return how many shard-learner
         pairs take each route.
 
         ``transport`` decides how rows travel: ``"object_store"``; ``"gloo"`` (CPU tensors);
@@ -88,7 +88,7 @@ class LearnerPaths:
         one GPU is refused here, before it is created. Gloo RDT cannot share an actor with
         DDP or an RLlib remote learner (both use torch.distributed's default group). The
         collective group is created in this process, which alone may then pass its refs:
-        call :meth:`feed` on this handle.
+        call ``feed`` on this handle.
         """
         from rayrb.actors.transport import connect_group
 
@@ -111,7 +111,7 @@ class LearnerPaths:
 
         The learner rebuilds its slice with ``rayrb.actors.transport.receive(plan, *parts)``;
         rows come straight from the shards (as GPU tensors with ``transport="nccl"``).
-        Slices follow :meth:`sample_slices`'s rules. Returns the learners' results
+        Slices follow ``sample_slices``'s rules. Returns the learners' results
         (``wait=True``, bounded by ``timeout``) or their refs.
         """
         if not self._learners:

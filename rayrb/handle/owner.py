@@ -1,9 +1,9 @@
-"""The owner of a buffer: :class:`OfflineToOnlineReplayBuffer`, TorchRL's class distributed over Ray.
+"""The owner of a buffer: ``OfflineToOnlineReplayBuffer``, TorchRL's class distributed over Ray.
 
 It starts the coordinator and shard actors, and is the one object that shuts
 them down, saves and restores them. Everything else (writing, sampling,
-steering) it inherits from :class:`~rayrb.handle.client.BufferClient`, the thin handle
-that :meth:`OfflineToOnlineReplayBuffer.client` and pickling give to collectors
+steering) it inherits from ``BufferClient``, the thin handle
+that ``OfflineToOnlineReplayBuffer.client`` and pickling give to collectors
 and learners.
 """
 from __future__ import annotations
@@ -49,14 +49,14 @@ DEFAULT_STORAGE = os.path.join(tempfile.gettempdir(), "rayrb-state")
 class OfflineToOnlineReplayBuffer(BufferClient):
     """An immutable offline dataset plus a growing online buffer, sharded over Ray actors.
 
-    Every :meth:`sample` holds exactly ``n_off = floor(f * B + 1/2)`` offline rows and
+    Every ``sample`` holds exactly ``n_off = floor(f * B + 1/2)`` offline rows and
     ``B - n_off`` online rows (all offline while the online side is empty), with
     per-shard counts drawn so that the batch has the distribution of sampling the
     union of shards.
 
     Args:
         offline_dataset: a dataset id (``"openml:adult_num"``), a chunk-dataset
-            directory, a :class:`~rayrb.ChunkDataset`, a TensorDict, or a TorchRL
+            directory, a ``ChunkDataset``, a TensorDict, or a TorchRL
             replay buffer or storage (its rows are copied into chunks once, through the
             buffer's own transforms, such as a TorchRL dataset's ``DoubleToFloat``).
 
@@ -66,8 +66,8 @@ class OfflineToOnlineReplayBuffer(BufferClient):
         online_storage: a TorchRL storage; its ``max_size`` is the capacity and any rows
             it holds are copied in. Exclusive with ``online_capacity``.
         offline_fraction: a number in ``[0, 1]`` (TorchRL allows only ``(0, 1)``), or a
-            schedule (:mod:`rayrb.core.schedules`, a kind name or a config dict). Default 0.5.
-        batch_size (int): default for :meth:`sample`; required with a dataset id, as in
+            schedule (``rayrb.core.schedules``, a kind name or a config dict). Default 0.5.
+        batch_size (int): default for ``sample``; required with a dataset id, as in
             TorchRL (which builds the dataset with it).
         transform (callable): applied to each sampled TensorDict in the caller.
         num_offline_shards (int), num_online_shards (int): actors per side. Default 1.
@@ -97,7 +97,7 @@ class OfflineToOnlineReplayBuffer(BufferClient):
         max_batch_bytes (int): the largest batch a call may ask for, in bytes of rows
             (default 8 GiB); larger requests are refused before anything is drawn.
         rate_limiter: flow control between collectors and learners, counted in online rows
-            only (:mod:`rayrb.core.rate_limiter`): a ``RateLimiter`` such as
+            only (``rayrb.core.rate_limiter``): a ``RateLimiter`` such as
             ``SampleToInsertRatio(samples_per_insert, min_size_to_sample, error_buffer)`` or
             ``MinSize(n)``, or its config dict. Sampling and writing wait (up to ``timeout``)
             while they run ahead. Default: ``MinSize(1)``, no limit.
@@ -113,19 +113,19 @@ class OfflineToOnlineReplayBuffer(BufferClient):
             for ``num_gpus=0.01`` each unless ``actor_options`` says otherwise. Batches then
             reach GPU learners over ``transport="cuda_ipc"`` or ``"auto"``, and anyone else
             through the object store. ``stats()`` reports each shard's ``device_bytes``.
-        transport (str): how :meth:`feed` hands rows to learners (see :meth:`connect_learners`):
+        transport (str): how ``feed`` hands rows to learners (see ``connect_learners``):
             ``"object_store"`` (default), ``"gloo"``, ``"nccl"``, ``"cuda_ipc"`` or ``"auto"``.
-        prefetch (int): batches a plain :meth:`sample` loop may draw ahead of the calls,
+        prefetch (int): batches a plain ``sample`` loop may draw ahead of the calls,
             one coordinator call per group (default 32, bounded by 64 MiB of rows;
             ``0`` draws each batch when asked). They are given back before this handle
             writes, steers or saves, so the stream is the one unprefetched calls give
-            (:mod:`rayrb.handle.stream`). Under a rate limiter, batches are drawn ahead only
+            (``rayrb.handle.stream``). Under a rate limiter, batches are drawn ahead only
             as far as the limiter allows, and writes are judged against the rows served.
         max_restarts (int): how often Ray restarts each actor of the buffer after a crash, over the
             buffer's whole life; ``-1`` (default) without end, so that a buffer lives as long as its
             job. Calls in flight are retried to match. A start that keeps crashing backs off (up to
             30 s between starts) and says why in the log. ``stats()`` counts each actor's restarts.
-        **dataset_kwargs: forwarded to :func:`~rayrb.load_dataset` for dataset ids.
+        **dataset_kwargs: forwarded to ``load_dataset`` for dataset ids.
 
     Sampled batches are rebuilt from numpy arrays without copying where possible:
     treat them as read-only and ``.clone()`` before in-place changes.
@@ -289,7 +289,7 @@ class OfflineToOnlineReplayBuffer(BufferClient):
         return BufferClient(**args)
 
     def preprocess(self, fn: Callable, dest: str | os.PathLike, **kwargs: Any) -> ChunkDataset:
-        """Map the offline dataset through ``fn`` with Ray tasks (see :func:`rayrb.io.preprocess`).
+        """Map the offline dataset through ``fn`` with Ray tasks (see ``rayrb.io.preprocess``).
 
         Returns the new dataset; pass it as ``offline_dataset`` to a new buffer.
         """
@@ -313,7 +313,7 @@ class OfflineToOnlineReplayBuffer(BufferClient):
         save(self, Path(path))
 
     def loads(self, path: str | os.PathLike) -> None:
-        """Restore what :meth:`dumps` saved into this buffer.
+        """Restore what ``dumps`` saved into this buffer.
 
         Every file is checked (layout, spec, sampler, dataset, checksums) before
         anything changes, so a failed call leaves the buffer as it was.
@@ -464,7 +464,7 @@ def prefill_replay_buffer(rb: Any, dataset: Any, n_samples: int | None = None, c
 
     ``rb`` is anything with ``extend`` (a rayrb buffer's online side, a TorchRL
     replay buffer); ``dataset`` is any offline source
-    :class:`OfflineToOnlineReplayBuffer` accepts. Rows are taken in a random order
+    ``OfflineToOnlineReplayBuffer`` accepts. Rows are taken in a random order
     (``seed``), without repeats.
     """
     from rayrb.io.datasets.registry import as_chunk_dataset

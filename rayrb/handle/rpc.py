@@ -1,8 +1,8 @@
 """The one narrow way a handle reaches its buffer's actors: calls, waits, backoff and shard reads.
 
-Every remote call of a handle goes through :class:`Rpc`, which bounds each wait by
+Every remote call of a handle goes through ``Rpc``, which bounds each wait by
 ``timeout`` and turns Ray's failures into ``TimeoutError``,
-:class:`~rayrb.errors.BufferUnavailableError` or the actor's own ``ValueError``. The
+``BufferUnavailableError`` or the actor's own ``ValueError``. The
 handle's other modules (the stream, views, checkpoints) use this interface, never
 the handle's private attributes.
 
@@ -57,7 +57,7 @@ class Rpc:
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """The coordinator's ``method(*args, **kwargs)``, asked again while the rate limiter holds it back.
 
-        The wait is bounded by ``timeout``; past it :class:`~rayrb.errors.HeldBackTimeout`
+        The wait is bounded by ``timeout``; past it ``HeldBackTimeout``
         is raised and nothing was drawn or written. The call that goes through reports
         how long it waited.
         """

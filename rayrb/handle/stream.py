@@ -2,13 +2,13 @@
 and GPU direct reads.
 
 A batch costs two steps: the coordinator plans it, then the shards read it. A
-:class:`Stream` asks the coordinator for a *group* of consecutive batches in one
+``Stream`` asks the coordinator for a *group* of consecutive batches in one
 call, submits one read per shard for the whole group itself, and hands the batches
 over one by one while the next group is planned and read. The stream is exactly
 that of single calls with the same seed.
 
 **Giving back.** Batches drawn and not handed over are given back
-(:meth:`Stream.give_back`) before anything that must see the stream where the
+(``Stream.give_back``) before anything that must see the stream where the
 caller left it: the handle's writes, priority updates, settings, saves and other
 ways of sampling, and closing an iterator. The coordinator rewinds its planner to
 before the first of them, so the stream goes on as if they had never been drawn.
@@ -345,7 +345,7 @@ class Stream:
 class BatchIterator:
     """``iter_batches()``: batches in order, with exactly up to ``prefetch`` in flight (see the module).
 
-    Closing it (:meth:`close`, leaving a ``with`` block, or dropping the last reference,
+    Closing it (``close``, leaving a ``with`` block, or dropping the last reference,
     as ``break`` out of a ``for`` loop does) gives back the batches it drew and did not
     hand over. Once the buffer's handle is closed, no further batch is handed over.
     """

@@ -2,7 +2,7 @@
 
 TorchRL's trainer hooks and many scripts read ``len(rb.offline_buffer)``, call
 ``rb.offline_buffer.sample(n)`` or save ``rb.online_buffer.state_dict()``. A
-:class:`SideView` answers those from the shards: it holds no rows, sampling
+``SideView`` answers those from the shards: it holds no rows, sampling
 draws from a stream of its own (uniformly over the side's rows) and leaves the
 buffer's batches, epochs and rate limiter untouched, and rows travel only when
 asked for.
@@ -34,7 +34,7 @@ class _Storage:
 
 
 class SideView:
-    """One side (``"offline"`` or ``"online"``) of an :class:`~rayrb.OfflineToOnlineReplayBuffer`."""
+    """One side (``"offline"`` or ``"online"``) of an ``OfflineToOnlineReplayBuffer``."""
 
     def __init__(self, rb: Any, side: str):
         self._rb, self.side = rb, one_of("side", side, (OFFLINE, ONLINE))

@@ -1,19 +1,19 @@
 """TorchRL's ``OpenMLEnv`` over rayrb's prepared OpenML tables: a contextual bandit in one process.
 
-Each :meth:`reset` draws ``batch_size`` rows: the context is ``X`` (as ``observation``,
-float32) with its label ``y``; a :meth:`step` takes an ``action`` (a class) and rewards 1
+Each ``reset`` draws ``batch_size`` rows: the context is ``X`` (as ``observation``,
+float32) with its label ``y``; a ``step`` takes an ``action`` (a class) and rewards 1
 where it equals ``y``, 0 elsewhere, and ends the episode. Rows are drawn without
 replacement, as TorchRL's env draws them (``SamplerWithoutReplacement(drop_last=True)``):
 an epoch visits rows in a random order, and a tail too short for a batch starts the next
 epoch. ``set_seed`` fixes the order.
 
-The rows come from :func:`rayrb.load_openml` (prepared once, then mapped), so the env
+The rows come from ``rayrb.load_openml`` (prepared once, then mapped), so the env
 needs no Ray; it needs torchrl, which rayrb does not depend on: importing this module
 imports it.
 
 Examples:
     >>> from rayrb import OpenMLEnv  # doctest: +SKIP
-    >>> env = OpenMLEnv("mushroom_onehot", batch_size=[4], data_home="../shared/data")  # doctest: +SKIP
+    >>> env = OpenMLEnv("mushroom_onehot", batch_size=[4], data_home="~/scikit_learn_data")  # doctest: +SKIP
     >>> td = env.rand_step(env.reset())  # doctest: +SKIP
     >>> td["next", "reward"].shape  # doctest: +SKIP
     torch.Size([4, 1])
@@ -64,9 +64,9 @@ class OpenMLEnv(EnvBase):
     """An OpenML table as a contextual bandit (TorchRL's ``OpenMLEnv``, with rayrb's data).
 
     Args:
-        dataset_name: one of :data:`rayrb.OPENML_DATASETS`.
+        dataset_name: one of ``rayrb.OPENML_DATASETS``.
         device: where the env's tensors live. Default ``"cpu"``.
-        batch_size: contexts per :meth:`reset` (TorchRL's env batch size). Default ``[]``.
+        batch_size: contexts per ``reset`` (TorchRL's env batch size). Default ``[]``.
 
     Keyword Args:
         data_home: the scikit-learn OpenML cache (default: ``SCIKIT_LEARN_DATA``, then

@@ -2,7 +2,7 @@
 
 TorchRL's ``OfflineToOnlineTrainer`` checks ``isinstance(rb, torchrl...OfflineToOnlineReplayBuffer)``
 and its hooks read ``rb.offline_buffer``, ``rb.online_buffer.storage``,
-``rb._offline_fraction`` and ``rb._base_offline_fraction``. :func:`as_torchrl` wraps
+``rb._offline_fraction`` and ``rb._base_offline_fraction``. ``as_torchrl`` wraps
 a rayrb buffer in a subclass of TorchRL's class, made when it is first asked for
 (torchrl is imported only then), that answers all of these from the rayrb buffer.
 

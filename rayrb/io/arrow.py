@@ -10,7 +10,7 @@ import numpy as np
 def arrow_to_arrays(table: Any) -> dict[str, np.ndarray]:
     """Fixed-width Arrow columns to flat numpy arrays (``a/b`` for struct fields).
 
-    Shapes recorded by :func:`export_parquet` in the schema metadata are restored.
+    Shapes recorded by ``export_parquet`` in the schema metadata are restored.
     """
     import pyarrow as pa
 

@@ -326,7 +326,7 @@ def read_manifest(root: str | os.PathLike) -> dict[str, Any]:
 def map_chunk(directory: str | os.PathLike, spec: RowSpec, rows: int, mode: str = "r") -> dict[str, np.memmap]:
     """Map one chunk's files read-only (``mode="c"``: copy-on-write, private writes never reach the file).
 
-    Raises :class:`ChunkError` naming the chunk if a file is missing or short.
+    Raises ``ChunkError`` naming the chunk if a file is missing or short.
     """
     if mode not in ("r", "c"):
         raise ValueError(f"mode must be 'r' (read-only) or 'c' (copy-on-write), got {mode!r}")
@@ -386,7 +386,7 @@ class ChunkDataset:
         return ds
 
     def check_files(self) -> None:
-        """Raise :class:`ChunkError` unless the rows add up and each chunk's files exist with the right sizes."""
+        """Raise ``ChunkError`` unless the rows add up and each chunk's files exist with the right sizes."""
         total = self.manifest.get("rows")
         if total is not None and int(total) != len(self):
             raise ChunkError(f"{self.root / MANIFEST}: says {total} rows, but its chunks hold {len(self)}")
@@ -493,7 +493,7 @@ class ChunkDataset:
         return from_numpy_dict(self.read(), len(self))
 
     def verify(self) -> None:
-        """Re-hash every chunk (with the algorithm its manifest entry names); raise :class:`ChunkError`
+        """Re-hash every chunk (with the algorithm its manifest entry names); raise ``ChunkError``
         naming the first one that differs."""
         for i, c in enumerate(self.chunks):
             self._maps.pop((i, "r"), None)

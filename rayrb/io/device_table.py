@@ -1,9 +1,9 @@
 """Rows held as torch tensors on one device: the storage of a shard whose rows live in GPU memory. No Ray here.
 
-A :class:`DeviceTable` is one tensor per column, ``[rows, *shape]``, on one device.
-An offline shard fills it once from its memory-mapped chunks (:meth:`DeviceTable.load`),
+A ``DeviceTable`` is one tensor per column, ``[rows, *shape]``, on one device.
+An offline shard fills it once from its memory-mapped chunks (``DeviceTable.load``),
 block by block through a pinned staging buffer when the device is a GPU; an online
-shard keeps its circular storage in one (:meth:`DeviceTable.empty`) next to the
+shard keeps its circular storage in one (``DeviceTable.empty``) next to the
 durable memory maps, and writes both.
 
 Memory: the table holds exactly its rows' bytes on the device. A gather allocates
@@ -130,7 +130,7 @@ class DeviceTable:
             dst.index_copy_(0, index, staged[k].to(self.device, non_blocking=True))
 
     def numpy(self, idx: np.ndarray) -> dict[str, np.ndarray]:
-        """:meth:`gather`, copied to host numpy arrays (for the object store)."""
+        """``gather``, copied to host numpy arrays (for the object store)."""
         return {k: v.cpu().numpy().view(self.dtypes[k]) for k, v in self._gather(idx).items()}
 
     @property

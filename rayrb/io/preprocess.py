@@ -71,7 +71,7 @@ def export_parquet(dataset: ChunkDataset | str | os.PathLike, dest: str | os.Pat
 
     Multi-dimensional rows become (nested) fixed-size lists; nested keys become
     ``a.b`` column names; the row spec is kept in the schema metadata, so
-    :func:`arrow_to_arrays` restores shapes and dtypes exactly.
+    ``arrow_to_arrays`` restores shapes and dtypes exactly.
     """
     import pyarrow as pa
     import pyarrow.parquet as pq

@@ -4,9 +4,9 @@ Columns are the flat row keys: nested keys keep their ``/`` names (``"next/rewar
 shape become Ray Data tensor columns, and dtypes are kept, so rows round-trip exactly both ways.
 Neither direction goes through Parquet or through the driver:
 
-- :func:`to_ray_dataset` is a lazy Ray Data source whose read tasks map chunk files and hand their
+- ``to_ray_dataset`` is a lazy Ray Data source whose read tasks map chunk files and hand their
   rows to Ray Data (the chunks must be readable where the tasks run: shared storage on a cluster);
-- :func:`write_ray_dataset` runs ``map_batches`` tasks that write one chunk each straight under the
+- ``write_ray_dataset`` runs ``map_batches`` tasks that write one chunk each straight under the
   new dataset's directory; the driver receives only each chunk's path, size and checksum, and writes
   the manifest last.
 

@@ -14,7 +14,7 @@ strings; the recipes then see exactly the categories the pandas parser gives on
 files it can read.
 
 Examples:
-    >>> ds = load_openml("shuttle", data_home="../shared/data", root=tmp_root)  # doctest: +SKIP
+    >>> ds = load_openml("shuttle", data_home="~/scikit_learn_data", root=tmp_root)  # doctest: +SKIP
     >>> ds.spec  # doctest: +SKIP
     RowSpec(X: float32[9], y: int64[])
 """
@@ -91,8 +91,9 @@ def fetch(
         where = data_home or os.environ.get("SCIKIT_LEARN_DATA") or "~/scikit_learn_data"
         raise DatasetUnavailableError(
             f"could not fetch OpenML {by}: not in the scikit-learn cache at {where} and "
-            f"openml.org is unreachable ({exc}). Offline, point data_home at a scikit-learn OpenML cache, e.g. "
-            f"data_home='../shared/data' or SCIKIT_LEARN_DATA=../shared/data"
+            f"openml.org is unreachable ({exc}). Offline, point data_home at a scikit-learn OpenML cache (or set "
+            f"SCIKIT_LEARN_DATA): the folder that holds openml/openml.org/..., as fetch_openml writes it. Online, "
+            f"the table is downloaded there on first use"
         ) from exc
 
 
@@ -168,10 +169,10 @@ def load_openml(
     """Prepare (once) and open one of the seven datasets as a read-only chunk dataset.
 
     The dataset lives at ``root/openml/<name>-<dtype>`` (``root`` defaults to
-    :func:`default_root`) and is reused when its manifest records the same recipe.
+    ``default_root``) and is reused when its manifest records the same recipe.
 
     Args:
-        name: one of :data:`OPENML_DATASETS`.
+        name: one of ``OPENML_DATASETS``.
         root: where prepared datasets are written (the OpenML cache itself is only read).
         data_home: scikit-learn's data home holding (or receiving) the OpenML cache.
         dtype: ``"float32"`` (default) or ``"float64"`` (bit parity with TorchRL) for ``X``.

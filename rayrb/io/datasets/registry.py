@@ -68,8 +68,8 @@ def load_dataset(dataset_id: str | os.PathLike, **kwargs: Any) -> Any:
 
     Options go to the prefix's factory, as TorchRL forwards them; rayrb's own OpenML
     factory ignores ``batch_size`` (a buffer's batch size is the buffer's). Returns
-    what the factory returns: a :class:`ChunkDataset` for ``openml`` and paths, a
-    TorchRL dataset for TorchRL's prefixes (see :func:`as_chunk_dataset`).
+    what the factory returns: a ``ChunkDataset`` for ``openml`` and paths, a
+    TorchRL dataset for TorchRL's prefixes (see ``as_chunk_dataset``).
     """
     path = Path(dataset_id)
     if (path / MANIFEST).is_file():
@@ -159,9 +159,9 @@ def _is_ray_dataset(obj: Any) -> bool:
 def as_chunk_dataset(source: Any, *, root: str | os.PathLike | None = None, **kwargs: Any) -> tuple[ChunkDataset, bool]:
     """Resolve any offline source to a chunk dataset; return it and whether it was written here.
 
-    ``source`` may be a dataset id or chunk-dataset path (see :func:`load_dataset`), a
-    :class:`ChunkDataset`, a TensorDict or dict of arrays, a ``ray.data.Dataset`` (written by
-    Ray tasks, see :func:`rayrb.io.raydata.write_ray_dataset`), or a TorchRL replay buffer or
+    ``source`` may be a dataset id or chunk-dataset path (see ``load_dataset``), a
+    ``ChunkDataset``, a TensorDict or dict of arrays, a ``ray.data.Dataset`` (written by
+    Ray tasks, see ``rayrb.io.raydata.write_ray_dataset``), or a TorchRL replay buffer or
     storage. Other sources are written once to ``root`` (a fresh temporary directory by
     default) and mapped from there.
     """
