@@ -4,10 +4,12 @@ The bandit is TorchRL's ``OpenMLEnv``: the context is a row's features ``X``, th
 reward is 1 when the action is the row's label ``y``, else 0.
 
 1. A Ray task prepares the dataset (TorchRL's recipe) and splits it into training and held-out rows.
-2. ``rayrb.preprocess`` logs a behaviour policy (uniform random by default) on the training contexts, as Ray
+2. ``rayrb.preprocess`` logs a behaviour policy on the training contexts (uniform by default; ``partial`` never
+   takes the odd-numbered actions, so the log has gaps only online data can fill), as Ray
    tasks, into the offline dataset: ``observation``, ``action``, ``action_log_prob`` (the behaviour policy's),
    ``("next", "reward")`` and ``("next", "done")``.
-3. An offline-only baseline learner trains on offline batches.
+3. Three learners, same seeds, same steps, each on a buffer of its own: offline only, online only (starting
+   empty, with the same collectors) and offline-to-online (below).
 4. The offline-to-online run: collector actors act epsilon-greedily with the learner's latest weights on fresh
    training contexts and ``extend`` the online buffer; the learner actor trains on batches whose offline
    share is annealed from 1 to ``--final-offline-fraction``, and every batch's split is checked to be exact.
@@ -54,14 +56,27 @@ def make_model(n_features: int, n_actions: int, hidden: int):
     return torch.nn.Sequential(torch.nn.Linear(n_features, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, n_actions))
 
 
+BEHAVIOURS = ("partial", "uniform", "skewed")
+
+
 def behaviour_probs(policy: str, n_actions: int) -> np.ndarray:
-    """Action probabilities of a context-free behaviour policy: uniform, or skewed towards low class ids."""
+    """Action probabilities of a context-free behaviour policy.
+
+    ``partial`` never takes the odd-numbered actions: the log says nothing of their reward, which
+    only online data can fill in. ``uniform`` covers every action; ``skewed`` halves the probability with each
+    class id.
+
+    >>> behaviour_probs("partial", 4).tolist(), behaviour_probs("uniform", 2).tolist()
+    ([0.5, 0.0, 0.5, 0.0], [0.5, 0.5])
+    """
     if policy == "uniform":
         p = np.ones(n_actions)
     elif policy == "skewed":
         p = 0.5 ** np.arange(n_actions)
+    elif policy == "partial":
+        p = (np.arange(n_actions) % 2 == 0).astype(np.float64)
     else:
-        raise ValueError(f"expected a behaviour policy 'uniform' or 'skewed', got {policy!r}")
+        raise ValueError(f"expected a behaviour policy in {BEHAVIOURS}, got {policy!r}")
     return p / p.sum()
 
 
@@ -324,19 +339,21 @@ class GroupLearner:
 
 
 # ---------------------------------------------------------------------------- the runs
-def run(rb, learner, collectors: list, args: argparse.Namespace, label: str) -> dict[str, list]:
+def run(rb, learner, collectors: list, args: argparse.Namespace, label: str, anneal: bool = True
+        ) -> dict[str, list]:
     """Train for ``args.steps`` in blocks of ``args.sync_every``; between blocks, anneal, sync weights, evaluate.
 
-    ``learner`` is a ``Learner`` actor, or a ``GroupLearner`` (driver-side) with ``--input rllib``.
+    ``learner`` is a ``Learner`` actor, or a ``GroupLearner`` (driver-side) with ``--input rllib``. Without
+    ``anneal`` the buffer's offline fraction stays as it is (0 for the online-only learner).
     """
     series: dict[str, list] = {"step": [], "offline_fraction": [], "online_reward": [], "greedy_reward": [],
-                               "heldout_accuracy": [], "loss": []}
+                               "heldout_accuracy": [], "loss": [], "online_rows": []}
     rllib = args.input == "rllib"
     if not rllib:  # a LearnerGroup is updated from batch refs, not fed
         rb.connect_learners([learner])
     online = bool(collectors)
     anneal_total = None
-    if online and args.final_offline_fraction < 1:
+    if online and anneal and args.final_offline_fraction < 1:
         # rb.anneal decays 1 -> 0 over anneal_total steps, which puts the final fraction at args.steps.
         anneal_total = max(1, math.ceil(args.steps / (1 - args.final_offline_fraction)))
     if online:  # the online side is never empty once training starts, so every batch has the exact split
@@ -378,6 +395,7 @@ def run(rb, learner, collectors: list, args: argparse.Namespace, label: str) -> 
         series["heldout_accuracy"].append(acc)
         series["loss"].append(float(np.mean([r[0] for r in results])))
         online_rows += sum(c["rows"] for c in collected)
+        series["online_rows"].append(online_rows)
         if step == n or step == args.steps or len(series["step"]) % max(1, args.print_every // args.sync_every) == 0:
             reward = f"  online reward {series['online_reward'][-1]:.3f}" if collected else ""
             print(f"[{label}] step {step:5d}/{args.steps}  offline fraction {f:.3f}  loss {series['loss'][-1]:.4f}"
@@ -388,6 +406,18 @@ def run(rb, learner, collectors: list, args: argparse.Namespace, label: str) -> 
     series["batches"], series["exact_split_batches"], series["online_rows"] = batches, exact, online_rows
     series["seconds"] = time.perf_counter() - t0
     return series
+
+
+def rows_to_reach(series: dict, accuracy: float) -> int | None:
+    """Online rows written when ``series`` first reached held-out ``accuracy`` (None if it never did).
+
+    >>> rows_to_reach({"heldout_accuracy": [0.4, 0.7, 0.9], "online_rows": [100, 200, 300]}, 0.7)
+    200
+    """
+    for acc, rows in zip(series["heldout_accuracy"], series["online_rows"]):
+        if acc >= accuracy:
+            return int(rows)
+    return None
 
 
 def stop(actor) -> None:
@@ -420,6 +450,8 @@ def plot(metrics: dict, path: Path) -> bool:
     a.legend(handles=handles, loc="lower right", fontsize=8)
     b.plot(o2o["step"], o2o["heldout_accuracy"], label="offline-to-online")
     b.plot(base["step"], base["heldout_accuracy"], label="offline only")
+    if metrics.get("online_only"):
+        b.plot(metrics["online_only"]["step"], metrics["online_only"]["heldout_accuracy"], label="online only")
     b.axhline(ds["behaviour_heldout_accuracy"], color="gray", ls=":", label="behaviour policy")
     b.set(xlabel="learner step", ylabel="accuracy", title="held-out greedy accuracy", ylim=(0, 1.02))
     b.legend(loc="lower right", fontsize=8)
@@ -443,8 +475,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--input", choices=["feed", "iterator", "rllib"], default="feed",
                    help="feed: rb.feed() hands the learner actor its slices; iterator: it pulls rb.iter_batches(); "
                         "rllib: an RLlib LearnerGroup is updated from rayrb's MultiAgentBatch refs")
-    p.add_argument("--behaviour", choices=["uniform", "skewed"], default="uniform",
-                   help="the logging policy: uniform random, or skewed (p(a) halving with each class id)")
+    p.add_argument("--no-online-only", action="store_true", help="skip the online-only learner")
+    p.add_argument("--behaviour", choices=list(BEHAVIOURS), default="uniform",
+                   help="the logging policy: partial (never the odd-numbered actions: a log with gaps only online "
+                        "data fills), uniform random, or skewed (p(a) halving with each class id)")
     p.add_argument("--steps", type=int, default=600, help="learner steps, for each run")
     p.add_argument("--sync-every", type=int, default=20, help="steps between weight syncs, annealing and evaluation")
     p.add_argument("--print-every", type=int, default=100)
@@ -506,29 +540,37 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"logged the {args.behaviour} behaviour policy on {len(logged)} contexts with rayrb.preprocess "
           f"({timing['log_s']:.1f}s): mean reward {behaviour_reward:.3f}, spec {logged.spec}", flush=True)
 
-    rb = OfflineToOnlineReplayBuffer(logged.root, online_capacity=args.online_capacity, offline_fraction=1.0,
-                                     batch_size=args.batch_size, num_offline_shards=args.offline_shards,
-                                     num_online_shards=args.online_shards, seed=args.seed)
-    actors: list = []
-    try:
-        def learner():
-            make = GroupLearner if args.input == "rllib" else Learner.remote
-            actor = make(rb, splits["test"], d, K, args.hidden, args.lr, args.seed)
-            actors.append(actor)
-            return actor
+    def buffer(fraction: float):
+        return OfflineToOnlineReplayBuffer(logged.root, online_capacity=args.online_capacity,
+                                           offline_fraction=fraction, batch_size=args.batch_size,
+                                           num_offline_shards=args.offline_shards,
+                                           num_online_shards=args.online_shards, seed=args.seed)
 
-        baseline = learner()
-        offline_only = run(rb, baseline, [], args, "offline only")
-        stop(baseline)  # frees its CPU for the next learner
-        collectors = [Collector.remote(rb, splits["train"], d, K, args.hidden, args.epsilon, args.seed + 1 + i)
-                      for i in range(args.collectors)]
-        actors += collectors
-        o2o = run(rb, learner(), collectors, args, "offline-to-online")
-        stats = rb.stats()
-    finally:
-        rb.shutdown()
-        for a in actors:
-            stop(a)
+    def learner(rb):
+        make = GroupLearner if args.input == "rllib" else Learner.remote
+        return make(rb, splits["test"], d, K, args.hidden, args.lr, args.seed)
+
+    def collectors(rb):  # the same seeds for every run: the same contexts, in the same order
+        return [Collector.remote(rb, splits["train"], d, K, args.hidden, args.epsilon, args.seed + 1 + i)
+                for i in range(args.collectors)]
+
+    results, stats = {}, None
+    for name, fraction, online, anneal in (("offline_only", 1.0, False, False), ("online_only", 0.0, True, False),
+                                           ("o2o", 1.0, True, True)):
+        if name == "online_only" and args.no_online_only:
+            continue
+        rb, actors = buffer(fraction), []
+        try:
+            actors = [learner(rb)] + (collectors(rb) if online else [])
+            label = name.replace("_", " ").replace("o2o", "offline-to-online")
+            results[name] = run(rb, actors[0], actors[1:], args, label, anneal=anneal)
+            if name == "o2o":
+                stats = rb.stats()
+        finally:
+            rb.shutdown()
+            for a in actors:
+                stop(a)  # frees its CPU for the next run
+    offline_only, o2o, online_only = results["offline_only"], results["o2o"], results.get("online_only")
     timing["total_s"] = time.perf_counter() - t_start
     tail = max(1, len(o2o["step"]) // 5)  # the last fifth of the run
     metrics = {
@@ -539,9 +581,16 @@ def main(argv: list[str] | None = None) -> dict:
                     "logged_root": str(logged.root), "behaviour": args.behaviour,
                     "behaviour_reward": behaviour_reward, "behaviour_heldout_accuracy": behaviour_acc},
         "offline_only": offline_only,
+        "online_only": online_only,
         "o2o": o2o,
         "final": {"o2o_heldout_accuracy": o2o["heldout_accuracy"][-1],
                   "offline_only_heldout_accuracy": offline_only["heldout_accuracy"][-1],
+                  "online_only_heldout_accuracy": online_only["heldout_accuracy"][-1] if online_only else None,
+                  "o2o_minus_offline_only": o2o["heldout_accuracy"][-1] - offline_only["heldout_accuracy"][-1],
+                  # online rows each needed to reach the offline-only learner's final accuracy (None: never)
+                  "online_rows_to_offline_only_accuracy": {
+                      k: rows_to_reach(s, offline_only["heldout_accuracy"][-1])
+                      for k, s in (("o2o", o2o), ("online_only", online_only)) if s is not None},
                   "behaviour_heldout_accuracy": behaviour_acc,
                   "online_reward_last_fifth": float(np.mean(o2o["online_reward"][-tail:])),
                   "online_rows_written": o2o["online_rows"]},
@@ -553,8 +602,11 @@ def main(argv: list[str] | None = None) -> dict:
     (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=1, default=str))
     plotted = plot(metrics, out_dir / "train_bandit.png")
     fin = metrics["final"]
+    only = fin["online_only_heldout_accuracy"]
     print(f"final held-out greedy accuracy: offline-to-online {fin['o2o_heldout_accuracy']:.3f}, offline only "
-          f"{fin['offline_only_heldout_accuracy']:.3f}, behaviour policy {behaviour_acc:.3f}; online reward "
+          f"{fin['offline_only_heldout_accuracy']:.3f}, online only {'-' if only is None else f'{only:.3f}'}, "
+          f"behaviour policy {behaviour_acc:.3f}; online rows to reach the offline-only accuracy: "
+          f"{fin['online_rows_to_offline_only_accuracy']}; online reward "
           f"(last fifth) {fin['online_reward_last_fifth']:.3f}; {o2o['exact_split_batches']}/{o2o['batches']} "
           f"batches with the exact split; {timing['total_s']:.1f}s in all", flush=True)
     print(f"wrote {out_dir / 'metrics.json'}" + (f" and {out_dir / 'train_bandit.png'}" if plotted else

@@ -114,7 +114,7 @@ def submit_train_bandit(head, data_home, tmp_path, *args: str) -> tuple[str, dic
 
 
 def test_train_bandit_runs_as_a_submitted_job(head, data_home, tmp_path):
-    log, metrics = submit_train_bandit(head, data_home, tmp_path)
+    log, metrics = submit_train_bandit(head, data_home, tmp_path, "--behaviour", "uniform", "--no-online-only")
     # what the job printed, streamed back by `ray job submit`
     assert "prepared openml:mushroom_onehot: 8124 rows, 117 features, 2 actions" in log
     assert "[offline-to-online] step    60/60" in log and "60/60 batches with the exact split" in log
@@ -126,7 +126,8 @@ def test_train_bandit_runs_as_a_submitted_job(head, data_home, tmp_path):
 
 
 def test_train_bandit_trains_an_rllib_learner_group(head, data_home, tmp_path):
-    log, metrics = submit_train_bandit(head, data_home, tmp_path, "--input", "rllib")
+    log, metrics = submit_train_bandit(head, data_home, tmp_path, "--input", "rllib", "--behaviour", "uniform",
+                                       "--no-online-only")
     assert metrics["config"]["input"] == "rllib"
     assert "[offline-to-online] step    60/60" in log and "60/60 batches with the exact split" in log
     for run in ("offline_only", "o2o"):
