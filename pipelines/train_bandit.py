@@ -347,7 +347,7 @@ def run(rb, learner, collectors: list, args: argparse.Namespace, label: str, ann
     ``anneal`` the buffer's offline fraction stays as it is (0 for the online-only learner).
     """
     series: dict[str, list] = {"step": [], "offline_fraction": [], "online_reward": [], "greedy_reward": [],
-                               "heldout_accuracy": [], "loss": [], "online_rows": []}
+                               "heldout_accuracy": [], "loss": [], "online_rows_so_far": []}
     rllib = args.input == "rllib"
     if not rllib:  # a LearnerGroup is updated from batch refs, not fed
         rb.connect_learners([learner])
@@ -395,7 +395,7 @@ def run(rb, learner, collectors: list, args: argparse.Namespace, label: str, ann
         series["heldout_accuracy"].append(acc)
         series["loss"].append(float(np.mean([r[0] for r in results])))
         online_rows += sum(c["rows"] for c in collected)
-        series["online_rows"].append(online_rows)
+        series["online_rows_so_far"].append(online_rows)
         if step == n or step == args.steps or len(series["step"]) % max(1, args.print_every // args.sync_every) == 0:
             reward = f"  online reward {series['online_reward'][-1]:.3f}" if collected else ""
             print(f"[{label}] step {step:5d}/{args.steps}  offline fraction {f:.3f}  loss {series['loss'][-1]:.4f}"
@@ -411,10 +411,10 @@ def run(rb, learner, collectors: list, args: argparse.Namespace, label: str, ann
 def rows_to_reach(series: dict, accuracy: float) -> int | None:
     """Online rows written when ``series`` first reached held-out ``accuracy`` (None if it never did).
 
-    >>> rows_to_reach({"heldout_accuracy": [0.4, 0.7, 0.9], "online_rows": [100, 200, 300]}, 0.7)
+    >>> rows_to_reach({"heldout_accuracy": [0.4, 0.7, 0.9], "online_rows_so_far": [100, 200, 300]}, 0.7)
     200
     """
-    for acc, rows in zip(series["heldout_accuracy"], series["online_rows"]):
+    for acc, rows in zip(series["heldout_accuracy"], series["online_rows_so_far"]):
         if acc >= accuracy:
             return int(rows)
     return None
