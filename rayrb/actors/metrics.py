@@ -8,7 +8,6 @@ Examples:
 """
 from __future__ import annotations
 
-import os
 import time
 from collections import deque
 from typing import Any
@@ -98,19 +97,3 @@ class ActorMetrics:
             out[f"{name}_p50"] = float(np.percentile(w, 50))
             out[f"{name}_p99"] = float(np.percentile(w, 99))
         return out
-
-
-def process_memory() -> dict[str, int]:
-    """Resident memory split into private (``rss_anon``: copies) and file-backed (``rss_file``: mapped chunks)."""
-    out = {"rss_bytes": 0, "rss_anon_bytes": 0, "rss_file_bytes": 0, "rss_peak_bytes": 0}
-    names = {"VmRSS:": "rss_bytes", "RssAnon:": "rss_anon_bytes", "RssFile:": "rss_file_bytes",
-             "VmHWM:": "rss_peak_bytes"}
-    try:
-        with open(f"/proc/{os.getpid()}/status") as f:
-            for line in f:
-                parts = line.split()
-                if parts and parts[0] in names:
-                    out[names[parts[0]]] = int(parts[1]) * 1024
-    except OSError:
-        pass
-    return out
