@@ -20,14 +20,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from rayrb.core.plans import OFFLINE, ONLINE, assemble
-from rayrb.core.schedules import Schedule, make_schedule
+from rayrb.core.plans import OFFLINE
 from rayrb.core.schema import RowSpec, strip_bookkeeping
-from rayrb.core.validation import fraction, non_negative_int, positive_int
+from rayrb.core.validation import non_negative_int, positive_int
 from rayrb.errors import BufferUnavailableError, WriteTimeoutError
 from rayrb.handle.learners import LearnerPaths
 from rayrb.handle.rpc import Rpc
-from rayrb.handle.stream import BatchIterator, Stream, report_served
+from rayrb.handle.steering import Steering
+from rayrb.handle.stream import BatchIterator, Stream
 from rayrb.io.arrays import from_numpy_dict, to_numpy_dict
 
 PREFETCH = 32  # batches a plain sample() loop may draw ahead (rayrb.handle.stream)
@@ -43,7 +43,7 @@ def _numpy(x: Any) -> np.ndarray:
     return x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
 
 
-class BufferClient(LearnerPaths):
+class BufferClient(LearnerPaths, Steering):
     """Write, sample and steer a running buffer. Made by ``OfflineToOnlineReplayBuffer.client``."""
 
     _owner = False
@@ -112,18 +112,27 @@ class BufferClient(LearnerPaths):
                ) -> torch.Tensor:
         """Copy rows into the online buffer; return their online indices once the shards hold them.
 
-        ``data`` (a TensorDict or dict of arrays) is checked against the offline row
-        spec before anything ships; a mismatch raises ``SchemaError``
-        naming the key, and nothing is written. When this returns, the rows are in
-        the buffer until capacity evicts them, whatever happens to the caller next.
+        When this returns, the rows are in the buffer until capacity evicts them, whatever
+        happens to the caller next. With a rate limiter, a write that runs ahead of the
+        learners waits, up to ``timeout``.
 
-        ``write_id`` names the write (one is made up when not given): a retry with the
-        same id is applied once and returns the same indices. A write that times out
-        raises ``WriteTimeoutError`` carrying its ``write_id``.
+        Args:
+            data: a TensorDict, or a (nested) dict of tensors or arrays, with a batch dimension. Checked
+                against the offline row spec before anything ships.
+            write_id: names the write (one is made up when not given); a retry with the same id is
+                applied once and returns the same indices.
+            prefill: write past the rate limiter, to seed the online side.
+            wait: accepted for older callers; every write waits for the shards' copies.
 
-        With a rate limiter, a write that runs ahead of the learners waits (up to
-        ``timeout``); ``prefill=True`` writes past the limiter, to seed the online side.
-        ``wait`` is accepted for older callers: every write waits for the shards' copies.
+        Returns:
+            The rows' global online indices, in the rows' order (int64).
+
+        Raises:
+            SchemaError: the rows' keys, trailing shapes or dtypes differ from the row spec (nothing
+                was written).
+            WriteTimeoutError: no answer within ``timeout``; it carries ``write_id``, so that a retry
+                with it lands the rows once.
+            BufferUnavailableError: the buffer was shut down, or an actor of it could not be restarted.
         """
         import ray
 
@@ -157,17 +166,35 @@ class BufferClient(LearnerPaths):
         return torch.from_numpy(np.array(indices))  # a writable copy of the (read-only) reply
 
     def add(self, data: Any) -> int:
-        """Add one row (no batch dimension)."""
+        """Add one row (no batch dimension).
+
+        Args:
+            data: one row, as ``extend`` takes rows.
+
+        Returns:
+            The row's global online index.
+        """
         arrays = {k: np.asarray(v)[None] for k, v in to_numpy_dict(data).items()}
         return int(self.extend(arrays)[0])
 
     def update_priority(self, info: dict, priority: Any) -> int:
         """Set the priorities of sampled rows (``sampler="prioritized"``), e.g. from TD errors.
 
-        ``info`` is what ``sample(return_info=True)`` returned with the batch; each
-        update goes to the shard that owns its row and is dropped there if the slot was
-        overwritten since (its generation changed). The whole call is checked before any
-        shard applies it. Returns the number of rows sent.
+        Each update goes to the shard that owns its row and is dropped there if the slot was
+        overwritten since (its generation changed). The whole call is checked before any shard
+        applies it.
+
+        Args:
+            info: what ``sample(return_info=True)`` returned with the batch.
+            priority: one value per row (a tensor or array), e.g. ``|td_error|``.
+
+        Returns:
+            The number of rows sent.
+
+        Raises:
+            ValueError: ``info`` lacks provenance, lengths differ, a priority is not finite, or the
+                buffer does not sample by priority (no shard changed).
+            IndexError: an index beyond its shard's rows (no shard changed).
         """
         missing = [k for k in ("offline", "shard", "index", "generation") if k not in info]
         if missing:
@@ -186,11 +213,24 @@ class BufferClient(LearnerPaths):
         return self._stream
 
     def sample(self, batch_size: int | None = None, return_info: bool = False):
-        """A ``[batch_size]`` TensorDict: offline rows first, then online rows.
+        """Sample one batch: offline rows first, then online rows, with the exact split.
 
-        With ``return_info=True`` returns ``(batch, info)``; ``info`` has per row
-        ``offline`` (bool), ``shard``, ``index`` (within the shard) and
-        ``generation`` (times that slot was written), and ``weight`` when prioritized.
+        A loop of ``sample()`` calls draws ahead (``prefetch``) and gives back what it did not
+        serve before this handle writes or steers; the stream is the one ``prefetch=0`` gives.
+
+        Args:
+            batch_size: rows in the batch (default: the buffer's ``batch_size``).
+            return_info: also return per-row provenance.
+
+        Returns:
+            A ``[batch_size]`` TensorDict; with ``return_info``, ``(batch, info)``, where ``info`` holds
+            per row ``offline`` (bool), ``shard``, ``index`` (within the shard), ``generation`` (times that
+            slot was written) and, prioritized, ``weight``.
+
+        Raises:
+            ValueError: no batch size, or one whose rows exceed ``max_batch_bytes``; or (``epoch_end="raise"``)
+                the epoch cannot fill the batch.
+            HeldBackTimeout: the rate limiter held sampling back for longer than ``timeout``.
         """
         batch_size = self.batch(batch_size)
         held = self._loop(batch_size).next(batch_size)
@@ -207,17 +247,36 @@ class BufferClient(LearnerPaths):
                 return
 
     def to_tensordict(self, flat: Any, return_info: bool = False, device: Any = None):
-        """Rebuild a batch from ``sample_async`` / ``sample_slices`` output (applies ``transform``)."""
+        """Rebuild a batch from ``sample_async`` / ``sample_slices`` output (applies ``transform``).
+
+        Args:
+            flat: a flat dict of numpy arrays (or ``(rows, info)``).
+            return_info: whether ``flat`` carries info.
+            device: where to move the batch.
+
+        Returns:
+            A TensorDict, or ``(TensorDict, info)``.
+        """
         return self.finish(flat, return_info, device)
 
     def iter_batches(self, batch_size: int | None = None, *, prefetch: int = 2, device: Any = None,
                      return_info: bool = False, num_batches: int | None = None):
         """Batches in order, keeping exactly up to ``prefetch`` batches in flight.
 
-        ``device`` moves each batch there (through pinned memory when CUDA is present).
-        Inside an actor that Ray gave the GPU on which the shards hold their rows
-        (``storage_device="cuda"``), ``device="cuda"`` reads each group of batches from
-        the shards over CUDA IPC instead: rows never pass through host memory.
+        Closing the iterator (``close()``, leaving a ``with`` block, ``break``) gives back the
+        batches it drew and did not hand over.
+
+        Args:
+            batch_size: rows per batch (default: the buffer's).
+            prefetch: batches drawn ahead, planned in groups of ``ceil(prefetch / 2)``.
+            device: moves each batch there (through pinned memory for CUDA). Inside an actor that Ray
+                gave the GPU the shards hold their rows on (``storage_device="cuda"``), ``"cuda"`` reads
+                each group from the shards over CUDA IPC instead.
+            return_info: yield ``(batch, info)`` pairs.
+            num_batches: stop after this many (default: never).
+
+        Returns:
+            An iterator of TensorDicts (or ``(TensorDict, info)`` pairs).
         """
         from rayrb.core.validation import optional_positive_int
 
@@ -225,74 +284,6 @@ class BufferClient(LearnerPaths):
                              device=device, return_info=return_info,
                              num_batches=optional_positive_int("num_batches", num_batches),
                              direct=_direct_reads(self, device))
-
-    # TorchRL's sub-buffers ------------------------------------------------------
-    @property
-    def offline_buffer(self):
-        """The offline side, buffer-like (``len``, ``sample``, ``state_dict``); see ``rayrb.handle.views``."""
-        from rayrb.handle.views import SideView
-
-        return SideView(self, OFFLINE)
-
-    @property
-    def online_buffer(self):
-        """The online side, buffer-like (``len``, ``sample``, ``extend``, ``state_dict``)."""
-        from rayrb.handle.views import SideView
-
-        return SideView(self, ONLINE)
-
-    def sample_side(self, side: str, batch_size: int | None, return_info: bool = False):
-        """``batch_size`` rows of one side, uniformly with replacement, from a stream of the views' own."""
-        plan, indices = self.rpc.get(self.rpc.coord.plan_side.remote(side, self.batch(batch_size)))
-        refs = [self.rpc.by_side[p.side][p.shard].gather.remote(idx) for p, idx in zip(plan.parts, indices)]
-        return self.finish(assemble(plan, self.rpc.get(refs), return_info), return_info)
-
-    def load_side_states(self, side: str, states: list[dict]) -> None:
-        """Give each shard of ``side`` its state (checked by every shard first), then take their counts."""
-        self.rpc.get(self.rpc.get(self.rpc.coord.load_shard_states.remote(side, states)))
-        self.rpc.get(self.rpc.coord.resync.remote())
-
-    def side_states(self, side: str) -> list[dict]:
-        """Each shard of ``side``'s state arrays, copied here."""
-        return self.rpc.get(self.rpc.get(self.rpc.coord.shard_states.remote(side)))
-
-    # settings -----------------------------------------------------------------
-    def _get_offline_fraction(self) -> float:
-        return float(self.rpc.get(self.rpc.coord.offline_fraction.remote()))
-
-    def _set_offline_fraction(self, value: float | Schedule | str | dict) -> None:
-        if isinstance(value, (int, float)):
-            fraction("offline_fraction", value)
-        self.rpc.get(self.rpc.coord.set_offline_fraction.remote(make_schedule(value)))
-
-    offline_fraction = property(lambda self: self._get_offline_fraction(),
-                                lambda self, value: self._set_offline_fraction(value),
-                                doc="The fraction the next batch will use (after any schedule or annealing).")
-    _offline_fraction = offline_fraction  # TorchRL's private name, which its trainer hooks read and assign
-
-    def _set_base_fraction(self, value: float) -> None:
-        self.rpc.get(self.rpc.coord.set_base_fraction.remote(fraction("base_offline_fraction", value)))
-
-    _base_offline_fraction = property(lambda self: float(self.rpc.get(self.rpc.coord.base_fraction.remote())),
-                                      lambda self, value: self._set_base_fraction(value),
-                                      doc="The fraction ``anneal`` decays from (TorchRL's name).")
-
-    def anneal(self, step: int, total_steps: int) -> None:
-        """Linearly decay ``offline_fraction`` from its base value to 0 over ``total_steps`` (TorchRL's)."""
-        step, total_steps = non_negative_int("step", step), positive_int("total_steps", total_steps)
-        self.rpc.get(self.rpc.coord.anneal.remote(step, total_steps))
-
-    def set_step(self, step: int) -> None:
-        """Set the step that schedules read (by default, the number of sample calls so far)."""
-        self.rpc.get(self.rpc.coord.set_step.remote(non_negative_int("step", step)))
-
-    def state_dict(self) -> dict[str, Any]:
-        """Sampling state (step, schedule, RNG, epochs) to resume the same batch stream."""
-        report_served(self.rpc)  # what iterators drew ahead is left out, what they handed over is not
-        return self.rpc.get(self.rpc.coord.state_dict.remote())
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.rpc.get(self.rpc.coord.load_state_dict.remote(state))
 
     # introspection --------------------------------------------------------------
     def __len__(self) -> int:
@@ -309,7 +300,11 @@ class BufferClient(LearnerPaths):
         return self.rpc.get(self.rpc.coord.sizes.remote())
 
     def stats(self) -> dict[str, Any]:
-        """Sizes, rates and latencies of the coordinator and every shard (batches drawn ahead given back first)."""
+        """Sizes, rates, latencies and restarts of the coordinator and every shard.
+
+        Returns:
+            ``{"coordinator": {...}, "shards": [...]}``, plus ``"handle"`` (this handle's drawing ahead).
+        """
         out = self.rpc.get(self.rpc.coord.stats.remote())
         if self._stream is not None:
             out["handle"] = dict(self._stream.stats)
@@ -337,7 +332,8 @@ class BufferClient(LearnerPaths):
         return self.rpc.closed
 
     def shutdown(self) -> None:
-        """Close this handle. A client never stops the buffer: its owner does."""
+        """Close this handle. A client never stops the buffer: its owner does.
+        """
         self.rpc.closed = True
 
     close = shutdown

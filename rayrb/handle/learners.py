@@ -27,10 +27,14 @@ class LearnerPaths:
         return self.rpc.call("plan", batch_size, 1, slices=slices, call=uuid.uuid4().hex)
 
     def sample_async(self, batch_size: int | None = None, return_info: bool = False):
-        """An ObjectRef to the next batch as a flat dict of numpy arrays (``(rows, info)`` with info).
+        """An ObjectRef to the next batch as a flat dict of numpy arrays, without waiting for the rows.
 
-        Does not wait for the rows. ``rb.to_tensordict(ray.get(ref))`` rebuilds what
-        ``sample`` returns; the same seed gives the same batches either way.
+        Args:
+            batch_size: rows in the batch (default: the buffer's).
+            return_info: the ref resolves to ``(rows, info)``.
+
+        Returns:
+            An ObjectRef; ``rb.to_tensordict(ray.get(ref))`` rebuilds what ``sample`` returns.
         """
         import ray
 
@@ -43,13 +47,23 @@ class LearnerPaths:
         """Sample one global batch and return it as ``num_slices`` ObjectRefs, one per learner.
 
         Each ref resolves to a flat dict (``rb.to_tensordict`` rebuilds it), so a learner
-        actor receives its slice straight from the shards, not through the caller: pass
-        ``refs[j]`` to learner ``j`` (RLlib's ``batch_refs`` shape). Slices are disjoint
-        parts of the global batch, sizes differ by at most one, and the exact offline
-        count holds for the global batch and, to within one row, for each slice. With
-        ``learners`` (actor handles), each slice is assembled on its learner's node.
-        ``postprocess(rows)`` (``postprocess(rows, info)`` with info) runs in that task;
-        with ``split_info`` each slice is a pair of refs ``(rows, info)``.
+        receives its slice straight from the shards: pass ``refs[j]`` to learner ``j`` (RLlib's
+        ``batch_refs`` shape). Slices are disjoint, their sizes differ by at most one, and the
+        exact offline count holds for the global batch and, to within one row, for each slice.
+
+        Args:
+            num_slices: how many slices.
+            batch_size: rows in the global batch (default: the buffer's).
+            return_info: slices resolve to ``(rows, info)``.
+            learners: actor handles, one per slice: each slice is assembled on its learner's node.
+            postprocess: ``postprocess(rows)`` (``postprocess(rows, info)`` with info), run in that task.
+            split_info: each slice is a pair of refs ``(rows, info)``.
+
+        Returns:
+            A list of ``num_slices`` ObjectRefs (or pairs of them).
+
+        Raises:
+            ValueError: ``learners`` does not have one actor per slice.
         """
         from rayrb.actors.placement import actor_nodes
 
@@ -76,19 +90,23 @@ class LearnerPaths:
         return out
 
     def connect_learners(self, learners: list) -> dict[str, int]:
-        """Set the learner actors that ``feed`` on this handle hands slices to; return how many shard-learner
-        pairs take each route.
+        """Set the learner actors that ``feed`` on this handle hands slices to.
 
         ``transport`` decides how rows travel: ``"object_store"``; ``"gloo"`` (CPU tensors);
-        ``"nccl"`` (GPU tensors between different GPUs); ``"cuda_ipc"`` (GPU shards to learners
-        that Ray gave the same GPU); ``"auto"``, per pair: CUDA IPC on a shared GPU, NCCL
-        between GPUs, the object store where an end has no GPU. An RDT transport needs
-        learner classes declared ``@ray.remote(enable_tensor_transport=True)`` (checked
-        here: without it Ray deadlocks for 60 s); an NCCL group in which two members share
-        one GPU is refused here, before it is created. Gloo RDT cannot share an actor with
-        DDP or an RLlib remote learner (both use torch.distributed's default group). The
-        collective group is created in this process, which alone may then pass its refs:
-        call ``feed`` on this handle.
+        ``"nccl"`` (GPU tensors between different GPUs); ``"cuda_ipc"`` (GPU shards to learners that
+        Ray gave the same GPU); ``"auto"``, per pair. The collective group is created in this
+        process, which alone may then pass its refs: call ``feed`` on this handle.
+
+        Args:
+            learners: actor handles; for an RDT transport their classes must be declared
+                ``@ray.remote(enable_tensor_transport=True)``.
+
+        Returns:
+            How many shard-learner pairs take each route, e.g. ``{"object_store": 4}``.
+
+        Raises:
+            ValueError: no learners, a class that cannot receive RDT refs (Ray would deadlock for 60 s),
+                or an NCCL group in which two members share a GPU (refused before it is created).
         """
         from rayrb.actors.transport import connect_group
 
@@ -109,10 +127,21 @@ class LearnerPaths:
     def feed(self, method: str = "update", batch_size: int | None = None, *args: Any, wait: bool = True):
         """Sample one global batch and call ``learner_j.method(plan, *parts, *args)`` on each connected learner.
 
-        The learner rebuilds its slice with ``rayrb.actors.transport.receive(plan, *parts)``;
-        rows come straight from the shards (as GPU tensors with ``transport="nccl"``).
-        Slices follow ``sample_slices``'s rules. Returns the learners' results
-        (``wait=True``, bounded by ``timeout``) or their refs.
+        The learner rebuilds its slice with ``rayrb.actors.transport.receive(plan, *parts)``; rows
+        come straight from the shards (as GPU tensors over NCCL or CUDA IPC routes). Slices follow
+        ``sample_slices``'s rules.
+
+        Args:
+            method: the learners' method to call.
+            batch_size: rows in the global batch (default: the buffer's).
+            *args: passed on to ``method`` after the parts.
+            wait: wait for the learners' results (bounded by ``timeout``) or return their refs.
+
+        Returns:
+            The learners' results, or their refs.
+
+        Raises:
+            RuntimeError: no learners were connected to this handle.
         """
         if not self._learners:
             raise RuntimeError("no learners connected to this handle: call connect_learners(learners) first")

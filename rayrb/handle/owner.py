@@ -278,8 +278,12 @@ class OfflineToOnlineReplayBuffer(BufferClient):
     def client(self, *, timeout: float | None | str = "same", prefetch: int | str = "same") -> BufferClient:
         """A handle for collectors and learners: it writes and samples, but cannot shut the buffer down.
 
-        ``timeout`` bounds this handle's waits and ``prefetch`` is how far its plain
-        ``sample()`` loop may draw ahead (defaults: the buffer's).
+        Args:
+            timeout: bounds this handle's waits (default: the buffer's).
+            prefetch: how far its plain ``sample()`` loop may draw ahead (default: the buffer's).
+
+        Returns:
+            A picklable ``BufferClient``.
         """
         args = self._client_args()
         if timeout != "same":
@@ -289,9 +293,15 @@ class OfflineToOnlineReplayBuffer(BufferClient):
         return BufferClient(**args)
 
     def preprocess(self, fn: Callable, dest: str | os.PathLike, **kwargs: Any) -> ChunkDataset:
-        """Map the offline dataset through ``fn`` with Ray tasks (see ``rayrb.io.preprocess``).
+        """Map the offline dataset through ``fn`` with Ray tasks (see ``rayrb.preprocess``).
 
-        Returns the new dataset; pass it as ``offline_dataset`` to a new buffer.
+        Args:
+            fn: one row in, one row out (a TensorDict); with ``batched=True`` one chunk in, one out.
+            dest: the new dataset's directory.
+            **kwargs: passed to ``rayrb.preprocess``.
+
+        Returns:
+            The new ``ChunkDataset``; pass it as ``offline_dataset`` to a new buffer.
         """
         from rayrb.io.preprocess import preprocess
 
@@ -301,9 +311,11 @@ class OfflineToOnlineReplayBuffer(BufferClient):
         """Save the online rows, priorities and sampling state under ``path`` (TorchRL's name).
 
         The cut is consistent: every write acknowledged before this call is in it. The
-        checkpoint is written beside ``path`` and moved into place whole, manifest last.
-        The offline dataset is not copied: the checkpoint records which one it was.
-        ``path`` must be readable by the shard actors (shared storage on a cluster).
+        checkpoint is written beside ``path`` and moved into place whole, manifest last; the
+        offline dataset is not copied, the checkpoint records which one it was.
+
+        Args:
+            path: a directory the shard actors can write (shared storage on a cluster).
         """
         from rayrb.handle.checkpoint import save
         from rayrb.handle.stream import report_served
@@ -313,10 +325,18 @@ class OfflineToOnlineReplayBuffer(BufferClient):
         save(self, Path(path))
 
     def loads(self, path: str | os.PathLike) -> None:
-        """Restore what ``dumps`` saved into this buffer.
+        """Restore what ``dumps`` saved into this buffer, whole, or leave the buffer as it was.
 
-        Every file is checked (layout, spec, sampler, dataset, checksums) before
-        anything changes, so a failed call leaves the buffer as it was.
+        Every part is checked before any actor changes (manifest digest, files' checksums, spec,
+        sampler, dataset, layout, the coordinator's section); if applying still fails halfway, the
+        buffer is put back as it was (``docs/durability.md``).
+
+        Args:
+            path: a checkpoint directory ``dumps`` wrote.
+
+        Raises:
+            ValueError: the checkpoint is damaged or does not fit this buffer (nothing changed).
+            BufferUnavailableError: applying failed halfway and putting the buffer back failed too.
         """
         from rayrb.handle.checkpoint import restore
 
@@ -336,7 +356,8 @@ class OfflineToOnlineReplayBuffer(BufferClient):
         return self._sampler_name
 
     def shutdown(self) -> None:
-        """Kill the buffer's actors and remove offline data it wrote itself. Idempotent."""
+        """Kill the buffer's actors, remove their state files and offline data it wrote itself. Idempotent.
+        """
         import ray
 
         rpc = getattr(self, "rpc", None)

@@ -1,0 +1,45 @@
+"""The coordinator's saved state: plain JSON under a schema number; a state of another schema is refused, naming
+both. No Ray here."""
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+import xxhash
+
+from rayrb.core.plans import BatchPlan, Epoch, GroupPlan, ImportanceWeights, Part
+from rayrb.durability.replies import ReplyCache
+from rayrb.durability.storage import STATE_SCHEMA, CoordinatorState
+
+
+def test_a_saved_state_is_json_with_its_schema_and_loads_back(tmp_path):
+    s = CoordinatorState(tmp_path)
+    s.save({"version": 3, "planner": {"step": 7}})
+    raw = (tmp_path / "state.1").read_bytes()
+    payload = json.loads(raw[struct.calcsize("<4sQQQ"):])
+    assert payload == {"schema": STATE_SCHEMA, "state": {"version": 3, "planner": {"step": 7}}}
+    assert CoordinatorState(tmp_path).load() == {"version": 3, "planner": {"step": 7}}
+
+
+@pytest.mark.parametrize("saved", [{"schema": 99, "state": {}}, {"state": {}}, "not json"])
+def test_a_state_of_another_schema_is_refused_naming_both(tmp_path, saved):
+    payload = (json.dumps(saved) if not isinstance(saved, str) else saved).encode()
+    header = struct.pack("<4sQQQ", b"RRBS", 1, len(payload), xxhash.xxh3_64_intdigest(payload))
+    (tmp_path / "state.1").write_bytes(header + payload)
+    with pytest.raises(ValueError, match=rf"schema {99 if isinstance(saved, dict) and 'schema' in saved else None}; "
+                                         rf"this rayrb reads schema {STATE_SCHEMA}"):
+        CoordinatorState(tmp_path).load()
+
+
+def test_answers_kept_for_calls_made_again_are_plain_data_and_come_back_equal():
+    plan = BatchPlan([Part("offline", 0, 3), Part("online", 1, 1)], 3, 1, fraction=0.75, step=4,
+                     weights=ImportanceWeights(0.4, {"offline": 0.5, "online": 0.25}), last_of_epoch=True)
+    group = GroupPlan([plan], reads=[("offline", 0), ("online", 1)],
+                      args=[([3], [11], [Epoch(2, 5, 100, 40)], None), ([1], [12], [None], 17)], version=6, first=9)
+    cache = ReplyCache()
+    cache.put("c1", (4, 1, "s", 1), group)
+    saved = json.loads(json.dumps(cache.items()))  # what the state file holds
+    again = ReplyCache()
+    again.load(saved)
+    assert again.get("c1", (4, 1, "s", 1)) == group
