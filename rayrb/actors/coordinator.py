@@ -135,8 +135,8 @@ class Coordinator:
         return self._name
 
     # sizes and settings -----------------------------------------------------------
-    def _sizes(self) -> dict[str, np.ndarray]:
-        return {OFFLINE: self._offline_sizes, ONLINE: self._writing.sizes()}
+    def _sizes(self, counted: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        return {OFFLINE: self._offline_sizes, ONLINE: self._writing.sizes(counted)}
 
     def sizes(self) -> dict[str, list[int]]:
         """Per-shard sizes as the next draw allocates with them."""
@@ -173,7 +173,8 @@ class Coordinator:
     def plan(self, batch_size: int, num_batches: int = 1, *, stream: str | None = None, served: int | None = None,
              call: str | None = None, slices: int = 1, waited: float = 0.0) -> GroupPlan | HeldBack:
         """Plan a group of batches for the caller to read (``Drawing.plan``)."""
-        group = self._drawing.plan(batch_size, num_batches, sizes=self._sizes(), counted=self._writing.counted(),
+        counted = self._writing.counted()  # once: it asks Ray which pieces are acknowledged
+        group = self._drawing.plan(batch_size, num_batches, sizes=self._sizes(counted), counted=counted,
                                    version=self._version.value, stream=stream, served=served, call=call,
                                    slices=slices)
         if not isinstance(group, HeldBack):

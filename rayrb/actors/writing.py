@@ -42,11 +42,11 @@ class Writing:
                 counted[shard] = min(counted[shard], first)
         return counted
 
-    def sizes(self) -> np.ndarray:
-        """Rows each shard is sampled from: its ``counted`` rows, at most its capacity."""
+    def sizes(self, counted: np.ndarray | None = None) -> np.ndarray:
+        """Rows each shard is sampled from: its ``counted`` rows (asked for unless given), at most its capacity."""
         if self.log is None:
             return np.zeros(0, np.int64)
-        return np.minimum(self.counted(), self.log.capacity)
+        return np.minimum(self.counted() if counted is None else counted, self.log.capacity)
 
     def _settle(self) -> None:
         """Drop the pieces whose acknowledgement came back (never waits); a failed one stays until a resync."""
