@@ -101,30 +101,20 @@ class OfflineToOnlineReplayBuffer(BufferClient):
             ``SampleToInsertRatio(samples_per_insert, min_size_to_sample, error_buffer)`` or
             ``MinSize(n)``, or its config dict. Sampling and writing wait (up to ``timeout``)
             while they run ahead. Default: ``MinSize(1)``, no limit.
-        storage_dir: a directory on each node's local disk where shards keep their
-            mutable state as memory maps (online rows, generations, write counts,
-            priorities), so that a shard whose process dies restarts with every
-            acknowledged write. Default: ``$TMPDIR/rayrb-state``. ``None`` keeps that state in
-            process memory; online shards then do not restart.
-        storage_device (str): where shards hold their rows. ``"cpu"`` (default): host
-            memory maps. ``"cuda"``: each shard loads its rows into GPU memory once (offline:
-            staged through pinned memory; online: a GPU copy of the durable memory maps,
-            which still keep every acknowledged write) and gathers there; shards ask Ray
-            for ``num_gpus=0.01`` each unless ``actor_options`` says otherwise. Batches then
-            reach GPU learners over ``transport="cuda_ipc"`` or ``"auto"``, and anyone else
-            through the object store. ``stats()`` reports each shard's ``device_bytes``.
+        storage_dir: a directory on each node's local disk where shards keep their mutable state as
+            memory maps, so a shard whose process dies restarts with every acknowledged write. Default:
+            ``$TMPDIR/rayrb-state``. ``None``: process memory, and online shards do not restart.
+        storage_device (str): where shards hold their rows: ``"cpu"`` (default, host memory maps) or
+            ``"cuda"`` (loaded into GPU memory once, gathered there; the memory maps still keep every
+            acknowledged write). See docs/gpu.md; not yet run on a GPU.
         transport (str): how ``feed`` hands rows to learners (see ``connect_learners``):
             ``"object_store"`` (default), ``"gloo"``, ``"nccl"``, ``"cuda_ipc"`` or ``"auto"``.
-        prefetch (int): batches a plain ``sample`` loop may draw ahead of the calls,
-            one coordinator call per group (default 32, bounded by 64 MiB of rows;
-            ``0`` draws each batch when asked). They are given back before this handle
-            writes, steers or saves, so the stream is the one unprefetched calls give
-            (``rayrb.handle.stream``). Under a rate limiter, batches are drawn ahead only
-            as far as the limiter allows, and writes are judged against the rows served.
-        max_restarts (int): how often Ray restarts each actor of the buffer after a crash, over the
-            buffer's whole life; ``-1`` (default) without end, so that a buffer lives as long as its
-            job. Calls in flight are retried to match. A start that keeps crashing backs off (up to
-            30 s between starts) and says why in the log. ``stats()`` counts each actor's restarts.
+        prefetch (int): batches a plain ``sample`` loop may draw ahead (default 32, at most 64 MiB
+            of rows; ``0``: none), given back before this handle writes, steers or saves, so the stream
+            is the one unprefetched calls give (``rayrb.handle.stream``; under a rate limiter, only as
+            far as it allows).
+        max_restarts (int): restarts of each actor over the buffer's life; ``-1`` (default): without end.
+            A start that keeps crashing backs off (up to 30 s). ``stats()`` counts each actor's restarts.
         **dataset_kwargs: forwarded to ``load_dataset`` for dataset ids.
 
     Sampled batches are rebuilt from numpy arrays without copying where possible:
@@ -182,19 +172,9 @@ class OfflineToOnlineReplayBuffer(BufferClient):
     ):
         self.rpc, self._owned_dirs = None, []  # until the actors run, nothing is usable or owned
         # Validate everything before any actor exists.
-        if (online_capacity is None) == (online_storage is None):
-            how = "not both" if online_capacity is not None else "one of them is needed"
-            raise ValueError(f"provide exactly one of online_capacity or online_storage ({how}): Provide "
-                             f"{'online_storage OR online_capacity, not both' if online_capacity is not None else 'one of online_storage or online_capacity'}; "
-                             f"got online_capacity={online_capacity!r}, online_storage={type(online_storage).__name__}")
-        if online_storage is not None:
-            online_capacity = getattr(online_storage, "max_size", None)
-        online_capacity = positive_int("online_capacity", online_capacity)
         num_offline_shards = positive_int("num_offline_shards", num_offline_shards)
         num_online_shards = positive_int("num_online_shards", num_online_shards)
-        if online_capacity < num_online_shards:
-            raise ValueError(f"online_capacity must be at least num_online_shards ({num_online_shards}), "
-                             f"got {online_capacity}")
+        online_capacity = _capacity_option(online_capacity, online_storage, num_online_shards)
         if isinstance(offline_fraction, (int, float)):
             fraction("offline_fraction", offline_fraction)
         schedule = make_schedule(offline_fraction)
@@ -212,13 +192,7 @@ class OfflineToOnlineReplayBuffer(BufferClient):
         online_nodes = online_nodes_option(online_nodes, num_online_shards, actor_options or {})
         storage_device = check_storage_device(storage_device)
         if transport == "nccl" and "num_gpus" not in (actor_options or {}):
-            import ray
-
-            gpus, shards = ray.cluster_resources().get("GPU", 0), num_offline_shards + num_online_shards
-            if gpus < shards:
-                raise ValueError(f"transport='nccl' gives each shard a GPU of its own (NCCL needs one GPU per rank): "
-                                 f"{shards} shards need {shards} GPUs, the cluster has {gpus:g}; use fewer shards, "
-                                 "transport='cuda_ipc' within a node, or 'auto'")
+            _check_nccl_gpus(num_offline_shards + num_online_shards)
         from rayrb.core.rate_limiter import make_rate_limiter
 
         limiter = make_rate_limiter(rate_limiter)
@@ -228,23 +202,9 @@ class OfflineToOnlineReplayBuffer(BufferClient):
                     "prefetch": non_negative_int("prefetch", prefetch), "transport": transport,
                     "storage_device": storage_device}
 
-        from rayrb.io.datasets.registry import as_chunk_dataset, load_dataset
-
-        if isinstance(offline_dataset, (str, os.PathLike)):  # options such as root= go to the dataset's loader
-            if batch_size is not None and _is_dataset_id(offline_dataset):  # as TorchRL forwards it
-                dataset_kwargs = {"batch_size": batch_size, **dataset_kwargs}
-            offline_dataset, dataset_kwargs = load_dataset(offline_dataset, **dataset_kwargs), {}
-            if sampler is None and offline_sampler is None and not isinstance(offline_dataset, ChunkDataset):
-                kinds[OFFLINE] = _default_offline_kind(offline_dataset)  # a TorchRL dataset's own sampler
-        dataset, owned = as_chunk_dataset(offline_dataset, root=dataset_root, **dataset_kwargs)
-        self._owned_dirs = [dataset.root.parent] if owned and dataset_root is None else []
-        if len(dataset) == 0:
-            self._remove_owned()
-            raise ValueError("expected an offline dataset with at least one row, got 0 rows")
-        if num_offline_shards > len(dataset):
-            self._remove_owned()
-            raise ValueError(f"num_offline_shards ({num_offline_shards}) exceeds the dataset's {len(dataset)} rows")
-
+        own_sampler = sampler is not None or offline_sampler is not None
+        dataset, self._owned_dirs = _offline_chunks(offline_dataset, batch_size, own_sampler, kinds, dataset_root,
+                                                    num_offline_shards, dataset_kwargs)
         self._dataset_root, self._offline_rows = str(dataset.root), len(dataset)
         self._sampler_name = kinds[OFFLINE] if kinds[OFFLINE] == kinds[ONLINE] else kinds
         name = name or f"rayrb-{uuid.uuid4().hex[:12]}"
@@ -439,6 +399,62 @@ def _start_actors(dataset: ChunkDataset, name: str, capacity: int, m: int, k: in
             ray.kill(actor)
         raise
     return coord, started, device
+
+
+def _offline_chunks(offline_dataset: Any, batch_size: int | None, own_sampler: bool, kinds: dict[str, str],
+                    dataset_root: Any, num_offline_shards: int, dataset_kwargs: dict) -> tuple[ChunkDataset, list]:
+    """The offline dataset as chunks, and the directories the buffer then owns (removed at shutdown).
+
+    A dataset id goes to its loader (with ``batch_size``, as TorchRL forwards it); a TorchRL dataset's own sampler
+    becomes the offline side's unless one was asked for (``kinds`` is updated). Refused, it leaves nothing.
+    """
+    from rayrb.io.datasets.registry import as_chunk_dataset, load_dataset
+
+    if isinstance(offline_dataset, (str, os.PathLike)):  # options such as root= go to the dataset's loader
+        if batch_size is not None and _is_dataset_id(offline_dataset):
+            dataset_kwargs = {"batch_size": batch_size, **dataset_kwargs}
+        offline_dataset, dataset_kwargs = load_dataset(offline_dataset, **dataset_kwargs), {}
+        if not own_sampler and not isinstance(offline_dataset, ChunkDataset):
+            kinds[OFFLINE] = _default_offline_kind(offline_dataset)  # a TorchRL dataset's own sampler
+    dataset, owned = as_chunk_dataset(offline_dataset, root=dataset_root, **dataset_kwargs)
+    owned_dirs = [dataset.root.parent] if owned and dataset_root is None else []
+    problem = None
+    if len(dataset) == 0:
+        problem = "expected an offline dataset with at least one row, got 0 rows"
+    elif num_offline_shards > len(dataset):
+        problem = f"num_offline_shards ({num_offline_shards}) exceeds the dataset's {len(dataset)} rows"
+    if problem is not None:
+        for d in owned_dirs:
+            shutil.rmtree(d, ignore_errors=True)
+        raise ValueError(problem)
+    return dataset, owned_dirs
+
+
+def _capacity_option(online_capacity: Any, online_storage: Any, num_online_shards: int) -> int:
+    """The online capacity: ``online_capacity``, or a TorchRL ``online_storage``'s ``max_size`` (one of them)."""
+    if (online_capacity is None) == (online_storage is None):
+        how = "not both" if online_capacity is not None else "one of them is needed"
+        raise ValueError(f"provide exactly one of online_capacity or online_storage ({how}): Provide "
+                         f"{'online_storage OR online_capacity, not both' if online_capacity is not None else 'one of online_storage or online_capacity'}; "
+                         f"got online_capacity={online_capacity!r}, online_storage={type(online_storage).__name__}")
+    if online_storage is not None:
+        online_capacity = getattr(online_storage, "max_size", None)
+    online_capacity = positive_int("online_capacity", online_capacity)
+    if online_capacity < num_online_shards:
+        raise ValueError(f"online_capacity must be at least num_online_shards ({num_online_shards}), "
+                         f"got {online_capacity}")
+    return online_capacity
+
+
+def _check_nccl_gpus(shards: int) -> None:
+    """NCCL gives each shard a GPU of its own: refuse a cluster with fewer GPUs than shards."""
+    import ray
+
+    gpus = ray.cluster_resources().get("GPU", 0)
+    if gpus < shards:
+        raise ValueError(f"transport='nccl' gives each shard a GPU of its own (NCCL needs one GPU per rank): "
+                         f"{shards} shards need {shards} GPUs, the cluster has {gpus:g}; use fewer shards, "
+                         "transport='cuda_ipc' within a node, or 'auto'")
 
 
 def _remove_leftovers(storage_dir: Any) -> None:

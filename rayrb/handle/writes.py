@@ -1,0 +1,151 @@
+"""The handle's writes: rows into the online buffer, and priorities back to the shards that own their rows.
+
+Mixed into :class:`~rayrb.handle.client.BufferClient`. A write is checked against the row spec before anything
+ships, put in the object store once, and placed, journalled and sent by the coordinator; it returns once every
+shard holds its piece (``docs/durability.md``).
+"""
+from __future__ import annotations
+
+import functools
+import uuid
+from typing import Any
+
+import numpy as np
+import torch
+
+from rayrb.core.schema import strip_bookkeeping
+from rayrb.errors import BufferUnavailableError, WriteTimeoutError
+from rayrb.io.arrays import to_numpy_dict
+
+
+def _numpy(x: Any) -> np.ndarray:
+    return x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
+
+
+class Writes:
+    """``extend``, ``add`` and ``update_priority`` of a handle (see the module)."""
+
+    def _rows(self, data: Any, what: str) -> dict[str, np.ndarray]:
+        if isinstance(data, (list, tuple)):
+            raise TypeError(f"expected one TensorDict or dict of arrays for {what}, got a {type(data).__name__} "
+                            f"of {len(data)}: concatenate them first (torch.cat)")
+        arrays = strip_bookkeeping(to_numpy_dict(data), keep=self._spec.keys)
+        self._spec.validate(arrays, what=what)
+        return arrays
+
+    def extend(self, data: Any, *, write_id: str | None = None, prefill: bool = False, wait: bool = True
+               ) -> torch.Tensor:
+        """Copy rows into the online buffer; return their online indices once the shards hold them.
+
+        When this returns, the rows are in the buffer until capacity evicts them, whatever
+        happens to the caller next. With a rate limiter, a write that runs ahead of the
+        learners waits, up to ``timeout``.
+
+        Args:
+            data: a TensorDict, or a (nested) dict of tensors or arrays, with a batch dimension. Checked
+                against the offline row spec before anything ships.
+            write_id: names the write (one is made up when not given); a retry with the same id is
+                applied once and returns the same indices.
+            prefill: write past the rate limiter, to seed the online side.
+            wait: accepted for older callers; every write waits for the shards' copies.
+
+        Returns:
+            The rows' global online indices, in the rows' order (int64).
+
+        Raises:
+            SchemaError: the rows' keys, trailing shapes or dtypes differ from the row spec (nothing
+                was written).
+            WriteTimeoutError: no answer within ``timeout``; it carries ``write_id``, so that a retry
+                with it lands the rows once.
+            BufferUnavailableError: the buffer was shut down, or an actor of it could not be restarted.
+        """
+        import ray
+
+        arrays = self._rows(data, "online data")
+        n = next(iter(arrays.values())).shape[0]
+        if n == 0:
+            return torch.empty(0, dtype=torch.int64)
+        write_id = write_id if write_id is not None else uuid.uuid4().hex
+        ref = ray.put(arrays)  # one object; each shard copies its own contiguous piece out of it
+        try:
+            for attempt in range(MAX_ASKS):
+                indices, acks = self.rpc.call("extend", [ref], n, write_id=write_id, prefill=bool(prefill),
+                                              node=_node_id())
+                try:
+                    self.rpc.get(acks)
+                    break
+                except BufferUnavailableError as e:
+                    # The coordinator died holding the shards' acknowledgements: ask it again under the same
+                    # write id; restarted, it answers from its journal and sends only what did not land.
+                    if not _owner_died(e) or attempt == MAX_ASKS - 1:
+                        raise
+        except TimeoutError as e:  # the write may still land: name it, so that a retry lands it once
+            raise WriteTimeoutError(f"{e}; the write may still be applied: retry it with write_id={write_id!r} "
+                                    "to apply it once", write_id) from e
+        except Exception:  # any failure: the shards' own counts, so the next write goes where rows really are
+            try:
+                self.rpc.get(self.rpc.coord.resync.remote())
+            except Exception:
+                pass
+            raise
+        return torch.from_numpy(np.array(indices))  # a writable copy of the (read-only) reply
+
+    def add(self, data: Any) -> int:
+        """Add one row (no batch dimension).
+
+        Args:
+            data: one row, as ``extend`` takes rows.
+
+        Returns:
+            The row's global online index.
+        """
+        arrays = {k: np.asarray(v)[None] for k, v in to_numpy_dict(data).items()}
+        return int(self.extend(arrays)[0])
+
+    def update_priority(self, info: dict, priority: Any) -> int:
+        """Set the priorities of sampled rows (``sampler="prioritized"``), e.g. from TD errors.
+
+        Each update goes to the shard that owns its row and is dropped there if the slot was
+        overwritten since (its generation changed). The whole call is checked before any shard
+        applies it.
+
+        Args:
+            info: what ``sample(return_info=True)`` returned with the batch.
+            priority: one value per row (a tensor or array), e.g. ``|td_error|``.
+
+        Returns:
+            The number of rows sent.
+
+        Raises:
+            ValueError: ``info`` lacks provenance, lengths differ, a priority is not finite, or the
+                buffer does not sample by priority (no shard changed).
+            IndexError: an index beyond its shard's rows (no shard changed).
+        """
+        missing = [k for k in ("offline", "shard", "index", "generation") if k not in info]
+        if missing:
+            raise ValueError(f"info must come from sample(return_info=True); missing keys {missing}")
+        n, acks = self.rpc.get(self.rpc.coord.update_priority.remote(
+            _numpy(info["offline"]), _numpy(info["shard"]), _numpy(info["index"]), _numpy(info["generation"]),
+            _numpy(priority).reshape(-1)))
+        self.rpc.get(acks)
+        return int(n)
+
+
+MAX_ASKS = 100  # times extend() asks again a coordinator that keeps dying before its acknowledgements are read
+
+
+def _owner_died(e: BaseException) -> bool:
+    from ray.exceptions import OwnerDiedError
+
+    return isinstance(e.__cause__, OwnerDiedError)
+
+
+@functools.cache
+def _node_id() -> str | None:
+    """This process's node, which writes prefer (None where Ray does not say)."""
+    import ray
+
+    try:
+        return ray.get_runtime_context().get_node_id()
+    except Exception:
+        return None
