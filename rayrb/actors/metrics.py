@@ -31,6 +31,7 @@ class ActorMetrics:
         self._ray: dict[str, Any] = {}
         self._started = time.time()
         self._unexported: dict[str, float] = {}  # counter increments not yet handed to Ray
+        self._unobserved: dict[str, list[float]] = {}  # latencies not yet handed to Ray
         self._exported_at = 0.0
 
     def _metric(self, kind: str, name: str):
@@ -73,6 +74,12 @@ class ActorMetrics:
             m = self._metric("counter", name)
             if m is not None:
                 m.inc(value)
+        observed, self._unobserved = self._unobserved, {}
+        for name, values in observed.items():
+            m = self._metric("histogram", name)
+            if m is not None:
+                for v in values:
+                    m.observe(v)
 
     def gauge(self, name: str, value: float) -> None:
         self._gauges[name] = value
@@ -82,9 +89,11 @@ class ActorMetrics:
 
     def observe(self, name: str, value_ms: float) -> None:
         self._windows.setdefault(name, deque(maxlen=self._window)).append(value_ms)
-        m = self._metric("histogram", name)
-        if m is not None:
-            m.observe(value_ms)
+        if self._export:
+            pending = self._unobserved.setdefault(name, [])
+            if len(pending) < self._window:  # past that, a second's worth is a sample enough
+                pending.append(value_ms)
+            self._flush()
 
     def snapshot(self) -> dict[str, Any]:
         self._flush(every=0.0)

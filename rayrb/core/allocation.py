@@ -65,17 +65,34 @@ def _weights(name: str, values: Sequence[float]) -> np.ndarray:
 def multinomial_counts(n: int, weights: Sequence[float], rng: np.random.Generator) -> np.ndarray:
     """Per-shard counts ~ Multinomial(n, w / sum(w)): uniform (w = sizes) or prioritized (w = masses)."""
     if isinstance(weights, np.ndarray) and weights.dtype.kind in "iu" and weights.ndim == 1 and weights.size:
-        if weights.min() < 0:  # integer sizes are finite; the division below gives the float path's values
-            raise ValueError(f"expected a non-empty list of non-negative finite weights, got {weights.tolist()!r}")
-        w = weights
-    else:
-        w = _weights("weights", weights)
+        # Shard sizes change only with writes, so the planner asks with the same sizes batch after batch:
+        # their probabilities are kept (the same values the division gives, so the same draws).
+        key = (weights.dtype.char, weights.tobytes())
+        p = _SIZE_PROBS.get(key)
+        if p is None:
+            if weights.min() < 0:  # integer sizes are finite; the division gives the float path's values
+                raise ValueError(f"expected a non-empty list of non-negative finite weights, "
+                                 f"got {weights.tolist()!r}")
+            total = weights.sum()
+            p = weights / total if total > 0 else None
+            if len(_SIZE_PROBS) >= 64:
+                _SIZE_PROBS.clear()
+            _SIZE_PROBS[key] = p
+        if n == 0:
+            return np.zeros(weights.size, dtype=np.int64)
+        if p is None:
+            raise ValueError(f"cannot draw {n} rows from shards whose weights sum to 0: {weights.tolist()}")
+        return rng.multinomial(n, p)
+    w = _weights("weights", weights)
     total = w.sum()
     if n == 0:
         return np.zeros(w.size, dtype=np.int64)
     if total <= 0:
         raise ValueError(f"cannot draw {n} rows from shards whose weights sum to 0: {w.tolist()}")
     return rng.multinomial(n, w / total).astype(np.int64)
+
+
+_SIZE_PROBS: dict[tuple[str, bytes], np.ndarray | None] = {}  # integer sizes -> their probabilities
 
 
 def hypergeometric_counts(n: int, remaining: Sequence[int], rng: np.random.Generator) -> np.ndarray:

@@ -32,8 +32,7 @@ Examples:
 """
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -121,15 +120,6 @@ class Planner:
     def _limiter_state(self, saved: tuple) -> dict[str, Any]:
         return {**self.limiter.state_dict(), "samples": saved[3]}
 
-    @contextlib.contextmanager
-    def _unchanged_on_error(self) -> Iterator[None]:
-        saved = self.snapshot()
-        try:
-            yield
-        except BaseException:
-            self.restore(saved)
-            raise
-        self.last_snapshot = saved  # the state before the draw that just succeeded
 
     def draw(self, batch_size: int, num_slices: int = 1, *, sizes: Sizes) -> list[tuple[BatchPlan, Reads]]:
         """One global batch as ``num_slices`` slices: ``(plan, [(seed, read kwargs) per part])``.
@@ -141,26 +131,35 @@ class Planner:
         batch_size = positive_int("batch_size", batch_size)
         if not 1 <= num_slices <= batch_size:
             raise ValueError(f"num_slices must be in [1, batch_size={batch_size}], got {num_slices}")
-        with self._unchanged_on_error():
-            fraction = self.fraction(sizes)
-            online = int(sizes[ONLINE].sum())
-            need = self._shorten(batch_size, fraction, online)
-            decision = self.limiter.decide(need[ONLINE], online)
-            if decision == WAIT:
-                raise HeldBack("sample", f"the rate limiter holds back {need[ONLINE]} online rows "
-                                         f"(online size {online}, {self.limiter!r}, {self.limiter.stats()})")
-            if decision == ALL_OFFLINE:
-                need = {OFFLINE: batch_size, ONLINE: 0}
-            for side, begin in self.alloc.check(need, sizes).items():  # raises before anything changes
-                if begin:
-                    self.alloc.begin_epoch(side, sizes[side], self.rng)
-            cuts = [(need[OFFLINE], need[ONLINE])] if num_slices == 1 else \
-                split_slices(need[OFFLINE], need[ONLINE], num_slices)
-            out = [self._slice(n_off, n_on, fraction, sizes) for n_off, n_on in cuts]
-            self.limiter.record_sample(need[ONLINE])
-            self.step += 1
-            if need[OFFLINE] and self._ends_epoch(batch_size, sizes, online):
-                out[-1][0].last_of_epoch = True
+        saved = self.snapshot()
+        try:
+            out = self._draw(batch_size, num_slices, sizes)
+        except BaseException:  # the stream goes on as if this draw had not been asked for
+            self.restore(saved)
+            raise
+        self.last_snapshot = saved  # the state before the draw that just succeeded
+        return out
+
+    def _draw(self, batch_size: int, num_slices: int, sizes: Sizes) -> list[tuple[BatchPlan, Reads]]:
+        offline, online = int(sizes[OFFLINE].sum()), int(sizes[ONLINE].sum())
+        fraction = float(self.schedule(self.step, offline, online))
+        need = self._shorten(batch_size, fraction, online)
+        decision = self.limiter.decide(need[ONLINE], online)
+        if decision == WAIT:
+            raise HeldBack("sample", f"the rate limiter holds back {need[ONLINE]} online rows "
+                                     f"(online size {online}, {self.limiter!r}, {self.limiter.stats()})")
+        if decision == ALL_OFFLINE:
+            need = {OFFLINE: batch_size, ONLINE: 0}
+        for side, begin in self.alloc.check(need, sizes).items():  # raises before anything changes
+            if begin:
+                self.alloc.begin_epoch(side, sizes[side], self.rng)
+        cuts = [(need[OFFLINE], need[ONLINE])] if num_slices == 1 else \
+            split_slices(need[OFFLINE], need[ONLINE], num_slices)
+        out = [self._slice(n_off, n_on, fraction, sizes) for n_off, n_on in cuts]
+        self.limiter.record_sample(need[ONLINE])
+        self.step += 1
+        if need[OFFLINE] and self._ends_epoch(batch_size, sizes, online):
+            out[-1][0].last_of_epoch = True
         return out
 
     def _ends_epoch(self, batch_size: int, sizes: Sizes, online: int) -> bool:
@@ -189,19 +188,21 @@ class Planner:
 
     def _slice(self, n_off: int, n_on: int, fraction: float, sizes: Sizes) -> tuple[BatchPlan, Reads]:
         parts, reads = [], []
+        alloc, rng = self.alloc, self.rng
         for side, n in ((OFFLINE, n_off), (ONLINE, n_on)):
             if n == 0:
                 continue
             # asked before the counts, which move an epoch's cursor
-            kwargs = [self.alloc.read_args(side, i) for i in range(self.num_shards[side])] \
-                if self.alloc.reads_with_args else None
-            counts = self.alloc.counts(side, n, sizes[side], self.rng)
-            seeds = self.rng.integers(0, 2**63 - 1, len(counts))
-            for i, (c, s) in enumerate(zip(counts, seeds)):
+            kwargs = [alloc.read_args(side, i) for i in range(self.num_shards[side])] \
+                if alloc.reads_with_args else None
+            counts = alloc.counts(side, n, sizes[side], rng).tolist()
+            # 63 of 64 raw bits: a seed per read in [0, 2**63), without integers()' bounds checks per call
+            seeds = [r >> 1 for r in rng.bit_generator.random_raw(len(counts)).tolist()]
+            for i, c in enumerate(counts):
                 if c > 0:
-                    parts.append(Part(side, i, int(c)))
-                    reads.append((int(s), kwargs[i] if kwargs is not None else {}))
-        return BatchPlan(parts, n_off, n_on, fraction, self.step, self.alloc.weights()), reads
+                    parts.append(Part(side, i, c))
+                    reads.append((seeds[i], kwargs[i] if kwargs is not None else {}))
+        return BatchPlan(parts, n_off, n_on, fraction, self.step, alloc.weights()), reads
 
     # writes -----------------------------------------------------------------
     def admit_insert(self, rows: int, online_size: int, *, prefill: bool = False, unserved: int = 0) -> None:

@@ -31,7 +31,8 @@ ALPHA, BETA, EPS = 0.6, 0.4, 1e-8
 
 
 def _is_int(value: Any) -> bool:
-    return isinstance(value, Integral) and not isinstance(value, bool)
+    # ``type(...) is int`` first: the ABC check costs about a microsecond, and the planner checks several per batch
+    return type(value) is int or (isinstance(value, Integral) and not isinstance(value, bool))
 
 
 def _finite(value: Real) -> bool:

@@ -58,8 +58,8 @@ class ReplyCache:
 
     @staticmethod
     def _encode(answer: Any) -> str:
-        if hasattr(answer, "to_json"):
-            return json.dumps(answer.to_json(), separators=(",", ":"))
+        if hasattr(answer, "encoded"):  # a GroupPlan: its text is also what the caller is sent
+            return answer.encoded()
         return json.dumps(answer)
 
     @staticmethod

@@ -157,7 +157,7 @@ class BufferClient(Writes, LearnerPaths, Steering):
 
         Args:
             batch_size: rows per batch (default: the buffer's).
-            prefetch: batches drawn ahead, planned in groups of ``ceil(prefetch / 2)``.
+            prefetch: batches drawn ahead; once a quarter of them is left, the rest are planned in one group.
             device: moves each batch there (through pinned memory for CUDA). Inside an actor that Ray
                 gave the GPU the shards hold their rows on (``storage_device="cuda"``), ``"cuda"`` reads
                 each group from the shards over CUDA IPC instead.

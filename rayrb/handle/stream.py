@@ -22,8 +22,8 @@ coordinator's node, else from the answer to its previous report) and gives back
 batches drawn at an older one, so allocation never uses sizes staler than the
 previous call.
 
-**How far ahead.** An iterator keeps exactly up to ``prefetch`` batches in flight,
-asked for in groups of ``ceil(prefetch / 2)``. The ``sample()`` loop follows the
+**How far ahead.** An iterator keeps exactly up to ``prefetch`` batches in flight: once
+a quarter of them is left it asks for the rest in one group. The ``sample()`` loop follows the
 number of batches served between its last two give-backs: a loop that writes before
 every ``sample()`` draws nothing ahead, one that only samples draws up to ``depth``
 (and ``max_bytes`` of rows). Under a rate limiter the coordinator plans ahead only
@@ -153,21 +153,22 @@ class Stream:
 
     def _first_group(self) -> int:
         if self._prefetch:
-            return max(1, min(self._group_size(), self._left if self._left is not None else self.depth))
+            return max(1, min(self.depth, self._left if self._left is not None else self.depth))
         return max(1, min(1 + self._cap(), self._expected(now=True)))
 
-    def _group_size(self) -> int:
-        return max(1, -(-self.depth // 2))
-
     def _fill(self) -> None:
-        """Ask for the next groups: an iterator keeps ``depth`` in flight, the loop its expected run."""
+        """Ask for the next groups: an iterator keeps ``depth`` in flight, the loop its expected run.
+
+        An iterator refills once a quarter of its depth is left, with one group for the rest: the coordinator's
+        cost is per call, so fewer, larger groups serve more batches, and a quarter of the depth still covers a
+        plan and its reads (milliseconds) at any rate a learner consumes batches."""
         if self._prefetch:
-            while True:
-                k = min(self._group_size(), self.depth - self.in_flight)
-                if self._left is not None:
-                    k = min(k, self._left - self.in_flight)
-                if k <= 0 or (k < self._group_size() and self._pending):
-                    break
+            if self.in_flight > (max(1, self.depth // 4) if self.depth > 1 else 0):
+                return
+            k = self.depth - self.in_flight
+            if self._left is not None:
+                k = min(k, self._left - self.in_flight)
+            if k > 0:
                 self._ask(k, 0.0)
         else:
             target = min(self._cap(), self._expected(now=False))
