@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rayrb-installed
 # The offline scikit-learn OpenML cache, when this checkout sits beside ../shared.
 DATA_HOME ?= $(if $(wildcard ../shared/data/openml),../shared/data,)
-DATASET ?= openml:mushroom_onehot
+DATASET ?= openml:shuttle
 export RAY_AUTH_MODE ?= disabled
 export RAY_USAGE_STATS_ENABLED ?= 0
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER ?= 0

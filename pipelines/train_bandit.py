@@ -4,15 +4,19 @@ The bandit is TorchRL's ``OpenMLEnv``: the context is a row's features ``X``, th
 reward is 1 when the action is the row's label ``y``, else 0.
 
 1. A Ray task prepares the dataset (TorchRL's recipe) and splits it into training and held-out rows.
-2. ``rayrb.preprocess`` logs a behaviour policy on the training contexts (uniform by default; ``partial`` never
-   takes the odd-numbered actions, so the log has gaps only online data can fill), as Ray
-   tasks, into the offline dataset: ``observation``, ``action``, ``action_log_prob`` (the behaviour policy's),
-   ``("next", "reward")`` and ``("next", "done")``.
+2. ``rayrb.preprocess`` logs a behaviour policy on the training contexts, as Ray tasks, into the offline
+   dataset: ``observation``, ``action``, ``action_log_prob`` (the behaviour policy's), ``("next", "reward")``
+   and ``("next", "done")``. The default, ``narrow``, is a deterministic, mediocre rule: a softmax regression
+   on two columns, fit on the training split's labels, that takes one action per context. The log never says
+   what any other action would have earned in a context, and never takes some actions at all: gaps only
+   online data can fill. ``uniform``, ``skewed`` and ``partial`` (never the odd-numbered actions) are
+   context-free.
 3. Three learners, same seeds, same steps, each on a buffer of its own: offline only, online only (starting
    empty, with the same collectors) and offline-to-online (below).
 4. The offline-to-online run: collector actors act epsilon-greedily with the learner's latest weights on fresh
    training contexts and ``extend`` the online buffer; the learner actor trains on batches whose offline
-   share is annealed from 1 to ``--final-offline-fraction``, and every batch's split is checked to be exact.
+   share is annealed from ``--initial-offline-fraction`` (0.5) to ``--final-offline-fraction`` (0.25) over
+   ``--anneal-steps``, and every batch's split is checked to be exact.
    The learner is fed by ``rb.feed()`` (``--input feed``), pulls ``rb.iter_batches()`` itself
    (``--input iterator``), or is an RLlib ``LearnerGroup`` updated from rayrb's batch refs (``--input rllib``).
 5. ``metrics.json`` and ``train_bandit.png`` (online reward and held-out greedy accuracy against learner
@@ -22,7 +26,7 @@ The learner is a reward model ``Q(x, a)`` (an MLP, one logit per action) fitted 
 actions taken; the greedy policy is ``argmax_a Q(x, a)``.
 
     python pipelines/train_bandit.py --data-home ../shared/data
-    python pipelines/train_bandit.py --dataset openml:shuttle --data-home ../shared/data --out /tmp/bandit
+    python pipelines/train_bandit.py --dataset openml:adult_num --data-home ../shared/data --out /tmp/bandit
     ray job submit --working-dir . -- python pipelines/train_bandit.py --data-home /mnt/data --root /mnt/rayrb \\
         --out /mnt/rayrb/out
 """
@@ -56,7 +60,8 @@ def make_model(n_features: int, n_actions: int, hidden: int):
     return torch.nn.Sequential(torch.nn.Linear(n_features, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, n_actions))
 
 
-BEHAVIOURS = ("partial", "uniform", "skewed")
+CONTEXT_FREE = ("partial", "uniform", "skewed")
+BEHAVIOURS = ("narrow", *CONTEXT_FREE)
 
 
 def behaviour_probs(policy: str, n_actions: int) -> np.ndarray:
@@ -76,30 +81,78 @@ def behaviour_probs(policy: str, n_actions: int) -> np.ndarray:
     elif policy == "partial":
         p = (np.arange(n_actions) % 2 == 0).astype(np.float64)
     else:
-        raise ValueError(f"expected a behaviour policy in {BEHAVIOURS}, got {policy!r}")
+        raise ValueError(f"expected a context-free behaviour policy in {CONTEXT_FREE}, got {policy!r}")
     return p / p.sum()
 
 
-class LogBehaviour:
-    """Batched preprocess fn: one chunk of ``X, y, row`` in, the behaviour policy's logged rows out."""
+def fit_narrow(X: np.ndarray, y: np.ndarray, n_actions: int, n_features: int = 2, seed: int = 0,
+               steps: int = 200, lr: float = 0.5) -> dict[str, list]:
+    """The ``narrow`` behaviour policy: a softmax regression on ``n_features`` features drawn with ``seed``.
 
-    def __init__(self, policy: str, n_actions: int, seed: int):
-        self.policy, self.n_actions, self.seed = policy, n_actions, seed
+    A deployed rule that sees only a few of the columns, fit on the training split's labels: deliberately weak,
+    and deterministic (``narrow_actions`` takes its argmax), so the log holds one action per context and never
+    says what any other action would have earned there. Full-batch gradient descent from zero weights: the same
+    inputs give the same policy. Returns plain lists, so the policy pickles, prints and fingerprints as data.
+    """
+    X, y = np.asarray(X, np.float64), np.asarray(y)
+    if X.ndim != 2 or y.shape != (len(X),) or not 0 < n_features:
+        raise ValueError(f"expected X of shape (n, d), y of shape (n,) and n_features > 0, got {X.shape}, "
+                         f"{y.shape} and {n_features}")
+    features = np.sort(np.random.default_rng(seed).choice(X.shape[1], min(n_features, X.shape[1]), replace=False))
+    z = X[:, features]
+    mean, scale = z.mean(0), z.std(0) + 1e-6
+    z = (z - mean) / scale
+    w, b = np.zeros((len(features), n_actions)), np.zeros(n_actions)
+    target = np.eye(n_actions)[y]
+    for _ in range(steps):
+        logits = z @ w + b
+        p = np.exp(logits - logits.max(1, keepdims=True))
+        g = (p / p.sum(1, keepdims=True) - target) / len(y)
+        w -= lr * z.T @ g
+        b -= lr * g.sum(0)
+    return {"features": features.tolist(), "mean": mean.tolist(), "scale": scale.tolist(), "weight": w.tolist(),
+            "bias": b.tolist()}
+
+
+def narrow_actions(params: dict[str, list], X: np.ndarray) -> np.ndarray:
+    """The ``narrow`` policy's one action per context (int64)."""
+    z = (np.asarray(X, np.float64)[:, params["features"]] - params["mean"]) / params["scale"]
+    return (z @ np.asarray(params["weight"]) + params["bias"]).argmax(1).astype(np.int64)
+
+
+class LogBehaviour:
+    """Batched preprocess fn: one chunk of ``X, y, row`` in, the behaviour policy's logged rows out.
+
+    ``params`` (``fit_narrow``'s) makes the policy the deterministic ``narrow`` one; without them it is the
+    context-free ``policy``.
+    """
+
+    def __init__(self, policy: str, n_actions: int, seed: int, params: dict[str, list] | None = None):
+        if (policy == "narrow") != (params is not None):
+            raise ValueError(f"expected fitted params exactly for the narrow policy, got policy {policy!r} with "
+                             f"{'params' if params is not None else 'none'}")
+        self.policy, self.n_actions, self.seed, self.params = policy, n_actions, seed, params
 
     def __repr__(self) -> str:  # preprocess fingerprints fn by this: a rerun with other settings is a new job
-        return f"LogBehaviour(policy={self.policy!r}, n_actions={self.n_actions}, seed={self.seed})"
+        fitted = f", params={json.dumps(self.params)}" if self.params is not None else ""
+        return f"LogBehaviour(policy={self.policy!r}, n_actions={self.n_actions}, seed={self.seed}{fitted})"
 
     def __call__(self, td):
         import torch
         from tensordict import TensorDict
 
         n = td.batch_size[0]
-        probs = torch.as_tensor(behaviour_probs(self.policy, self.n_actions), dtype=torch.float32)
-        # Seeded by the chunk's first row id: the same chunk logs the same actions on any worker, in any order.
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + int(td["row"][0]))
-        action = torch.multinomial(probs, n, replacement=True, generator=g)
+        if self.params is not None:  # one action per context, taken with probability 1
+            action = torch.from_numpy(narrow_actions(self.params, td["X"].numpy()))
+            log_prob = torch.zeros(n)
+        else:
+            probs = torch.as_tensor(behaviour_probs(self.policy, self.n_actions), dtype=torch.float32)
+            # Seeded by the chunk's first row id: the same chunk logs the same actions on any worker, in any order.
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + int(td["row"][0]))
+            action = torch.multinomial(probs, n, replacement=True, generator=g)
+            log_prob = probs.log()[action]
         reward = (action == td["y"]).float().unsqueeze(-1)
-        return TensorDict({"observation": td["X"], "action": action, "action_log_prob": probs.log()[action],
+        return TensorDict({"observation": td["X"], "action": action, "action_log_prob": log_prob,
                            "next": {"reward": reward, "done": torch.ones(n, 1, dtype=torch.bool)}}, [n])
 
 
@@ -352,10 +405,11 @@ def run(rb, learner, collectors: list, args: argparse.Namespace, label: str, ann
     if not rllib:  # a LearnerGroup is updated from batch refs, not fed
         rb.connect_learners([learner])
     online = bool(collectors)
-    anneal_total = None
-    if online and anneal and args.final_offline_fraction < 1:
-        # rb.anneal decays 1 -> 0 over anneal_total steps, which puts the final fraction at args.steps.
-        anneal_total = max(1, math.ceil(args.steps / (1 - args.final_offline_fraction)))
+    anneal_total, anneal_steps = None, min(args.anneal_steps, args.steps)
+    if online and anneal and args.final_offline_fraction < args.initial_offline_fraction:
+        # rb.anneal decays the initial fraction to 0 over anneal_total steps: the final one at anneal_steps
+        anneal_total = max(1, math.ceil(anneal_steps / (1 - args.final_offline_fraction /
+                                                        args.initial_offline_fraction)))
     if online:  # the online side is never empty once training starts, so every batch has the exact split
         weights = learner.weights() if rllib else learner.weights.remote()
         ray.get([c.set_weights.remote(weights) for c in collectors])
@@ -366,7 +420,7 @@ def run(rb, learner, collectors: list, args: argparse.Namespace, label: str, ann
     while step < args.steps:
         n = min(args.sync_every, args.steps - step)
         if anneal_total:
-            rb.anneal(step, anneal_total)
+            rb.anneal(min(step, anneal_steps), anneal_total)
         f = rb.offline_fraction
         pending = []
         if online:  # collectors act with the newest weights while the learner trains on this block
@@ -465,7 +519,7 @@ def plot(metrics: dict, path: Path) -> bool:
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dataset", default="openml:mushroom_onehot")
+    p.add_argument("--dataset", default="openml:shuttle")
     p.add_argument("--data-home", default=os.environ.get("SCIKIT_LEARN_DATA"),
                    help="scikit-learn data home holding the OpenML cache (default $SCIKIT_LEARN_DATA)")
     p.add_argument("--root", default=None, help="prepared and logged datasets (default $RAYRB_HOME or ~/.cache/rayrb)")
@@ -476,14 +530,21 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help="feed: rb.feed() hands the learner actor its slices; iterator: it pulls rb.iter_batches(); "
                         "rllib: an RLlib LearnerGroup is updated from rayrb's MultiAgentBatch refs")
     p.add_argument("--no-online-only", action="store_true", help="skip the online-only learner")
-    p.add_argument("--behaviour", choices=list(BEHAVIOURS), default="uniform",
-                   help="the logging policy: partial (never the odd-numbered actions: a log with gaps only online "
-                        "data fills), uniform random, or skewed (p(a) halving with each class id)")
+    p.add_argument("--behaviour", choices=list(BEHAVIOURS), default="narrow",
+                   help="the logging policy: narrow (a softmax regression on --behaviour-features columns, fit on "
+                        "the training split and acted on greedily: one action per context), partial (never the "
+                        "odd-numbered actions), uniform random, or skewed (p(a) halving with each class id)")
+    p.add_argument("--behaviour-features", type=int, default=2,
+                   help="columns the narrow policy sees, drawn with --seed")
     p.add_argument("--steps", type=int, default=600, help="learner steps, for each run")
     p.add_argument("--sync-every", type=int, default=20, help="steps between weight syncs, annealing and evaluation")
     p.add_argument("--print-every", type=int, default=100)
     p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--initial-offline-fraction", type=float, default=0.5,
+                   help="the offline-to-online learner's offline share at step 0 (0.5: RLPD's symmetric sampling)")
     p.add_argument("--final-offline-fraction", type=float, default=0.25)
+    p.add_argument("--anneal-steps", type=int, default=200,
+                   help="steps over which the offline share goes linearly from initial to final, then stays")
     p.add_argument("--epsilon", type=float, default=0.1, help="collectors' exploration rate")
     p.add_argument("--collectors", type=int, default=2)
     p.add_argument("--collect-rows", type=int, default=128, help="rows each collector adds per block")
@@ -499,11 +560,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     if args.quick:
         for k, v in QUICK.items():
             setattr(args, k, v)
-    if not 0 <= args.final_offline_fraction <= 1 or not 0 <= args.epsilon <= 1:
-        p.error(f"expected --final-offline-fraction and --epsilon in [0, 1], got {args.final_offline_fraction} "
-                f"and {args.epsilon}")
-    if args.steps <= 0 or args.sync_every <= 0 or args.collectors <= 0:
-        p.error("expected positive --steps, --sync-every and --collectors")
+    if not 0 <= args.final_offline_fraction <= args.initial_offline_fraction <= 1 or not 0 <= args.epsilon <= 1:
+        p.error(f"expected 0 <= --final-offline-fraction <= --initial-offline-fraction <= 1 and --epsilon in [0, 1], "
+                f"got {args.final_offline_fraction}, {args.initial_offline_fraction} and {args.epsilon}")
+    if min(args.steps, args.sync_every, args.collectors, args.anneal_steps, args.behaviour_features) <= 0:
+        p.error(f"expected positive --steps, --sync-every, --collectors, --anneal-steps and --behaviour-features, "
+                f"got {args.steps}, {args.sync_every}, {args.collectors}, {args.anneal_steps} and "
+                f"{args.behaviour_features}")
     return args
 
 
@@ -531,14 +594,26 @@ def main(argv: list[str] | None = None) -> dict:
           flush=True)
 
     t0 = time.perf_counter()
-    logged_root = Path(splits["train"]).parent / f"logged-{args.behaviour}-seed{args.seed}"
-    logged = preprocess(splits["train"], LogBehaviour(args.behaviour, K, args.seed), logged_root, batched=True)
+    test = ChunkDataset.open(splits["test"]).read()
+    params, name = None, args.behaviour
+    if args.behaviour == "narrow":  # fit on the training split only; the held-out rows just score it
+        train = ChunkDataset.open(splits["train"]).read()
+        params = fit_narrow(train["X"], train["y"], K, args.behaviour_features, args.seed)
+        name = f"narrow{len(params['features'])}"
+        behaviour_acc = float((narrow_actions(params, test["X"]) == test["y"]).mean())
+    else:
+        behaviour_acc = float(behaviour_probs(args.behaviour, K)[test["y"]].mean())  # its expected held-out reward
+    logged_root = Path(splits["train"]).parent / f"logged-{name}-seed{args.seed}"
+    logged = preprocess(splits["train"], LogBehaviour(args.behaviour, K, args.seed, params), logged_root,
+                        batched=True)
     timing["log_s"] = time.perf_counter() - t0
-    behaviour_reward = float(logged.read()["next/reward"].mean())
-    test_y = ChunkDataset.open(splits["test"]).read()["y"]
-    behaviour_acc = float(behaviour_probs(args.behaviour, K)[test_y].mean())  # its expected held-out reward
-    print(f"logged the {args.behaviour} behaviour policy on {len(logged)} contexts with rayrb.preprocess "
-          f"({timing['log_s']:.1f}s): mean reward {behaviour_reward:.3f}, spec {logged.spec}", flush=True)
+    logged_rows = logged.read()
+    behaviour_reward = float(logged_rows["next/reward"].mean())
+    logged_actions = np.bincount(logged_rows["action"], minlength=K).tolist()
+    about = f" (features {params['features']} of {d})" if params else ""
+    print(f"logged the {args.behaviour} behaviour policy{about} on {len(logged)} contexts with rayrb.preprocess "
+          f"({timing['log_s']:.1f}s): mean reward {behaviour_reward:.3f}, actions taken {logged_actions}, "
+          f"spec {logged.spec}", flush=True)
 
     def buffer(fraction: float):
         return OfflineToOnlineReplayBuffer(logged.root, online_capacity=args.online_capacity,
@@ -556,7 +631,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     results, stats = {}, None
     for name, fraction, online, anneal in (("offline_only", 1.0, False, False), ("online_only", 0.0, True, False),
-                                           ("o2o", 1.0, True, True)):
+                                           ("o2o", args.initial_offline_fraction, True, True)):
         if name == "online_only" and args.no_online_only:
             continue
         rb, actors = buffer(fraction), []
@@ -579,6 +654,7 @@ def main(argv: list[str] | None = None) -> dict:
         "dataset": {"id": args.dataset, "rows": splits["rows"], "features": d, "classes": K,
                     "train_rows": splits["train_rows"], "test_rows": splits["test_rows"], "logged_rows": len(logged),
                     "logged_root": str(logged.root), "behaviour": args.behaviour,
+                    "behaviour_params": params, "logged_actions": logged_actions,
                     "behaviour_reward": behaviour_reward, "behaviour_heldout_accuracy": behaviour_acc},
         "offline_only": offline_only,
         "online_only": online_only,
