@@ -45,6 +45,8 @@ import torch  # noqa: E402
 
 ENV_ID = "Pendulum-v1"
 BUFFERS = ("torchrl", "rayrb")
+# The trainer's hooks that call the buffer (timed by TorchRL under these names): extend, mixed sample, anneal.
+BUFFER_HOOKS = ("extend", "sample", "OfflineToOnlineAnnealHook")
 QUICK = {"frames": 3000, "frames_per_batch": 200, "utd": 200, "offline_episodes": 20, "eval_every": 1000,
          "eval_episodes": 5, "seeds": [0]}
 # Energy pumping: thdd = 15 sin(th) + 3 u, so E = thd^2 / 2 + 15 (cos th - 1) is 0 upright at rest and dE/dt = 3 u thd.
@@ -228,7 +230,10 @@ def finetune(kind: str, dataset_root: str, args: argparse.Namespace, seed: int) 
     loss.make_value_estimator(gamma=args.gamma)
     collector = Collector(env, actor, frames_per_batch=args.frames_per_batch, total_frames=args.frames,
                           init_random_frames=0)
+    from torchrl._utils import timeit
+
     rb, owner = make_buffer(kind, dataset_root, args, seed)
+    timeit.erase()  # log_timings: TorchRL's trainer times each hook, the buffer's extend, sample and anneal included
     t0 = time.perf_counter()
     try:
         with warnings.catch_warnings():
@@ -238,20 +243,22 @@ def finetune(kind: str, dataset_root: str, args: argparse.Namespace, seed: int) 
                 loss_module=loss, replay_buffer=rb, anneal_frames=args.anneal_frames or args.frames,
                 batch_size=args.batch_size, optimizer=torch.optim.Adam(loss.parameters(), lr=args.lr),
                 target_net_updater=SoftUpdate(loss, tau=0.005), progress_bar=False, enable_logging=False,
-                seed=seed)
+                log_timings=True, seed=seed)
             evaluate = Evaluate(trainer, actor, eval_seeds(args), args.eval_every, args.frames, f"{kind} seed {seed}")
             trainer.register_op("post_steps", evaluate)
             trainer.train()
         seconds = time.perf_counter() - t0
+        hooks = {k.removeprefix("hook/"): v for k, v in timeit.todict(percall=False).items() if k.startswith("hook/")}
+        in_buffer = sum(hooks.get(k, 0.0) for k in BUFFER_HOOKS)
         out = {"buffer": kind, "seed": seed, "frames": evaluate.frames, "eval_return": evaluate.returns,
                "final_return": evaluate.returns[-1],
                "last3_return": float(np.mean(evaluate.returns[-3:])), "seconds": seconds,
-               "eval_seconds": evaluate.seconds, "online_rows": len(rb.online_buffer),
+               "eval_seconds": evaluate.seconds, "hook_seconds": hooks, "buffer_seconds": in_buffer, "online_rows": len(rb.online_buffer),
                "offline_fraction_at_end": float(rb.offline_fraction)}
         if owner is not None:
             out["buffer_stats"] = owner.stats()
         print(f"{kind:8s} seed {seed}: final return {out['final_return']:8.1f} after {evaluate.frames[-1]} frames, "
-              f"{seconds:.1f}s ({evaluate.seconds:.1f}s of it evaluating), online rows {out['online_rows']}", flush=True)
+              f"{seconds:.1f}s ({in_buffer:.1f}s of it in the buffer's hooks, {evaluate.seconds:.1f}s evaluating), online rows {out['online_rows']}", flush=True)
         return out
     finally:
         collector.shutdown()
@@ -297,9 +304,11 @@ def summarise(runs: list[dict]) -> dict[str, Any]:
         finals = [r["final_return"] for r in runs if r["buffer"] == kind]
         last3 = [r["last3_return"] for r in runs if r["buffer"] == kind]
         secs = [r["seconds"] for r in runs if r["buffer"] == kind]
+        in_buffer = [r["buffer_seconds"] for r in runs if r["buffer"] == kind]
         out[kind] = {"final_returns": finals, "final_mean": float(np.mean(finals)),
                      "final_std": float(np.std(finals)), "last3_returns": last3,
-                     "last3_mean": float(np.mean(last3)), "last3_std": float(np.std(last3)), "seconds": secs, "seconds_mean": float(np.mean(secs))}
+                     "last3_mean": float(np.mean(last3)), "last3_std": float(np.std(last3)), "seconds": secs, "seconds_mean": float(np.mean(secs)),
+                     "buffer_seconds": in_buffer, "buffer_seconds_mean": float(np.mean(in_buffer))}
     return out
 
 
@@ -386,7 +395,8 @@ def main(argv: list[str] | None = None) -> dict:
     plotted = plot(metrics, out_dir / "finetune_pendulum.png")
     for kind, s in summary.items():
         print(f"{kind}: final return {s['final_mean']:.1f} +- {s['final_std']:.1f} over seeds {args.seeds} "
-              f"({', '.join(f'{x:.1f}' for x in s['final_returns'])}); {s['seconds_mean']:.1f}s per run", flush=True)
+              f"({', '.join(f'{x:.1f}' for x in s['final_returns'])}); {s['seconds_mean']:.1f}s per run, "
+              f"{s['buffer_seconds_mean']:.1f}s of it in the buffer's hooks", flush=True)
     print(f"behaviour policy: {metrics['behaviour']['eval_return']:.1f} on the evaluation seeds; "
           f"{metrics['total_s']:.1f}s in all", flush=True)
     print(f"wrote {out_dir / 'metrics.json'}" + (f" and {out_dir / 'finetune_pendulum.png'}" if plotted else
