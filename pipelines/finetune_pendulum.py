@@ -365,6 +365,7 @@ def main(argv: list[str] | None = None) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     root = Path(args.root).resolve() if args.root else out_dir
     t0 = time.perf_counter()
+    # One log for every run and seed (its own seed, 0): the runs differ only in the buffer and the training seed.
     arrays, logged_returns = log_behaviour(args.offline_episodes, 0, args.behaviour_noise, args.behaviour_random)
     dataset = write_dataset(arrays, root / "pendulum-offline", overwrite=True,
                             source={"env": ENV_ID, "behaviour": "noisy swing-up", "noise": args.behaviour_noise,
