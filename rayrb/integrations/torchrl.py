@@ -5,6 +5,8 @@ and its hooks read ``rb.offline_buffer``, ``rb.online_buffer.storage``,
 ``rb._offline_fraction`` and ``rb._base_offline_fraction``. ``as_torchrl`` wraps
 a rayrb buffer in a subclass of TorchRL's class, made when it is first asked for
 (torchrl is imported only then), that answers all of these from the rayrb buffer.
+The trainer's checkpoints (``save_trainer_file``, ``checkpoint=``) call the view's
+``dump``/``load``: rayrb's ``dumps``/``loads``, online rows included.
 
 Examples:
     >>> from rayrb.integrations.torchrl import as_torchrl  # doctest: +SKIP
@@ -13,7 +15,12 @@ Examples:
 from __future__ import annotations
 
 import functools
+import json
+from pathlib import Path
 from typing import Any
+
+# Written beside rayrb's own checkpoint files: what the view adds to the buffer's state.
+_VIEW_STATE = "torchrl_view.json"
 
 
 @functools.lru_cache(maxsize=1)
@@ -91,10 +98,21 @@ def _adapter_class() -> type:
             object.__setattr__(self, "_base", float(state.get("base_offline_fraction", self._base)))
 
         def dumps(self, path: Any) -> None:
+            """rayrb's checkpoint of the buffer under ``path``, with the base fraction ``anneal`` decays from."""
             self._rayrb.dumps(path)
+            (Path(path) / _VIEW_STATE).write_text(json.dumps({"base_offline_fraction": self._base}))
 
         def loads(self, path: Any) -> None:
             self._rayrb.loads(path)
+            state = Path(path) / _VIEW_STATE
+            base = json.loads(state.read_text())["base_offline_fraction"] if state.is_file() else self.offline_fraction
+            object.__setattr__(self, "_base", float(base))
+
+        # TorchRL's Checkpoint (the trainer's save_trainer_file and checkpoint=) prefers dump/load over state_dict
+        # and saves this view instead of the replay-buffer hook, whose state holds base_offline_fraction: the
+        # view's own dump/load keep it beside rayrb's checkpoint (rows, priorities, sampling state).
+        dump = dumps
+        load = loads
 
     return TorchRLView
 

@@ -73,6 +73,29 @@ def test_torchrl_sees_its_own_class(make_buffer):
     assert rb.offline_fraction == pytest.approx(0.4)
 
 
+def test_a_torchrl_checkpoint_keeps_the_online_rows_and_the_annealing_base(make_buffer, tmp_path):
+    """TorchRL's Checkpoint (what OfflineToOnlineTrainer's save_trainer_file and checkpoint= use) picks the view's
+    dump/load: rayrb's checkpoint, online rows included, and the fraction ``anneal`` decays from, which TorchRL's
+    replay-buffer hook saves as base_offline_fraction when the buffer itself is not saved."""
+    from torchrl.checkpoint import Checkpoint
+
+    from rayrb.integrations.torchrl import as_torchrl
+
+    a = make_buffer(offline_fraction=0.8)
+    b = make_buffer(offline_fraction=0.3)  # started elsewhere: only the checkpoint knows the base was 0.8
+    a.extend(rows(1000, 30))
+    view = as_torchrl(a)
+    view.anneal(5, 10)
+    Checkpoint(replay_buffer=view).save(tmp_path / "ckpt")
+    restored = as_torchrl(b)
+    assert Checkpoint(replay_buffer=restored).load(tmp_path / "ckpt").loaded == {"replay_buffer"}
+    assert b.write_count == 30 and b.offline_fraction == pytest.approx(0.4)
+    b.offline_fraction = 0.0
+    assert set(b.sample(500)["id"].tolist()) == set(range(1000, 1030))
+    restored.anneal(8, 10)  # from the saved base, 0.8, not from b's 0.3
+    assert b.offline_fraction == pytest.approx(0.16)
+
+
 def test_a_refused_online_state_changes_no_shard(make_buffer):
     a, b = make_buffer(), make_buffer()
     a.extend(rows(1000, 40))
