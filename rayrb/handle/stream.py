@@ -78,7 +78,7 @@ class Stream:
     """Batches of one handle in stream order (see the module).
 
     ``depth`` bounds the batches drawn ahead. ``prefetch`` (an iterator) keeps that many
-    in flight in groups of half of it; otherwise the depth adapts to the caller (the
+    in flight, refilled in one group once a quarter is left; otherwise the depth adapts to the caller (the
     ``sample()`` loop), and ``follow_version`` gives back batches drawn before a change.
     ``direct`` (shard handles by side) reads GPU shards into this actor's GPU.
     """
