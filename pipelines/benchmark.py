@@ -47,11 +47,12 @@ SIZES = {
     "full": dict(n_off=581_012, dim=54, n_on=100_000, batch_sizes=[256, 4096, 65536], shards=[1, 2, 4],
                  repeats=3, min_time=1.0, min_iters=5, writer_batches=50, writer_rows=1000, per_row_frames=20_000,
                  prefetch=16, prefetch_sweep=[1, 4, 8, 16, 32], consumers=[1, 2, 4, 8], consumer_batch=4096,
-                 draw_batches=[256, 4096], draw_consumers=4, draw_prefetch=16),
-    "smoke": dict(n_off=4000, dim=8, n_on=1000, batch_sizes=[64, 512], shards=[1, 2], repeats=1, min_time=0.02,
+                 draw_batches=[256, 4096], draw_consumers=4, draw_prefetch=16, online_shards=2, writers=[1, 4]),
+    # every section and key once, with as few actors as that takes (each is a process start on a small machine)
+    "smoke": dict(n_off=4000, dim=8, n_on=1000, batch_sizes=[64, 512], shards=[1], repeats=1, min_time=0.02,
                   min_iters=2, writer_batches=3, writer_rows=100, per_row_frames=300, prefetch=2,
                   prefetch_sweep=[1, 2], consumers=[1, 2], consumer_batch=64,
-                  draw_batches=[64], draw_consumers=2, draw_prefetch=4),
+                  draw_batches=[64], draw_consumers=2, draw_prefetch=4, online_shards=1, writers=[2]),
 }
 
 
@@ -156,17 +157,18 @@ def bench_sampling(cfg, offline, online, root, results):
     buffers = {}
     for m in cfg["shards"]:
         rb = OfflineToOnlineReplayBuffer(str(ds_root), online_capacity=len(online), num_offline_shards=m,
-                                         num_online_shards=2, offline_fraction=0.5, seed=m)
+                                         num_online_shards=cfg["online_shards"], offline_fraction=0.5, seed=m)
         rb.extend(online)
         buffers[m] = rb
     prio = OfflineToOnlineReplayBuffer(str(ds_root), online_capacity=len(online), num_offline_shards=1,
-                                       num_online_shards=2, offline_fraction=0.5, seed=1, sampler="prioritized")
+                                       num_online_shards=cfg["online_shards"], offline_fraction=0.5, seed=1,
+                                       sampler="prioritized")
     prio.extend(online)
     # The same buffer with a rate limiter whose window is never reached: what flow control costs when idle.
     from rayrb.core.rate_limiter import SampleToInsertRatio
 
     limited = OfflineToOnlineReplayBuffer(str(ds_root), online_capacity=len(online), num_offline_shards=1,
-                                          num_online_shards=2, offline_fraction=0.5, seed=1,
+                                          num_online_shards=cfg["online_shards"], offline_fraction=0.5, seed=1,
                                           rate_limiter=SampleToInsertRatio(1.0, 1, 1e15))
     limited.extend(online)
     start_mem = {s["shard"]: s for s in buffers[cfg["shards"][-1]].stats()["shards"] if s["kind"] == "offline"}
@@ -292,7 +294,7 @@ def bench_draw_path(cfg, offline, online, root, results):
     write_dataset(offline, ds_root)
     o2o = torchrl_o2o(offline, online)
     rb = OfflineToOnlineReplayBuffer(str(ds_root), online_capacity=len(online), num_offline_shards=2,
-                                     num_online_shards=2, offline_fraction=0.5, seed=0)
+                                     num_online_shards=cfg["online_shards"], offline_fraction=0.5, seed=0)
     rb.extend(online)
     out: dict[str, Any] = {"consumers": cfg["draw_consumers"], "prefetch": cfg["draw_prefetch"]}
     seconds = cfg["min_time"] * 3
@@ -321,9 +323,9 @@ def bench_draw_path(cfg, offline, online, root, results):
     rb.shutdown()
     # the plain sample() loop, with and without a rate limiter whose window is never reached
     plain = OfflineToOnlineReplayBuffer(str(ds_root), online_capacity=len(online), num_offline_shards=1,
-                                        num_online_shards=2, offline_fraction=0.5, seed=1)
+                                        num_online_shards=cfg["online_shards"], offline_fraction=0.5, seed=1)
     limited = OfflineToOnlineReplayBuffer(str(ds_root), online_capacity=len(online), num_offline_shards=1,
-                                          num_online_shards=2, offline_fraction=0.5, seed=1,
+                                          num_online_shards=cfg["online_shards"], offline_fraction=0.5, seed=1,
                                           rate_limiter=SampleToInsertRatio(1.0, 1, 1e15))
     for b in (plain, limited):
         b.extend(online)
@@ -377,14 +379,15 @@ def bench_consumers(cfg, offline, online, root, results):
     write_dataset(offline, ds_root)
     B, seconds = cfg["consumer_batch"], cfg["min_time"] * 3
     rb = OfflineToOnlineReplayBuffer(str(ds_root), online_capacity=len(online), num_offline_shards=2,
-                                     num_online_shards=2, offline_fraction=0.5, seed=0)
+                                     num_online_shards=cfg["online_shards"], offline_fraction=0.5, seed=0)
     rb.extend(online)
     out = {}
+    pool = [Consumer.remote() for _ in range(max(cfg["consumers"]))]  # started once: runs are stateless
+    ray.get([a.__ray_ready__.remote() for a in pool])
     for n in cfg["consumers"]:
         row = []
+        actors = pool[:n]
         for _ in range(cfg["repeats"]):
-            actors = [Consumer.remote() for _ in range(n)]
-            ray.get([a.__ray_ready__.remote() for a in actors])
             before, cpu0 = ray.get(rb.rpc.coord.stats.remote(False))["coordinator"], psutil.cpu_times()
             roles0 = cpu_by_role()
             got = ray.get([a.run.remote(rb.client(), B, cfg["prefetch"], seconds, time.time() + 0.5) for a in actors])
@@ -403,8 +406,6 @@ def bench_consumers(cfg, offline, online, root, results):
                         "coordinator_plans_per_s_ceiling": 1e3 * max(plans, 1) / max(plan_ms, 1e-9),
                         "machine_cpu_busy_fraction": busy / total,
                         **{f"cpu_share_{k.replace(' ', '_')}": max(v, 0.0) / max(busy, 1e-9) for k, v in roles.items()}})
-            for a in actors:
-                ray.kill(a)
         out[str(n)] = {k: med_range([r[k] for r in row]) for k in row[0]}
         print(f"  {n} consumer(s), B={B}: " + ", ".join(f"{k} {v['median']:,.3f}" for k, v in out[str(n)].items()),
               flush=True)
@@ -413,6 +414,8 @@ def bench_consumers(cfg, offline, online, root, results):
         out[str(n)]["speedup_vs_one"] = out[str(n)]["rows_per_s"]["median"] / one
     out["batch_size"], out["prefetch"], out["seconds"] = B, cfg["prefetch"], seconds
     results["consumers"] = out
+    for a in pool:
+        ray.kill(a)
     rb.shutdown()
 
 
@@ -542,14 +545,15 @@ def bench_writing(cfg, root, results):
 
     offline = synthetic_table(1000, cfg["dim"])
     out = {}
-    for n_writers in (1, 4):
+    pool = [Writer.remote(cfg["dim"]) for _ in range(max(cfg["writers"]))]  # started once: writes are stateless
+    ray.get([w.__ray_ready__.remote() for w in pool])
+    for n_writers in cfg["writers"]:
         runs = {"rayrb": [], "torchrl_ray": []}
+        writers = pool[:n_writers]
         for _ in range(cfg["repeats"]):
-            writers = [Writer.remote(cfg["dim"]) for _ in range(n_writers)]
-            ray.get([w.__ray_ready__.remote() for w in writers])
             capacity = n_writers * cfg["writer_batches"] * cfg["writer_rows"]
-            rb = OfflineToOnlineReplayBuffer(offline, online_capacity=capacity, num_online_shards=2, seed=0,
-                                             dataset_root=Path(tempfile.mkdtemp(dir=root)) / "ds")
+            rb = OfflineToOnlineReplayBuffer(offline, online_capacity=capacity, num_online_shards=cfg["online_shards"],
+                                             seed=0, dataset_root=Path(tempfile.mkdtemp(dir=root)) / "ds")
             from torchrl.data import LazyTensorStorage, RayReplayBuffer
 
             rray = RayReplayBuffer(storage=LazyTensorStorage(capacity), batch_size=None)
@@ -559,12 +563,12 @@ def bench_writing(cfg, root, results):
                 runs[kind].append(capacity / (time.perf_counter() - t0))
             assert rb.write_count == capacity
             rb.shutdown()
-            for w in writers:
-                ray.kill(w)
             ray.kill(rray._rb)
         out[f"{n_writers}_writers"] = {k: {"rows_per_s": med_range(v)} for k, v in runs.items()}
         print(f"  writers={n_writers}: " + ", ".join(f"{k} {statistics.median(v):,.0f} rows/s"
                                                      for k, v in runs.items()), flush=True)
+    for w in pool:
+        ray.kill(w)
     results["writing"] = out
 
 
@@ -625,28 +629,33 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 import ray, torch
 from ray.cluster_utils import Cluster
 from tensordict import TensorDict
-n, dim, B, nodes, min_time = (int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]),
-                              float(sys.argv[5]))
+n, dim, B, min_time = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+node_counts = [int(k) for k in sys.argv[5].split(",")]
+# One cluster for every count: nodes are added between the runs, each run's buffer is spread over those present.
 cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-for _ in range(nodes - 1):
-    cluster.add_node(num_cpus=1)
-cluster.wait_for_nodes()
 ray.init(address=cluster.address, logging_level=logging.WARNING, log_to_driver=False)
 from rayrb import OfflineToOnlineReplayBuffer
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 data = TensorDict({"X": torch.randn(n, dim), "y": torch.zeros(n, dtype=torch.int64)}, [n])
-rb = OfflineToOnlineReplayBuffer(data, online_capacity=1000, num_offline_shards=2, seed=0,
-                                 actor_options={"scheduling_strategy": "SPREAD"})
-it = rb.iter_batches(B, prefetch=4)
-for _ in range(3):
-    next(it)
-count, t0 = 0, time.perf_counter()
-while count < 5 or time.perf_counter() - t0 < min_time:
-    next(it)
-    count += 1
-rate = count * B / (time.perf_counter() - t0)
-rb.shutdown()
-print("RAYRB_RESULT " + json.dumps({"nodes": nodes, "rows_per_s": rate}), flush=True)
+out, present = {}, 1
+for nodes in node_counts:
+    for _ in range(nodes - present):
+        cluster.add_node(num_cpus=1)
+    present = max(present, nodes)
+    cluster.wait_for_nodes()
+    rb = OfflineToOnlineReplayBuffer(data, online_capacity=1000, num_offline_shards=2, seed=0,
+                                     actor_options={"scheduling_strategy": "SPREAD"})
+    it = rb.iter_batches(B, prefetch=4)
+    for _ in range(3):
+        next(it)
+    count, t0 = 0, time.perf_counter()
+    while count < 5 or time.perf_counter() - t0 < min_time:
+        next(it)
+        count += 1
+    rate = count * B / (time.perf_counter() - t0)
+    it = None
+    rb.shutdown()
+    out[f"{nodes}_node"] = {"nodes": nodes, "rows_per_s": rate}
+print("RAYRB_RESULT " + json.dumps(out), flush=True)
 ray.shutdown()
 cluster.shutdown()
 """
@@ -666,12 +675,11 @@ def bench_cluster(cfg, results):
     B = 4096 if cfg["n_off"] == SIZES["full"]["n_off"] else cfg["batch_sizes"][-1]
     env = {**os.environ}
     env.pop("RAY_ADDRESS", None)
-    for nodes in (1, 2):
-        p = subprocess.run([sys.executable, "-c", CLUSTER_SCRIPT, str(n), str(cfg["dim"]), str(B), str(nodes),
-                            str(cfg["min_time"] * 3)], capture_output=True, text=True, env=env, timeout=600)
-        if p.returncode != 0:
-            raise RuntimeError(f"cluster benchmark with {nodes} node(s) failed:\n{p.stderr[-2000:]}")
-        out[f"{nodes}_node"] = result_line(p.stdout)
+    p = subprocess.run([sys.executable, "-c", CLUSTER_SCRIPT, str(n), str(cfg["dim"]), str(B), str(cfg["min_time"] * 3),
+                        "1,2"], capture_output=True, text=True, env=env, timeout=600)
+    if p.returncode != 0:
+        raise RuntimeError(f"cluster benchmark failed:\n{p.stderr[-2000:]}")
+    out.update(result_line(p.stdout))
     out["note"] = "both 'nodes' are processes on this one 2-core machine: this checks placement, not network scaling"
     results["cluster"] = out
 

@@ -49,9 +49,11 @@ def _bindable(port: int) -> bool:
     return True
 
 
-@pytest.fixture
-def head(tmp_path):
-    """A local head (`ray start --head --block`) with its own temp dir and ports; stopped by SIGTERM to its PID."""
+@pytest.fixture(scope="module")
+def head(tmp_path_factory):
+    """A local head (`ray start --head --block`) with its own temp dir and ports; stopped by SIGTERM to its PID.
+    One for the module: each test submits its own job, with its own files, and a job's actors end with it."""
+    tmp_path = tmp_path_factory.mktemp("head")
     ports = free_ports(9)
     gcs, dashboard, client, agent, agent_grpc, metrics, runtime_env, node_manager, object_manager = ports
     worker = free_port_range(41, set(ports))  # worker ports must not overlap the components' ports

@@ -22,7 +22,7 @@ def rows(ids: np.ndarray) -> TensorDict:
 @pytest.mark.usefixtures("ray_session")
 def test_soak_with_killed_shards_loses_and_doubles_nothing(tmp_path, ray_session):
     ray = ray_session
-    B, f, writers, per_write, seconds = 64, 0.5, 3, 50, 24
+    B, f, writers, per_write, seconds = 64, 0.5, 3, 50, 12
 
     @ray.remote(num_cpus=0)
     class Writer:
@@ -57,10 +57,10 @@ def test_soak_with_killed_shards_loses_and_doubles_nothing(tmp_path, ray_session
                                      num_online_shards=2, offline_fraction=f, seed=0, timeout=60,
                                      dataset_root=tmp_path / "ds", storage_dir=tmp_path / "state")
     try:
-        until = time.time() + seconds
         ws = [Writer.remote(rb.client(), 10_000_000 * (i + 1)) for i in range(writers)]
         ss = [Sampler.remote(rb.client()) for _ in range(2)]
         ray.get([a.__ray_ready__.remote() for a in ws + ss])
+        until = time.time() + seconds  # from when all run: each kill falls while they write and sample
         work = [w.run.remote(until) for w in ws] + [s.run.remote(until) for s in ss]
         recovery = {}
         for name, shard in (("offline shard", rb.rpc.shards[0]), ("online shard", rb.rpc.shards[-1])):

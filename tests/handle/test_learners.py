@@ -132,19 +132,21 @@ def test_feed_over_object_store_and_gloo_rdt_give_the_same_rows(tmp_path, ray_se
     ray = ray_session
     Learner = make_rdt_learner(ray)
     results = {}
-    for transport in ("object_store", "gloo"):
-        rb = OfflineToOnlineReplayBuffer(rows(300), online_capacity=100, num_offline_shards=2, seed=11,
-                                         offline_fraction=0.6, transport=transport, batch_size=50,
-                                         dataset_root=tmp_path / transport)
-        learners = [Learner.remote() for _ in range(2)]
-        try:
-            rb.extend(rows(40, online=True))
-            rb.connect_learners(learners)
-            results[transport] = [rb.feed("update") for _ in range(3)]
-        finally:
-            rb.shutdown()
-            for l in learners:
-                ray.kill(l)
+    learners = [Learner.remote() for _ in range(2)]  # stateless: the same two for both buffers (no group before gloo's)
+    try:
+        for transport in ("object_store", "gloo"):
+            rb = OfflineToOnlineReplayBuffer(rows(300), online_capacity=100, num_offline_shards=2, seed=11,
+                                             offline_fraction=0.6, transport=transport, batch_size=50,
+                                             dataset_root=tmp_path / transport)
+            try:
+                rb.extend(rows(40, online=True))
+                rb.connect_learners(learners)
+                results[transport] = [rb.feed("update") for _ in range(3)]
+            finally:
+                rb.shutdown()
+    finally:
+        for l in learners:
+            ray.kill(l)
     for a, b in zip(results["object_store"], results["gloo"]):
         assert [x[:2] for x in a] == [x[:2] for x in b]  # same rows, same provenance
         assert sum(sum(x[1]) for x in a) == offline_count(50, 0.6)
