@@ -109,7 +109,7 @@ def test_a_save_from_elsewhere_serves_again_at_most_one_group_and_skips_nothing(
 
     want = reference(make_buffer, 30, sampler="without_replacement")
     rb = make_buffer(rows(200), **KW, sampler="without_replacement")
-    it = rb.iter_batches(prefetch=4)  # groups of 2
+    it = rb.iter_batches(prefetch=4)  # a group of 4, then groups of 3 (asked for once one batch is left)
     got = [next(it)["id"] for _ in range(9)]
     state = ray.get(rb.rpc.coord.state_dict.remote())  # as another process would ask: nothing reported on purpose
     twin = make_buffer(rows(200), **KW, sampler="without_replacement")
