@@ -103,10 +103,11 @@ def _adapter_class() -> type:
             (Path(path) / _VIEW_STATE).write_text(json.dumps({"base_offline_fraction": self._base}))
 
         def loads(self, path: Any) -> None:
+            """rayrb's ``loads``, and the base fraction saved beside it (checked first: a damaged file changes
+            nothing; a checkpoint without one, written by rayrb itself, takes the restored fraction)."""
+            base = _saved_base(Path(path) / _VIEW_STATE)
             self._rayrb.loads(path)
-            state = Path(path) / _VIEW_STATE
-            base = json.loads(state.read_text())["base_offline_fraction"] if state.is_file() else self.offline_fraction
-            object.__setattr__(self, "_base", float(base))
+            object.__setattr__(self, "_base", float(self.offline_fraction if base is None else base))
 
         # TorchRL's Checkpoint (the trainer's save_trainer_file and checkpoint=) prefers dump/load over state_dict
         # and saves this view instead of the replay-buffer hook, whose state holds base_offline_fraction: the
@@ -115,6 +116,19 @@ def _adapter_class() -> type:
         load = loads
 
     return TorchRLView
+
+
+def _saved_base(path: Path) -> float | None:
+    """The base fraction a view's ``dumps`` wrote at ``path``, or None without the file; raises if it is damaged."""
+    from rayrb.core.validation import fraction
+
+    if not path.is_file():
+        return None
+    try:
+        return fraction("base_offline_fraction", json.loads(path.read_text())["base_offline_fraction"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"expected {path} to hold a JSON object with base_offline_fraction in [0, 1], "
+                         f"got {path.read_text()[:200]!r}") from e
 
 
 def as_torchrl(rb: Any) -> Any:

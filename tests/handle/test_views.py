@@ -96,6 +96,21 @@ def test_a_torchrl_checkpoint_keeps_the_online_rows_and_the_annealing_base(make_
     assert b.offline_fraction == pytest.approx(0.16)
 
 
+def test_a_torchrl_checkpoint_with_a_damaged_view_file_restores_nothing(make_buffer, tmp_path):
+    """The view's load checks its own file before rayrb's restore begins: failed means unchanged."""
+    from rayrb.integrations.torchrl import as_torchrl
+
+    a, b = make_buffer(offline_fraction=0.8), make_buffer(offline_fraction=0.3)
+    a.extend(rows(1000, 30))
+    as_torchrl(a).dump(tmp_path / "ckpt")
+    (tmp_path / "ckpt" / "torchrl_view.json").write_text('{"base_offline_fraction": 7')  # torn
+    restored = as_torchrl(b)
+    with pytest.raises(ValueError, match="base_offline_fraction"):
+        restored.load(tmp_path / "ckpt")
+    assert b.write_count == 0 and b.offline_fraction == pytest.approx(0.3)
+    assert restored._base_offline_fraction == pytest.approx(0.3)
+
+
 def test_a_refused_online_state_changes_no_shard(make_buffer):
     a, b = make_buffer(), make_buffer()
     a.extend(rows(1000, 40))
