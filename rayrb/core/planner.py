@@ -73,7 +73,10 @@ class Planner:
 
     # the fraction -----------------------------------------------------------
     def fraction(self, sizes: Sizes) -> float:
-        return float(self.schedule(self.step, int(sizes[OFFLINE].sum()), int(sizes[ONLINE].sum())))
+        return self._fraction(int(sizes[OFFLINE].sum()), int(sizes[ONLINE].sum()))
+
+    def _fraction(self, offline: int, online: int) -> float:
+        return float(self.schedule(self.step, offline, online))
 
     def set_fraction(self, value: Any) -> None:
         self.schedule = make_schedule(value)
@@ -120,7 +123,6 @@ class Planner:
     def _limiter_state(self, saved: tuple) -> dict[str, Any]:
         return {**self.limiter.state_dict(), "samples": saved[3]}
 
-
     def draw(self, batch_size: int, num_slices: int = 1, *, sizes: Sizes) -> list[tuple[BatchPlan, Reads]]:
         """One global batch as ``num_slices`` slices: ``(plan, [(seed, read kwargs) per part])``.
 
@@ -142,7 +144,7 @@ class Planner:
 
     def _draw(self, batch_size: int, num_slices: int, sizes: Sizes) -> list[tuple[BatchPlan, Reads]]:
         offline, online = int(sizes[OFFLINE].sum()), int(sizes[ONLINE].sum())
-        fraction = float(self.schedule(self.step, offline, online))
+        fraction = self._fraction(offline, online)
         need = self._shorten(batch_size, fraction, online)
         decision = self.limiter.decide(need[ONLINE], online)
         if decision == WAIT:
