@@ -97,8 +97,8 @@ class Coordinator:
         try:
             self._state.save({"planner": self._planner.state_dict(),
                               "side_rng": self._drawing.side_rng.bit_generator.state,
-                              "version": self._version.value, "version_path": self._version.file.path,
-                              "answers": self._drawing.replies.items()})
+                              "version": self._version.value, "version_path": self._version.file.path},
+                             encoded={"answers": self._drawing.replies.items_json()})
         except OSError:
             self._metrics.count("state_save_failed")
 
@@ -180,6 +180,14 @@ class Coordinator:
         if not isinstance(group, HeldBack):
             self._waited("sample", waited)
         return group
+
+    def plan_packed(self, request: tuple) -> str | HeldBack:
+        """``plan`` as the handle's stream asks it: ``(batch_size, num_batches, stream, served, call, waited)`` in
+        one tuple, the group's JSON text (``GroupPlan.encoded``, kept for the call id anyway) out. Ray's own cost per
+        call is about a third lower than with keyword arguments and a pickled object (``docs/benchmarks.md``)."""
+        batch_size, num_batches, stream, served, call, waited = request
+        group = self.plan(batch_size, num_batches, stream=stream, served=served, call=call, waited=waited)
+        return group if isinstance(group, HeldBack) else group.encoded()
 
     def _waited(self, call: str, seconds: float) -> None:
         if seconds > 0:  # the call went through after waiting for the rate limiter

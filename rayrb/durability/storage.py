@@ -198,9 +198,14 @@ class CoordinatorState:
     def _journal(self) -> Path:
         return self.directory / "writes.log"
 
-    def save(self, state: dict[str, Any]) -> None:
-        """Write ``state`` (plain JSON data: dicts, lists, strings, numbers) under ``STATE_SCHEMA``."""
-        payload = json.dumps({"schema": STATE_SCHEMA, "state": state}, separators=(",", ":")).encode()
+    def save(self, state: dict[str, Any], encoded: dict[str, str] | None = None) -> None:
+        """Write ``state`` (plain JSON data: dicts, lists, strings, numbers) under ``STATE_SCHEMA``; ``encoded``
+        adds keys whose values are JSON text already (``load`` returns them decoded, as part of the state)."""
+        text = json.dumps(state, separators=(",", ":"))
+        if encoded:
+            extra = ",".join(f"{json.dumps(key)}:{value}" for key, value in encoded.items())
+            text = text[:-1] + ("," if state else "") + extra + "}"
+        payload = f'{{"schema":{STATE_SCHEMA},"state":{text}}}'.encode()
         sequence = self._sequence + 1
         header = _HEADER.pack(_MAGIC, sequence, len(payload), xxhash.xxh3_64_intdigest(payload))
         fd = os.open(self._slot(sequence), os.O_WRONLY | os.O_CREAT, 0o644)

@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from rayrb.core.ahead import MAX_AHEAD, GiveBack
-from rayrb.core.plans import assemble, split_group
+from rayrb.core.plans import assemble, decode_group, split_group
 from rayrb.errors import BufferUnavailableError, HeldBack
 
 MAX_BYTES = 64 << 20  # rows a sample() loop holds drawn ahead
@@ -196,13 +196,13 @@ class Stream:
         return float("inf") if self._served >= 2 * max(1, self._run) else int(now)
 
     def _ask(self, k: int, waited: float) -> None:
-        kwargs: dict[str, Any] = {"waited": waited} if waited else {}
+        served = None
         if self._last_served > self._reported:  # the served report rides along
-            kwargs["served"], self._reported = self._last_served, self._last_served
+            served = self._reported = self._last_served
         # without drawing ahead nothing is held to give back: the coordinator keeps no log for this stream
         stream = self.id if self.depth else None
-        self._pending.append(_Asked(self.rpc.tell("plan", self.batch_size, max(1, k), stream=stream,
-                                                  call=uuid.uuid4().hex, **kwargs), max(1, k)))
+        request = (self.batch_size, max(1, k), stream, served, uuid.uuid4().hex, waited)
+        self._pending.append(_Asked(self.rpc.tell("plan_packed", request), max(1, k)))
         self.stats["groups"] += 1
 
     def _advance(self) -> None:
@@ -223,6 +223,8 @@ class Stream:
                 break  # the error surfaces when this group is taken
 
     def _planned(self, asked: _Asked, group: Any) -> None:
+        if isinstance(group, str):  # plan_packed's answer
+            group = decode_group(group)
         asked.group = group
         if not isinstance(group, HeldBack):
             asked.reads = self.rpc.submit(group, self._direct)

@@ -33,6 +33,7 @@ from rayrb.core.plans import (
     assemble,
     assemble_slice,
     concat,
+    decode_group,
     nest,
     provenance,
     split_group,
@@ -695,6 +696,22 @@ def test_split_group_recovers_each_batchs_parts():
         for (rows, info), (rows0, info0) in zip(parts, results):
             for got, want in ((rows, rows0), (info, info0)):
                 assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in want)
+
+
+def test_plan_packed_answers_plans_text_and_the_same_text_to_a_call_asked_again():
+    def coordinator() -> Coordinator:
+        c = Coordinator([StandInShard(), StandInShard()], [40, 60], [StandInShard()], [50], offline_fraction=0.5,
+                        seed=3)
+        written_online(c, [30])
+        return c
+
+    packed, twin = coordinator(), coordinator()
+    text = packed.plan_packed((16, 3, "s", None, "c1", 0.0))
+    assert isinstance(text, str) and decode_group(text) == twin.plan(16, 3, stream="s", call="c2")
+    assert packed.plan_packed((16, 3, "s", None, "c1", 0.0)) == text  # the reply was lost: the same batches
+    assert decode_group(packed.plan_packed((16, 2, "s", 2, "c3", 0.0))) == twin.plan(16, 2, stream="s", served=2)
+    with pytest.raises(ValueError, match="a call id names one call"):
+        packed.plan_packed((16, 4, "s", None, "c1", 0.0))
 
 
 def test_assemble_refuses_a_wrong_part_count_and_assemble_slice_postprocesses():

@@ -43,3 +43,21 @@ def test_answers_kept_for_calls_made_again_are_plain_data_and_come_back_equal():
     again = ReplyCache()
     again.load(saved)
     assert again.get("c1", (4, 1, "s", 1)) == group
+
+
+def test_answers_saved_as_encoded_text_load_back_as_the_same_state(tmp_path):
+    group = GroupPlan([BatchPlan([Part("offline", 0, 2)], 2, 0, fraction=1.0, step=1)], reads=[("offline", 0)],
+                      args=[([2], [5], [None], None)], version=1, first=0)
+    cache = ReplyCache(kept=2)
+    for call in ("a", "b", "c"):  # "a" falls out: its text must leave with it
+        cache.put(call, (2, 1, "s", 1), group)
+    assert json.loads(cache.items_json()) == cache.items()
+    s = CoordinatorState(tmp_path)
+    s.save({"version": 3}, encoded={"answers": cache.items_json()})
+    loaded = CoordinatorState(tmp_path).load()
+    assert loaded == {"version": 3, "answers": cache.items()}
+    again = ReplyCache()
+    again.load(loaded["answers"])
+    assert again.items_json() == cache.items_json() and again.get("c", (2, 1, "s", 1)) == group
+    s.save({}, encoded={"answers": "[]"})
+    assert s.load() == {"answers": []}
