@@ -47,12 +47,12 @@ SIZES = {
     "full": dict(n_off=581_012, dim=54, n_on=100_000, batch_sizes=[256, 4096, 65536], shards=[1, 2, 4],
                  repeats=3, min_time=1.0, min_iters=5, writer_batches=50, writer_rows=1000, per_row_frames=20_000,
                  prefetch=16, prefetch_sweep=[1, 4, 8, 16, 32], consumers=[1, 2, 4, 8], consumer_batch=4096,
-                 draw_batches=[256, 4096], draw_consumers=4, draw_prefetch=16, online_shards=2, writers=[1, 4]),
+                 draw_batches=[256, 4096], draw_consumers=4, draw_prefetch=[16, 64], online_shards=2, writers=[1, 4]),
     # every section and key once, with as few actors as that takes (each is a process start on a small machine)
     "smoke": dict(n_off=4000, dim=8, n_on=1000, batch_sizes=[64, 512], shards=[1], repeats=1, min_time=0.02,
                   min_iters=2, writer_batches=3, writer_rows=100, per_row_frames=300, prefetch=2,
                   prefetch_sweep=[1, 2], consumers=[1, 2], consumer_batch=64,
-                  draw_batches=[64], draw_consumers=2, draw_prefetch=4, online_shards=1, writers=[2]),
+                  draw_batches=[64], draw_consumers=2, draw_prefetch=[4], online_shards=1, writers=[2]),
 }
 
 
@@ -296,17 +296,18 @@ def bench_draw_path(cfg, offline, online, root, results):
     rb = OfflineToOnlineReplayBuffer(str(ds_root), online_capacity=len(online), num_offline_shards=2,
                                      num_online_shards=cfg["online_shards"], offline_fraction=0.5, seed=0)
     rb.extend(online)
-    out: dict[str, Any] = {"consumers": cfg["draw_consumers"], "prefetch": cfg["draw_prefetch"]}
+    # the first prefetch is the headline; deeper ones show how the per-call cost shrinks with larger groups
+    prefetches = list(cfg["draw_prefetch"])
+    out: dict[str, Any] = {"consumers": cfg["draw_consumers"], "prefetch": prefetches[0]}
     seconds = cfg["min_time"] * 3
-    for B in cfg["draw_batches"]:
+    for B, pf in [(B, pf) for pf in prefetches for B in cfg["draw_batches"]]:
         row: dict[str, list] = {}
         for _ in range(cfg["repeats"]):
             o2o_rate = summarize(timed(lambda: o2o.sample(B), cfg["min_time"], cfg["min_iters"]), B)["rows_per_s"]
             actors = [Consumer.remote() for _ in range(cfg["draw_consumers"])]
             ray.get([a.__ray_ready__.remote() for a in actors])
             cpu0, n0 = coordinator_cpu(rb)
-            got = ray.get([a.run.remote(rb.client(), B, cfg["draw_prefetch"], seconds, time.time() + 0.5)
-                           for a in actors])
+            got = ray.get([a.run.remote(rb.client(), B, pf, seconds, time.time() + 0.5) for a in actors])
             cpu1, n1 = coordinator_cpu(rb)
             for a in actors:
                 ray.kill(a)
@@ -317,8 +318,9 @@ def bench_draw_path(cfg, offline, online, root, results):
                          "ratio_vs_torchrl_o2o": rate / o2o_rate, "coordinator_cpu_ms_per_batch": ms,
                          "coordinator_batches_per_s_ceiling": 1e3 / max(ms, 1e-9)}.items():
                 row.setdefault(k, []).append(v)
-        out[str(B)] = {k: med_range(v) for k, v in row.items()}
-        print(f"  draw path B={B}: " + ", ".join(f"{k} {v['median']:,.3f}" for k, v in out[str(B)].items()),
+        key = str(B) if pf == prefetches[0] else f"{B} prefetch={pf}"
+        out[key] = {k: med_range(v) for k, v in row.items()}
+        print(f"  draw path B={B} prefetch={pf}: " + ", ".join(f"{k} {v['median']:,.3f}" for k, v in out[key].items()),
               flush=True)
     rb.shutdown()
     # the plain sample() loop, with and without a rate limiter whose window is never reached
@@ -367,6 +369,57 @@ def cpu_by_role() -> dict[str, float]:
         role = next((r for r, keys in roles.items() if any(k in line for k in keys)), "other")
         out[role] += t.user + t.system
     return out
+
+
+@ray.remote(num_cpus=0)
+class CallShapes:
+    """Stand-in for the coordinator's plan call, to measure what Ray itself costs the callee per call."""
+
+    def cpu(self) -> float:
+        return time.process_time()
+
+    def keywords(self, batch_size, k, *, stream=None, served=None, call=None) -> Any:
+        return _Answer(self._text)
+
+    def packed(self, request: tuple) -> str:
+        return self._text
+
+    def set_text(self, text: str) -> None:
+        self._text = text
+
+
+class _Answer:
+    def __init__(self, text: str):
+        self.text = text
+
+    def __reduce__(self):  # as a GroupPlan travels: pickled as its text
+        return _Answer, (self.text,)
+
+
+def bench_call_cost(cfg, results):
+    """The callee's CPU per call (its process time) for the plan call's two shapes, same answer text: keyword
+    arguments answered by an object, and one tuple answered by the text (``Coordinator.plan_packed``)."""
+    import uuid
+
+    actor = CallShapes.remote()
+    ray.get(actor.set_text.remote("x" * 3800))  # a group of 12 plans' JSON at B=4096 is about this long
+    calls = {"keywords_object": lambda i: actor.keywords.remote(4096, 12, stream="s" * 32, served=i,
+                                                                call=uuid.uuid4().hex),
+             "tuple_text": lambda i: actor.packed.remote((4096, 12, "s" * 32, i, uuid.uuid4().hex, 0.0))}
+    n = max(200, 20 * cfg["min_iters"]) if cfg["min_time"] < 0.5 else 2000
+    row: dict[str, list] = {}
+    for _ in range(cfg["repeats"]):
+        for name, fn in calls.items():
+            c0, refs = ray.get(actor.cpu.remote()), []
+            for i in range(n):
+                refs.append(fn(i))
+                if len(refs) >= 4:  # a few in flight, as handles keep them
+                    ray.get(refs.pop(0))
+            ray.get(refs)
+            row.setdefault(f"{name}_callee_ms", []).append((ray.get(actor.cpu.remote()) - c0) / n * 1e3)
+    results["call_cost"] = {k: med_range(v) for k, v in row.items()}
+    print("  " + ", ".join(f"{k} {v['median']:.3f}" for k, v in results["call_cost"].items()), flush=True)
+    ray.kill(actor)
 
 
 def bench_consumers(cfg, offline, online, root, results):
@@ -754,7 +807,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--data-home", default=os.environ.get("SCIKIT_LEARN_DATA"))
     p.add_argument("--out", default=str(DEFAULT_OUT))
     p.add_argument("--sections", default="sampling,draw_path,consumers,real,writing,preprocess,cluster",
-                   help="comma-separated; 'gpu' (not in the default) needs CUDA and writes results_gpu.json")
+                   help="comma-separated; 'call_cost' (Ray's cost per plan call by its shape) and 'gpu' (needs CUDA, "
+                        "writes results_gpu.json) are not in the default")
     p.add_argument("--batch-sizes", default=None, help="comma-separated, overrides the mode's")
     p.add_argument("--repeats", type=int, default=None, help="overrides the mode's")
     args = p.parse_args(argv)
@@ -791,6 +845,9 @@ def main(argv: list[str] | None = None) -> dict:
         if "draw_path" in sections:
             print("draw path...", flush=True)
             bench_draw_path(cfg, offline, online, root, results)
+        if "call_cost" in sections:
+            print("call cost...", flush=True)
+            bench_call_cost(cfg, results)
         if "consumers" in sections:
             print("consumers...", flush=True)
             bench_consumers(cfg, offline, online, root, results)

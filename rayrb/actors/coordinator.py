@@ -184,7 +184,7 @@ class Coordinator:
     def plan_packed(self, request: tuple) -> str | HeldBack:
         """``plan`` as the handle's stream asks it: ``(batch_size, num_batches, stream, served, call, waited)`` in
         one tuple, the group's JSON text (``GroupPlan.encoded``, kept for the call id anyway) out. Ray's own cost per
-        call is about a third lower than with keyword arguments and a pickled object (``docs/benchmarks.md``)."""
+        call is nearly halved against keyword arguments and a pickled object (``docs/benchmarks.md``)."""
         batch_size, num_batches, stream, served, call, waited = request
         group = self.plan(batch_size, num_batches, stream=stream, served=served, call=call, waited=waited)
         return group if isinstance(group, HeldBack) else group.encoded()
