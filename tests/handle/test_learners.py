@@ -68,27 +68,32 @@ def test_iterator_moves_batches_to_the_device(buffers):
     assert batch.device == torch.device("cpu") and batch["obs"].device.type == "cpu"
 
 
-@pytest.fixture
-def learner_cls(ray_session):
+@pytest.fixture(scope="module")
+def two_learners(ray_session):
+    """Two learner actors for the module's direct-feed cases (a process start each): each case attaches its buffer."""
     ray = ray_session
 
     @ray.remote(num_cpus=0)
     class Learner:
-        def __init__(self, rb):
+        def attach(self, rb):
             self.rb = rb
 
         def update(self, flat):  # the ref was resolved by Ray: the rows came straight to this actor
             td, info = self.rb.to_tensordict(flat, return_info=True)
             return td["id"].tolist(), info["offline"].tolist()
 
-    return Learner
+    learners = [Learner.remote() for _ in range(2)]
+    yield learners
+    for l in learners:
+        ray.kill(l)
 
 
 @pytest.mark.parametrize("f", [0.5, 0.3])
-def test_direct_feed_to_two_learners(buffers, learner_cls, ray_session, f):
+def test_direct_feed_to_two_learners(buffers, two_learners, ray_session, f):
     ray = ray_session
     rb = buffers(sampler="without_replacement", drop_last=True, offline_fraction=f)
-    learners = [learner_cls.remote(rb) for _ in range(2)]
+    learners = two_learners
+    ray.get([l.attach.remote(rb) for l in learners])
     B = 101
     for _ in range(3):
         refs = rb.sample_slices(2, B, return_info=True, learners=learners)
@@ -102,8 +107,6 @@ def test_direct_feed_to_two_learners(buffers, learner_cls, ray_session, f):
         assert abs(n_off[0] - n_off[1]) <= 1  # as even as integers allow
         for o in out:  # provenance agrees with the rows
             assert all((i < 1_000_000) == off for i, off in zip(o[0], o[1]))
-    for l in learners:
-        ray.kill(l)
 
 
 def test_slice_arguments_are_checked(buffers):
