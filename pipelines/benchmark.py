@@ -47,12 +47,14 @@ SIZES = {
     "full": dict(n_off=581_012, dim=54, n_on=100_000, batch_sizes=[256, 4096, 65536], shards=[1, 2, 4],
                  repeats=3, min_time=1.0, min_iters=5, writer_batches=50, writer_rows=1000, per_row_frames=20_000,
                  prefetch=16, prefetch_sweep=[1, 4, 8, 16, 32], consumers=[1, 2, 4, 8], consumer_batch=4096,
-                 draw_batches=[256, 4096], draw_consumers=4, draw_prefetch=[16, 64], online_shards=2, writers=[1, 4]),
+                 draw_batches=[256, 4096], draw_consumers=4, draw_prefetch=[16, 64], online_shards=2, writers=[1, 4],
+                 cluster_nodes=[1, 2]),
     # every section and key once, with as few actors as that takes (each is a process start on a small machine)
     "smoke": dict(n_off=4000, dim=8, n_on=1000, batch_sizes=[64, 512], shards=[1], repeats=1, min_time=0.02,
                   min_iters=2, writer_batches=3, writer_rows=100, per_row_frames=300, prefetch=2,
                   prefetch_sweep=[1, 2], consumers=[1, 2], consumer_batch=64,
-                  draw_batches=[64], draw_consumers=2, draw_prefetch=[4], online_shards=1, writers=[2]),
+                  draw_batches=[64], draw_consumers=1, draw_prefetch=[4], online_shards=1, writers=[1],
+                  cluster_nodes=[2]),
 }
 
 
@@ -729,7 +731,7 @@ def bench_cluster(cfg, results):
     env = {**os.environ}
     env.pop("RAY_ADDRESS", None)
     p = subprocess.run([sys.executable, "-c", CLUSTER_SCRIPT, str(n), str(cfg["dim"]), str(B), str(cfg["min_time"] * 3),
-                        "1,2"], capture_output=True, text=True, env=env, timeout=600)
+                        ",".join(map(str, cfg["cluster_nodes"]))], capture_output=True, text=True, env=env, timeout=600)
     if p.returncode != 0:
         raise RuntimeError(f"cluster benchmark failed:\n{p.stderr[-2000:]}")
     out.update(result_line(p.stdout))

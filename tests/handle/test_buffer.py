@@ -150,6 +150,8 @@ def test_concurrent_writers_and_a_learner(make_buffer, writer_cls, ray_session):
     rb = make_buffer(offline_rows(), online_capacity=10_000, num_offline_shards=3, num_online_shards=2,
                      offline_fraction=0.5, seed=0)
     writers = [writer_cls.remote(rb) for _ in range(3)]
+    # the writers' processes start before any sampling: a learner looping meanwhile only slows their start
+    ray.get([w.__ray_ready__.remote() for w in writers])
     refs = [w.write.remote(100_000 * i, 37, 20) for i, w in enumerate(writers)]
     n_batches = 0
     while ray.wait(refs, num_returns=len(refs), timeout=0)[1]:

@@ -20,9 +20,28 @@ def rows(n):
     return TensorDict({"obs": ids.float()[:, None], "id": ids}, [n])
 
 
-def reference(make_buffer, n, **kw):
-    ref = make_buffer(rows(200), **{**KW, **kw})
-    return [ref.sample()["id"] for _ in range(n)]
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, ray_session):
+    """``reference(n, **kw)``: the first ``n`` batches of a twin that only calls ``sample()``. One twin per setting
+    for the module (a buffer start each), drawn further as tests ask for more: the stream is the same."""
+    from rayrb import OfflineToOnlineReplayBuffer
+
+    twins, streams = {}, {}
+
+    def stream(n, **kw):
+        key = tuple(sorted(kw.items()))
+        if key not in twins:
+            root = tmp_path_factory.mktemp("reference")
+            twins[key] = OfflineToOnlineReplayBuffer(rows(200), **{**KW, **kw}, dataset_root=root / "ds",
+                                                     storage_dir=root / "state")
+            streams[key] = []
+        while len(streams[key]) < n:
+            streams[key].append(twins[key].sample()["id"])
+        return streams[key][:n]
+
+    yield stream
+    for rb in twins.values():
+        rb.shutdown()
 
 
 def assert_stream(got, want):
@@ -33,8 +52,8 @@ def assert_stream(got, want):
 
 @pytest.mark.parametrize("sampler", ["uniform", "without_replacement"])
 @pytest.mark.parametrize("how", ["close", "with", "break"])
-def test_an_iterator_left_early_gives_back_what_it_did_not_hand_over(make_buffer, sampler, how):
-    want = reference(make_buffer, 12, sampler=sampler)
+def test_an_iterator_left_early_gives_back_what_it_did_not_hand_over(make_buffer, sampler, how, reference):
+    want = reference(12, sampler=sampler)
     rb = make_buffer(rows(200), **KW, sampler=sampler)
     got = []
     if how == "close":
@@ -67,8 +86,8 @@ def test_every_row_of_an_epoch_is_served_once_across_abandoned_iterators(make_bu
     assert sorted(torch.cat(seen).tolist()) == list(range(200))
 
 
-def test_a_state_dict_taken_while_iterating_leaves_out_only_what_was_drawn_ahead(make_buffer):
-    want = reference(make_buffer, 10, sampler="without_replacement")
+def test_a_state_dict_taken_while_iterating_leaves_out_only_what_was_drawn_ahead(make_buffer, reference):
+    want = reference(10, sampler="without_replacement")
     rb = make_buffer(rows(200), **KW, sampler="without_replacement")
     it = rb.iter_batches(prefetch=8)
     got = [next(it)["id"] for _ in range(3)]
@@ -78,7 +97,7 @@ def test_a_state_dict_taken_while_iterating_leaves_out_only_what_was_drawn_ahead
     assert_stream(got + [twin.sample()["id"] for _ in range(7)], want)
 
 
-def test_after_another_handles_draw_the_iterators_draws_stand(make_buffer):
+def test_after_another_handles_draw_the_iterators_draws_stand(make_buffer, reference):
     rb = make_buffer(rows(200), **KW)
     other = rb.client()
     it = rb.iter_batches(prefetch=8)
@@ -86,15 +105,15 @@ def test_after_another_handles_draw_the_iterators_draws_stand(make_buffer):
     drawn_ahead = it.in_flight
     other.sample()  # another caller draws: the iterator's batches can no longer be given back
     it.close()
-    want = reference(make_buffer, 3 + drawn_ahead)
+    want = reference(3 + drawn_ahead)
     assert torch.equal(first, want[0])
     # the stream went on after the iterator's draws and the other handle's one
     assert torch.equal(rb.sample()["id"], want[2 + drawn_ahead])
     assert rb.stats()["coordinator"]["undo_refused"] == 1
 
 
-def test_dumps_while_iterating_resumes_after_the_batches_handed_over(make_buffer, tmp_path):
-    want = reference(make_buffer, 10, sampler="without_replacement")
+def test_dumps_while_iterating_resumes_after_the_batches_handed_over(make_buffer, tmp_path, reference):
+    want = reference(10, sampler="without_replacement")
     rb = make_buffer(rows(200), **KW, sampler="without_replacement")
     it = rb.iter_batches(prefetch=8)
     got = [next(it)["id"] for _ in range(4)]
@@ -104,10 +123,10 @@ def test_dumps_while_iterating_resumes_after_the_batches_handed_over(make_buffer
     assert_stream(got + [twin.sample()["id"] for _ in range(6)], want)
 
 
-def test_a_save_from_elsewhere_serves_again_at_most_one_group_and_skips_nothing(make_buffer):
+def test_a_save_from_elsewhere_serves_again_at_most_one_group_and_skips_nothing(make_buffer, reference):
     import ray
 
-    want = reference(make_buffer, 30, sampler="without_replacement")
+    want = reference(30, sampler="without_replacement")
     rb = make_buffer(rows(200), **KW, sampler="without_replacement")
     it = rb.iter_batches(prefetch=4)  # a group of 4, then groups of 3 (asked for once one batch is left)
     got = [next(it)["id"] for _ in range(9)]

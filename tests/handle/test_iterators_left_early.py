@@ -15,9 +15,28 @@ def rows(n, start=0):
     return TensorDict({"obs": ids.float()[:, None], "id": ids}, [n])
 
 
-def reference(make_buffer, n, data=None, **kw):
-    ref = make_buffer(rows(200) if data is None else data, **{**KW, **kw})
-    return [ref.sample()["id"] for _ in range(n)]
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, ray_session):
+    """``reference(n, **kw)``: the first ``n`` batches of a twin that only calls ``sample()``. One twin per setting
+    for the module (a buffer start each), drawn further as tests ask for more: the stream is the same."""
+    from rayrb import OfflineToOnlineReplayBuffer
+
+    twins, streams = {}, {}
+
+    def stream(n, **kw):
+        key = tuple(sorted(kw.items()))
+        if key not in twins:
+            root = tmp_path_factory.mktemp("reference")
+            twins[key] = OfflineToOnlineReplayBuffer(rows(200), **{**KW, **kw}, dataset_root=root / "ds",
+                                                     storage_dir=root / "state")
+            streams[key] = []
+        while len(streams[key]) < n:
+            streams[key].append(twins[key].sample()["id"])
+        return streams[key][:n]
+
+    yield stream
+    for rb in twins.values():
+        rb.shutdown()
 
 
 def assert_stream(got, want):
@@ -31,8 +50,8 @@ def index_in(want, batch):
 
 
 @pytest.mark.usefixtures("ray_session")
-def test_a_state_dict_after_an_iterator_ran_out_and_was_dropped_resumes_after_its_last_batch(make_buffer):
-    want = reference(make_buffer, 12, sampler="without_replacement")
+def test_a_state_dict_after_an_iterator_ran_out_and_was_dropped_resumes_after_its_last_batch(make_buffer, reference):
+    want = reference(12, sampler="without_replacement")
     rb = make_buffer(rows(200), **KW, sampler="without_replacement")
     got = [b["id"] for b in rb.iter_batches(prefetch=8, num_batches=5)]  # runs out, then is dropped
     state = rb.state_dict()
@@ -42,8 +61,8 @@ def test_a_state_dict_after_an_iterator_ran_out_and_was_dropped_resumes_after_it
 
 
 @pytest.mark.usefixtures("ray_session")
-def test_a_state_dict_from_a_second_handle_here_while_iterating(make_buffer):
-    want = reference(make_buffer, 12, sampler="without_replacement")
+def test_a_state_dict_from_a_second_handle_here_while_iterating(make_buffer, reference):
+    want = reference(12, sampler="without_replacement")
     rb = make_buffer(rows(200), **KW, sampler="without_replacement")
     other = rb.client()
     it = rb.iter_batches(prefetch=6)
@@ -70,8 +89,8 @@ def test_a_prefetch_deeper_than_the_coordinators_log_skips_no_row_of_the_epoch(m
 
 
 @pytest.mark.usefixtures("ray_session")
-def test_the_later_of_two_iterators_on_one_handle_gives_back_its_draws(make_buffer):
-    want = reference(make_buffer, 20, sampler="without_replacement")
+def test_the_later_of_two_iterators_on_one_handle_gives_back_its_draws(make_buffer, reference):
+    want = reference(20, sampler="without_replacement")
     rb = make_buffer(rows(200), **KW, sampler="without_replacement")
     a = rb.iter_batches(prefetch=4)
     first = next(a)["id"]
@@ -89,8 +108,8 @@ def test_the_later_of_two_iterators_on_one_handle_gives_back_its_draws(make_buff
 
 
 @pytest.mark.usefixtures("ray_session")
-def test_an_exception_inside_with_still_gives_back(make_buffer):
-    want = reference(make_buffer, 8)
+def test_an_exception_inside_with_still_gives_back(make_buffer, reference):
+    want = reference(8)
     rb = make_buffer(rows(200), **KW)
     got = []
     with pytest.raises(KeyError):

@@ -16,21 +16,33 @@ def rows(n, start=0, online=False):
     return TensorDict({"obs": ids.float()[:, None].expand(n, 2).contiguous(), "id": ids}, [n])
 
 
+def build(dataset_root, seed=0, **kw):
+    kw = {"online_capacity": 500, "num_offline_shards": 2, "num_online_shards": 2, "seed": seed,
+          "dataset_root": dataset_root, **kw}
+    rb = OfflineToOnlineReplayBuffer(rows(400), **kw)
+    rb.extend(rows(300, online=True))
+    return rb
+
+
 @pytest.fixture
 def buffers(tmp_path):
     made = []
 
     def make(seed=0, **kw):
-        kw = {"online_capacity": 500, "num_offline_shards": 2, "num_online_shards": 2, "seed": seed,
-              "dataset_root": tmp_path / f"ds{len(made)}", **kw}
-        rb = OfflineToOnlineReplayBuffer(rows(400), **kw)
-        rb.extend(rows(300, online=True))
-        made.append(rb)
-        return rb
+        made.append(build(tmp_path / f"ds{len(made)}", seed, **kw))
+        return made[-1]
 
     yield make
     for rb in made:
         rb.shutdown()
+
+
+@pytest.fixture(scope="module")
+def shared_buffer(tmp_path_factory, ray_session):
+    """One buffer (five actors to start) for the tests that neither write nor depend on what was drawn before."""
+    rb = build(tmp_path_factory.mktemp("shared") / "ds")
+    yield rb
+    rb.shutdown()
 
 
 def test_sample_async_and_iterator_match_sample(buffers, ray_session):
@@ -46,8 +58,8 @@ def test_sample_async_and_iterator_match_sample(buffers, ray_session):
         assert torch.equal(wi["offline"], ai["offline"]) and torch.equal(wi["generation"], ii["generation"])
 
 
-def test_prefetch_depth_is_respected(buffers):
-    rb = buffers()
+def test_prefetch_depth_is_respected(shared_buffer):
+    rb = shared_buffer
     it = rb.iter_batches(32, prefetch=4)
     assert it.in_flight == 0  # nothing is requested before the first batch is asked for
     seen = set()
@@ -62,33 +74,38 @@ def test_prefetch_depth_is_respected(buffers):
         rb.iter_batches(32, prefetch=0)
 
 
-def test_iterator_moves_batches_to_the_device(buffers):
-    rb = buffers()
+def test_iterator_moves_batches_to_the_device(shared_buffer):
+    rb = shared_buffer
     batch = next(iter(rb.iter_batches(8, device="cpu")))
     assert batch.device == torch.device("cpu") and batch["obs"].device.type == "cpu"
 
 
-@pytest.fixture
-def learner_cls(ray_session):
+@pytest.fixture(scope="module")
+def two_learners(ray_session):
+    """Two learner actors for the module's direct-feed cases (a process start each): each case attaches its buffer."""
     ray = ray_session
 
     @ray.remote(num_cpus=0)
     class Learner:
-        def __init__(self, rb):
+        def attach(self, rb):
             self.rb = rb
 
         def update(self, flat):  # the ref was resolved by Ray: the rows came straight to this actor
             td, info = self.rb.to_tensordict(flat, return_info=True)
             return td["id"].tolist(), info["offline"].tolist()
 
-    return Learner
+    learners = [Learner.remote() for _ in range(2)]
+    yield learners
+    for l in learners:
+        ray.kill(l)
 
 
 @pytest.mark.parametrize("f", [0.5, 0.3])
-def test_direct_feed_to_two_learners(buffers, learner_cls, ray_session, f):
+def test_direct_feed_to_two_learners(buffers, two_learners, ray_session, f):
     ray = ray_session
     rb = buffers(sampler="without_replacement", drop_last=True, offline_fraction=f)
-    learners = [learner_cls.remote(rb) for _ in range(2)]
+    learners = two_learners
+    ray.get([l.attach.remote(rb) for l in learners])
     B = 101
     for _ in range(3):
         refs = rb.sample_slices(2, B, return_info=True, learners=learners)
@@ -102,12 +119,10 @@ def test_direct_feed_to_two_learners(buffers, learner_cls, ray_session, f):
         assert abs(n_off[0] - n_off[1]) <= 1  # as even as integers allow
         for o in out:  # provenance agrees with the rows
             assert all((i < 1_000_000) == off for i, off in zip(o[0], o[1]))
-    for l in learners:
-        ray.kill(l)
 
 
-def test_slice_arguments_are_checked(buffers):
-    rb = buffers()
+def test_slice_arguments_are_checked(shared_buffer):
+    rb = shared_buffer
     with pytest.raises(ValueError, match="num_slices must be a positive integer"):
         rb.sample_slices(0, 10)
     with pytest.raises(ValueError, match="num_slices must be in \\[1, batch_size=4\\]"):
