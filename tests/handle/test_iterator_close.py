@@ -20,30 +20,6 @@ def rows(n):
     return TensorDict({"obs": ids.float()[:, None], "id": ids}, [n])
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, ray_session):
-    """``reference(n, **kw)``: the first ``n`` batches of a twin that only calls ``sample()``. One twin per setting
-    for the module (a buffer start each), drawn further as tests ask for more: the stream is the same."""
-    from rayrb import OfflineToOnlineReplayBuffer
-
-    twins, streams = {}, {}
-
-    def stream(n, **kw):
-        key = tuple(sorted(kw.items()))
-        if key not in twins:
-            root = tmp_path_factory.mktemp("reference")
-            twins[key] = OfflineToOnlineReplayBuffer(rows(200), **{**KW, **kw}, dataset_root=root / "ds",
-                                                     storage_dir=root / "state")
-            streams[key] = []
-        while len(streams[key]) < n:
-            streams[key].append(twins[key].sample()["id"])
-        return streams[key][:n]
-
-    yield stream
-    for rb in twins.values():
-        rb.shutdown()
-
-
 def assert_stream(got, want):
     assert len(got) == len(want)
     for i, (a, b) in enumerate(zip(got, want)):
