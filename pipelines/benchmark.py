@@ -824,8 +824,10 @@ def main(argv: list[str] | None = None) -> dict:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     if not ray.is_initialized():
-        ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False,
-                 logging_level=logging.WARNING, object_store_memory=None if os.environ.get("RAY_ADDRESS") else 2 << 30)
+        # a submitted job joins its cluster; run alone, it starts its own instance even if a `ray start` one runs here
+        address = os.environ.get("RAY_ADDRESS") or "local"
+        ray.init(address=address, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING,
+                 object_store_memory=2 << 30 if address == "local" else None)
     results: dict[str, Any] = {
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
         "mode": "smoke" if args.smoke else "full",
