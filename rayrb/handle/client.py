@@ -158,6 +158,8 @@ class BufferClient(Writes, LearnerPaths, Steering):
         Args:
             batch_size: rows per batch (default: the buffer's).
             prefetch: batches drawn ahead; once a quarter of them is left, the rest are planned in one group.
+                Ray's cost is per call (one plan, one read per shard) whatever the group's size, so small
+                batches want a deeper prefetch: at B=256, 64 rather than 16 (``docs/benchmarks.md``).
             device: moves each batch there (through pinned memory for CUDA). Inside an actor that Ray
                 gave the GPU the shards hold their rows on (``storage_device="cuda"``), ``"cuda"`` reads
                 each group from the shards over CUDA IPC instead.
