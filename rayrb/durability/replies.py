@@ -29,14 +29,14 @@ class ReplyCache:
 
     def __init__(self, kept: int = REPLIES_KEPT):
         self.kept = int(kept)
-        self._answers: OrderedDict[str, tuple[Hashable, Any]] = OrderedDict()
-        self._texts: dict[str, str] = {}  # each entry of items() as JSON text
+        # call -> (request, encoded answer, the entry of items() as JSON text)
+        self._answers: OrderedDict[str, tuple[Hashable, str, str]] = OrderedDict()
 
     def get(self, call: str | None, request: Hashable) -> Any:
         """The answer given to ``call``, or None; raises if ``call`` was answered for another request."""
         if call is None or call not in self._answers:
             return None
-        asked, answer = self._answers[call]
+        asked, answer, _ = self._answers[call]
         if asked != request:
             raise ValueError(f"call {call!r} was answered for {asked}, got {request}: a call id names one call; "
                              "use a new id for a new call")
@@ -46,15 +46,13 @@ class ReplyCache:
         if call is None:
             return
         # kept encoded: a save of the cache (after every call) then copies strings instead of encoding plans again
-        encoded = self._encode(answer)
-        self._answers[call] = (request, encoded)
-        self._texts[call] = json.dumps([call, list(request), encoded], separators=(",", ":"))
+        self._answers[call] = self._entry(call, request, self._encode(answer))
         while len(self._answers) > self.kept:
-            del self._texts[self._answers.popitem(last=False)[0]]
+            self._answers.popitem(last=False)
 
     def items(self) -> list[list[Any]]:
         """``[call, request, encoded answer]`` per answer, oldest first: plain data, for the saved state."""
-        return [[call, list(request), answer] for call, (request, answer) in self._answers.items()]
+        return [[call, list(request), answer] for call, (request, answer, _) in self._answers.items()]
 
     def items_json(self) -> str:
         """``items()`` as JSON text, each entry encoded once when it was put: the state is saved after every
@@ -65,12 +63,15 @@ class ReplyCache:
         >>> json.loads(cache.items_json()) == cache.items()
         True
         """
-        return "[" + ",".join(self._texts[call] for call in self._answers) + "]"
+        return "[" + ",".join(text for _, _, text in self._answers.values()) + "]"
 
     def load(self, items: Any) -> None:
-        self._answers = OrderedDict((call, (tuple(request), answer)) for call, request, answer in items or ())
-        self._texts = {call: json.dumps([call, list(request), answer], separators=(",", ":"))
-                       for call, (request, answer) in self._answers.items()}
+        self._answers = OrderedDict((call, self._entry(call, tuple(request), answer))
+                                    for call, request, answer in items or ())
+
+    @staticmethod
+    def _entry(call: str, request: Hashable, encoded: str) -> tuple[Hashable, str, str]:
+        return request, encoded, json.dumps([call, list(request), encoded], separators=(",", ":"))
 
     @staticmethod
     def _encode(answer: Any) -> str:
