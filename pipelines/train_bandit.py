@@ -9,8 +9,9 @@ reward is 1 when the action is the row's label ``y``, else 0.
    and ``("next", "done")``. The default, ``narrow``, is a deterministic, mediocre rule: a softmax regression
    on two columns, fit on the training split's labels, that takes one action per context. The log never says
    what any other action would have earned in a context, and never takes some actions at all: gaps only
-   online data can fill. ``uniform``, ``skewed`` and ``partial`` (never the odd-numbered actions) are
-   context-free.
+   online data can fill. ``segment`` is the narrow rule that tries every action where it is least sure
+   (``--explored-share`` of the contexts). ``uniform``, ``skewed`` and ``partial`` (never the odd-numbered
+   actions) are context-free.
 3. Three learners, same seeds, same steps, each on a buffer of its own: offline only, online only (starting
    empty, with the same collectors) and offline-to-online (below).
 4. The offline-to-online run: collector actors act epsilon-greedily with the learner's latest weights on fresh
@@ -61,7 +62,8 @@ def make_model(n_features: int, n_actions: int, hidden: int):
 
 
 CONTEXT_FREE = ("partial", "uniform", "skewed")
-BEHAVIOURS = ("narrow", *CONTEXT_FREE)
+FITTED = ("narrow", "segment")  # policies fit on the training split (fit_narrow)
+BEHAVIOURS = (*FITTED, *CONTEXT_FREE)
 
 
 def behaviour_probs(policy: str, n_actions: int) -> np.ndarray:
@@ -120,17 +122,40 @@ def narrow_actions(params: dict[str, list], X: np.ndarray) -> np.ndarray:
     return (z @ np.asarray(params["weight"]) + params["bias"]).argmax(1).astype(np.int64)
 
 
+def _margin(params: dict[str, list], X: np.ndarray) -> np.ndarray:
+    """How sure the narrow rule is of its action: its best logit minus its second best."""
+    z = (np.asarray(X, np.float64)[:, params["features"]] - params["mean"]) / params["scale"]
+    top2 = np.sort(z @ np.asarray(params["weight"]) + params["bias"], axis=1)[:, -2:]
+    return top2[:, 1] - top2[:, 0]
+
+
+def fit_segment(params: dict[str, list], X: np.ndarray, share: float) -> dict[str, list]:
+    """The ``segment`` policy: the narrow one, which tries every action where it is least sure.
+
+    Where the narrow rule's margin (``_margin``) is among the lowest ``share`` of the training contexts', the log
+    takes every action uniformly; elsewhere it holds only the narrow rule's one action per context.
+    """
+    if not 0 < share < 1:
+        raise ValueError(f"expected an explored share in (0, 1), got {share}")
+    return {**params, "explore_below": [float(np.quantile(_margin(params, X), share))]}
+
+
+def explored(params: dict[str, list], X: np.ndarray) -> np.ndarray:
+    """Where the ``segment`` policy explores (``fit_segment``)."""
+    return _margin(params, X) <= params["explore_below"][0]
+
+
 class LogBehaviour:
     """Batched preprocess fn: one chunk of ``X, y, row`` in, the behaviour policy's logged rows out.
 
-    ``params`` (``fit_narrow``'s) makes the policy the deterministic ``narrow`` one; without them it is the
-    context-free ``policy``.
+    ``params`` (``fit_narrow``'s) make the policy the deterministic ``narrow`` one, or ``segment``: uniform where
+    ``explored``, narrow elsewhere; without them it is the context-free ``policy``.
     """
 
     def __init__(self, policy: str, n_actions: int, seed: int, params: dict[str, list] | None = None):
-        if (policy == "narrow") != (params is not None):
-            raise ValueError(f"expected fitted params exactly for the narrow policy, got policy {policy!r} with "
-                             f"{'params' if params is not None else 'none'}")
+        if (policy in FITTED) != (params is not None):
+            raise ValueError(f"expected fitted params exactly for the policies {FITTED}, got policy {policy!r} "
+                             f"with {'params' if params is not None else 'none'}")
         self.policy, self.n_actions, self.seed, self.params = policy, n_actions, seed, params
 
     def __repr__(self) -> str:  # preprocess fingerprints fn by this: a rerun with other settings is a new job
@@ -142,13 +167,17 @@ class LogBehaviour:
         from tensordict import TensorDict
 
         n = td.batch_size[0]
+        # Seeded by the chunk's first row id: the same chunk logs the same actions on any worker, in any order.
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + int(td["row"][0]))
         if self.params is not None:  # one action per context, taken with probability 1
             action = torch.from_numpy(narrow_actions(self.params, td["X"].numpy()))
             log_prob = torch.zeros(n)
+            if self.policy == "segment":
+                mask = torch.from_numpy(explored(self.params, td["X"].numpy()))
+                action[mask] = torch.randint(0, self.n_actions, (int(mask.sum()),), generator=g)
+                log_prob[mask] = -math.log(self.n_actions)
         else:
             probs = torch.as_tensor(behaviour_probs(self.policy, self.n_actions), dtype=torch.float32)
-            # Seeded by the chunk's first row id: the same chunk logs the same actions on any worker, in any order.
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + int(td["row"][0]))
             action = torch.multinomial(probs, n, replacement=True, generator=g)
             log_prob = probs.log()[action]
         reward = (action == td["y"]).float().unsqueeze(-1)
@@ -532,8 +561,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-online-only", action="store_true", help="skip the online-only learner")
     p.add_argument("--behaviour", choices=list(BEHAVIOURS), default="narrow",
                    help="the logging policy: narrow (a softmax regression on --behaviour-features columns, fit on "
-                        "the training split and acted on greedily: one action per context), partial (never the "
+                        "the training split and acted on greedily: one action per context), segment (narrow, but every "
+                        "action uniformly on the --explored-share of contexts where narrow is least sure), partial (never the "
                         "odd-numbered actions), uniform random, or skewed (p(a) halving with each class id)")
+    p.add_argument("--explored-share", type=float, default=0.25,
+                   help="the segment policy's share of training contexts where it takes every action uniformly")
     p.add_argument("--behaviour-features", type=int, default=2,
                    help="columns the narrow policy sees, drawn with --seed")
     p.add_argument("--steps", type=int, default=600, help="learner steps, for each run")
@@ -596,11 +628,17 @@ def main(argv: list[str] | None = None) -> dict:
     t0 = time.perf_counter()
     test = ChunkDataset.open(splits["test"]).read()
     params, name = None, args.behaviour
-    if args.behaviour == "narrow":  # fit on the training split only; the held-out rows just score it
+    if args.behaviour in FITTED:  # fit on the training split only; the held-out rows just score it
         train = ChunkDataset.open(splits["train"]).read()
         params = fit_narrow(train["X"], train["y"], K, args.behaviour_features, args.seed)
-        name = f"narrow{len(params['features'])}"
-        behaviour_acc = float((narrow_actions(params, test["X"]) == test["y"]).mean())
+        name = f"{args.behaviour}{len(params['features'])}"
+        if args.behaviour == "segment":
+            params = fit_segment(params, train["X"], args.explored_share)
+            name += f"-explored{args.explored_share:g}"
+        hit = (narrow_actions(params, test["X"]) == test["y"]).astype(np.float64)
+        if args.behaviour == "segment":  # a uniform action earns 1/K in expectation
+            hit[explored(params, test["X"])] = 1 / K
+        behaviour_acc = float(hit.mean())
     else:
         behaviour_acc = float(behaviour_probs(args.behaviour, K)[test["y"]].mean())  # its expected held-out reward
     logged_root = Path(splits["train"]).parent / f"logged-{name}-seed{args.seed}"
@@ -611,6 +649,8 @@ def main(argv: list[str] | None = None) -> dict:
     behaviour_reward = float(logged_rows["next/reward"].mean())
     logged_actions = np.bincount(logged_rows["action"], minlength=K).tolist()
     about = f" (features {params['features']} of {d})" if params else ""
+    if args.behaviour == "segment":
+        about += f", every action on {explored(params, logged_rows['observation']).mean():.0%} of the contexts"
     print(f"logged the {args.behaviour} behaviour policy{about} on {len(logged)} contexts with rayrb.preprocess "
           f"({timing['log_s']:.1f}s): mean reward {behaviour_reward:.3f}, actions taken {logged_actions}, "
           f"spec {logged.spec}", flush=True)

@@ -85,7 +85,30 @@ def test_log_behaviour_logs_the_narrow_actions(job):
 
 
 def test_log_behaviour_refuses_params_for_a_context_free_policy(job):
-    with pytest.raises(ValueError, match="expected fitted params exactly for the narrow policy"):
+    with pytest.raises(ValueError, match="expected fitted params exactly for the policies"):
         job.LogBehaviour("uniform", 4, seed=0, params={"features": [0]})
     with pytest.raises(ValueError, match="expected fitted params"):
         job.LogBehaviour("narrow", 4, seed=0)
+
+
+def test_segment_policy_tries_every_action_where_the_narrow_rule_is_least_sure_and_only_there(job):
+    x, y = table()
+    narrow = job.fit_narrow(x, y, 4, n_features=2, seed=0)
+    params = job.fit_segment(narrow, x, 0.25)
+    where = job.explored(params, x)
+    assert 0.2 <= where.mean() <= 0.3  # the share asked for, up to ties in the margin
+    logged = log(job, "segment", x, y, 4, params)
+    # elsewhere: the narrow rule's one action, taken with probability 1
+    assert (logged["action"][~where] == job.narrow_actions(narrow, x[~where])).all()
+    assert (logged["log_prob"][~where] == 0).all()
+    # where it explores: every action, each with probability 1/4
+    assert set(logged["action"][where].tolist()) == {0, 1, 2, 3}
+    np.testing.assert_allclose(logged["log_prob"][where], np.log(0.25), rtol=1e-6)
+    assert actions_per_context(x[where], logged["action"][where]) > 1
+    np.testing.assert_array_equal(logged["reward"], logged["action"] == y)
+    # the explored contexts are those the narrow rule is least sure of
+    assert job._margin(narrow, x)[where].max() <= job._margin(narrow, x)[~where].min()
+    with pytest.raises(ValueError, match=r"expected an explored share in \(0, 1\), got 1.5"):
+        job.fit_segment(narrow, x, 1.5)
+    with pytest.raises(ValueError, match="expected fitted params"):
+        job.LogBehaviour("segment", 4, seed=0)
