@@ -123,10 +123,17 @@ def narrow_actions(params: dict[str, list], X: np.ndarray) -> np.ndarray:
 
 
 def _margin(params: dict[str, list], X: np.ndarray) -> np.ndarray:
-    """How sure the narrow rule is of its action: its best logit minus its second best."""
-    z = (np.asarray(X, np.float64)[:, params["features"]] - params["mean"]) / params["scale"]
+    """How sure the narrow rule is of its action: its best logit minus its second best.
+
+    Two columns give few distinct margins; ties are broken by all the context's columns (the fractional part of
+    a fixed projection, a millionth of the scale), so that a share of the contexts can be cut where they tie.
+    """
+    X = np.asarray(X, np.float64)
+    z = (X[:, params["features"]] - params["mean"]) / params["scale"]
     top2 = np.sort(z @ np.asarray(params["weight"]) + params["bias"], axis=1)[:, -2:]
-    return top2[:, 1] - top2[:, 0]
+    # row by row, so a context gets the same value in any chunk
+    tie = np.modf((X * np.random.default_rng(0).normal(size=X.shape[1])).sum(1) * 1e3)[0]
+    return top2[:, 1] - top2[:, 0] + 1e-6 * tie
 
 
 def fit_segment(params: dict[str, list], X: np.ndarray, share: float) -> dict[str, list]:
