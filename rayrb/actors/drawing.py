@@ -80,9 +80,10 @@ class Drawing:
             num_batches = 1
         self._sync_masses(sizes)
         drawn: list[tuple[BatchPlan, list]] = []
+        totals = (int(sizes[OFFLINE].sum()), int(sizes[ONLINE].sum()))
         try:
             for _ in range(num_batches):
-                drawn.extend(self._draw(batch_size, sizes, slices, stream))
+                drawn.extend(self._draw(batch_size, sizes, slices, stream, totals))
         except HeldBack as held:
             if not drawn:
                 self._metrics.count(f"{held.call}_blocked_calls")
@@ -99,8 +100,9 @@ class Drawing:
         self._metrics.count("plan_ms_total", ms)
         return group
 
-    def _draw(self, batch_size: int, sizes: Sizes, slices: int, stream: str | None) -> list[tuple[BatchPlan, list]]:
-        out = self.planner.draw(batch_size, slices, sizes=sizes)
+    def _draw(self, batch_size: int, sizes: Sizes, slices: int, stream: str | None,
+              totals: tuple[int, int] | None = None) -> list[tuple[BatchPlan, list]]:
+        out = self.planner.draw(batch_size, slices, sizes=sizes, totals=totals)
         online = sum(plan.n_online for plan, _ in out)
         rows = sum(plan.batch_size for plan, _ in out)
         if stream is None:

@@ -82,6 +82,8 @@ def multinomial_counts(n: int, weights: Sequence[float], rng: np.random.Generato
             return np.zeros(weights.size, dtype=np.int64)
         if p is None:
             raise ValueError(f"cannot draw {n} rows from shards whose weights sum to 0: {weights.tolist()}")
+        if weights.size == 1:  # what multinomial returns for one shard, and it draws nothing from rng then
+            return np.array([n], dtype=np.int64)
         return rng.multinomial(n, p)
     w = _weights("weights", weights)
     total = w.sum()

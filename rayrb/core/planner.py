@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from rayrb.core.allocation import split_batch, split_slices
+from rayrb.core.allocation import check_fraction, offline_count, split_batch, split_slices
 from rayrb.core.allocators import make_allocator
 from rayrb.core.plans import OFFLINE, ONLINE, SIDES, BatchPlan, Part
 from rayrb.core.rate_limiter import ALL_OFFLINE, WAIT, make_rate_limiter
@@ -123,27 +123,30 @@ class Planner:
     def _limiter_state(self, saved: tuple) -> dict[str, Any]:
         return {**self.limiter.state_dict(), "samples": saved[3]}
 
-    def draw(self, batch_size: int, num_slices: int = 1, *, sizes: Sizes) -> list[tuple[BatchPlan, Reads]]:
+    def draw(self, batch_size: int, num_slices: int = 1, *, sizes: Sizes,
+             totals: tuple[int, int] | None = None) -> list[tuple[BatchPlan, Reads]]:
         """One global batch as ``num_slices`` slices: ``(plan, [(seed, read kwargs) per part])``.
 
         Each slice is allocated on its own, so every slice and their union have the
         distribution of sampling the union of shards, and each slice's split is exact
         to within one row. Raises ``HeldBack`` when the rate limiter holds it back.
+        ``totals`` are ``sizes``' two sums when the caller has them (a group draws many batches at one size).
         """
         batch_size = positive_int("batch_size", batch_size)
         if not 1 <= num_slices <= batch_size:
             raise ValueError(f"num_slices must be in [1, batch_size={batch_size}], got {num_slices}")
         saved = self.snapshot()
         try:
-            out = self._draw(batch_size, num_slices, sizes)
+            out = self._draw(batch_size, num_slices, sizes, totals)
         except BaseException:  # the stream goes on as if this draw had not been asked for
             self.restore(saved)
             raise
         self.last_snapshot = saved  # the state before the draw that just succeeded
         return out
 
-    def _draw(self, batch_size: int, num_slices: int, sizes: Sizes) -> list[tuple[BatchPlan, Reads]]:
-        offline, online = int(sizes[OFFLINE].sum()), int(sizes[ONLINE].sum())
+    def _draw(self, batch_size: int, num_slices: int, sizes: Sizes,
+              totals: tuple[int, int] | None) -> list[tuple[BatchPlan, Reads]]:
+        offline, online = totals if totals is not None else (int(sizes[OFFLINE].sum()), int(sizes[ONLINE].sum()))
         fraction = self._fraction(offline, online)
         need = self._shorten(batch_size, fraction, online)
         decision = self.limiter.decide(need[ONLINE], online)
@@ -177,9 +180,10 @@ class Planner:
     def _shorten(self, batch_size: int, fraction: float, online: int) -> dict[str, int]:
         """The split of this batch, or, at the end of an epoch that serves short batches, of the largest
         shorter batch whose exact split fits in what each side has left."""
+        if getattr(self.alloc, "epoch_end", None) != "short":  # batch_size was checked by draw
+            n_off = offline_count(batch_size, check_fraction(fraction)) if online > 0 else batch_size
+            return {OFFLINE: n_off, ONLINE: batch_size - n_off}
         need = dict(zip(SIDES, split_batch(batch_size, fraction, online)))
-        if getattr(self.alloc, "epoch_end", None) != "short":
-            return need
         room = {side: self.alloc.room(side) for side in SIDES}
         for b in range(batch_size, 0, -1):
             if b < batch_size:

@@ -28,6 +28,27 @@ def test_sizes_that_change_are_never_drawn_with_the_old_probabilities():
     assert multinomial_counts(50, sizes, rng).tolist() == [0, 50]
 
 
+def test_one_shard_gets_the_whole_count_and_the_generator_moves_as_multinomial_moves_it():
+    a, b = np.random.default_rng(5), np.random.default_rng(5)
+    for n in (0, 1, 4096):
+        assert multinomial_counts(n, np.array([7], np.int64), a).tolist() == b.multinomial(n, [1.0]).tolist() == [n]
+        assert a.bit_generator.state == b.bit_generator.state
+        assert multinomial_counts(3, np.array([2, 5], np.int64), a).tolist() == \
+            b.multinomial(3, np.array([2, 5]) / 7).tolist()
+    with pytest.raises(ValueError, match="sum to 0"):
+        multinomial_counts(3, np.array([0], np.int64), a)
+
+
+def test_a_draw_given_the_sizes_sums_equals_one_that_sums_them():
+    sizes = {"offline": np.array([500, 300]), "online": np.array([40])}
+    # a size-proportional share reads the sums: wrong ones would change the split
+    summed, given = (Planner({"offline": 2, "online": 1}, offline_fraction="size_proportional", seed=4)
+                     for _ in range(2))
+    for b in (1, 7, 64):
+        assert summed.draw(b, sizes=sizes) == given.draw(b, sizes=sizes, totals=(800, 40))
+    assert summed.rng.bit_generator.state == given.rng.bit_generator.state
+
+
 def test_bad_sizes_are_refused_after_good_ones_were_kept():
     rng = np.random.default_rng(0)
     multinomial_counts(8, np.array([3, 5]), rng)
