@@ -2,7 +2,9 @@
 
 Ray re-sends an actor call whose reply was lost when the actor died; the restarted
 coordinator must answer it with the same batches, not the next ones. A call id
-names one call: the same id with other arguments is refused.
+names one call: the same id with other arguments is refused. The answers a restart
+finds are kept longer than the rest (``KEPT_AFTER_RESTART``): the calls whose
+replies the crash lost come back mixed with new calls from every other handle.
 
 >>> cache = ReplyCache(kept=2)  # answers here are strings; plans are GroupPlans
 >>> cache.put("a", (16, 1), "plan-a"); cache.put("b", (16, 1), "plan-b"); cache.put("c", (16, 1), "plan-c")
@@ -22,6 +24,10 @@ from typing import Any
 # Calls whose reply one crash can lose: each handle has at most two plan calls in flight
 # (rayrb.handle.stream), so this covers four handles caught mid-call at once.
 REPLIES_KEPT = 8
+# The answers a restarted coordinator finds stay through this many new answers: Ray re-sends the calls whose
+# replies were lost in any order among the calls other handles queued meanwhile, and a re-sent call answered anew
+# would skip its batches (rows of an epoch never served).
+KEPT_AFTER_RESTART = 64
 
 
 class ReplyCache:
@@ -31,6 +37,8 @@ class ReplyCache:
         self.kept = int(kept)
         # call -> (request, encoded answer, the entry of items() as JSON text)
         self._answers: OrderedDict[str, tuple[Hashable, str, str]] = OrderedDict()
+        self._restored: set[str] = set()  # answers found at a restart, kept for KEPT_AFTER_RESTART new ones
+        self._puts_since_load = 0
 
     def get(self, call: str | None, request: Hashable) -> Any:
         """The answer given to ``call``, or None; raises if ``call`` was answered for another request."""
@@ -47,8 +55,13 @@ class ReplyCache:
             return
         # kept encoded: a save of the cache (after every call) then copies strings instead of encoding plans again
         self._answers[call] = self._entry(call, request, self._encode(answer))
-        while len(self._answers) > self.kept:
-            self._answers.popitem(last=False)
+        if self._restored:
+            self._puts_since_load += 1
+            if self._puts_since_load >= KEPT_AFTER_RESTART:
+                self._restored.clear()
+        excess = len(self._answers) - self.kept - len(self._restored)
+        for old in [c for c in self._answers if c not in self._restored][:max(0, excess)]:  # oldest first
+            del self._answers[old]
 
     def items(self) -> list[list[Any]]:
         """``[call, request, encoded answer]`` per answer, oldest first: plain data, for the saved state."""
@@ -66,8 +79,11 @@ class ReplyCache:
         return "[" + ",".join(text for _, _, text in self._answers.values()) + "]"
 
     def load(self, items: Any) -> None:
+        """Take the answers a saved state holds (a restart): each is kept through ``KEPT_AFTER_RESTART`` new
+        answers, since its reply may be the one the crash lost."""
         self._answers = OrderedDict((call, self._entry(call, tuple(request), answer))
                                     for call, request, answer in items or ())
+        self._restored, self._puts_since_load = set(self._answers), 0
 
     @staticmethod
     def _entry(call: str, request: Hashable, encoded: str) -> tuple[Hashable, str, str]:

@@ -61,3 +61,25 @@ def test_answers_saved_as_encoded_text_load_back_as_the_same_state(tmp_path):
     assert again.items_json() == cache.items_json() and again.get("c", (2, 1, "s", 1)) == group
     s.save({}, encoded={"answers": "[]"})
     assert s.load() == {"answers": []}
+
+
+def test_answers_a_restart_finds_outlive_the_new_calls_of_many_handles():
+    """Sixteen handles were mid-call when the coordinator died: after the restart their queued calls may all be
+    answered before Ray re-sends the call whose reply was lost, which must still get its own answer."""
+    from rayrb.durability.replies import KEPT_AFTER_RESTART
+
+    before = ReplyCache(kept=2)
+    for call in ("lost-1", "lost-2"):
+        before.put(call, (16, 1, "s", 1), f"plan {call}")
+    restarted = ReplyCache(kept=2)
+    restarted.load(json.loads(before.items_json()))
+    for i in range(16):
+        restarted.put(f"queued-{i}", (16, 1, f"h{i}", 1), f"plan {i}")
+    assert restarted.get("lost-1", (16, 1, "s", 1)) == "plan lost-1"
+    assert restarted.get("lost-2", (16, 1, "s", 1)) == "plan lost-2"
+    assert len(restarted.items()) == 4  # the two found, and the two newest answers
+    assert restarted.get("queued-0", (16, 1, "h0", 1)) is None
+    for i in range(16, KEPT_AFTER_RESTART):
+        restarted.put(f"queued-{i}", (16, 1, f"h{i}", 1), f"plan {i}")
+    assert restarted.get("lost-1", (16, 1, "s", 1)) is None  # then they go as any answer goes
+    assert len(restarted.items()) == 2
