@@ -21,7 +21,7 @@ _EXPORTS = {
     "BufferUnavailableError": "rayrb.errors",
     "WriteTimeoutError": "rayrb.errors",
     "RayrbError": "rayrb.errors",
-    "prefill_replay_buffer": "rayrb.handle.owner",
+    "prefill_replay_buffer": "rayrb.handle.prefill",
     "schedules": "rayrb.core.schedules",
     "rate_limiter": "rayrb.core.rate_limiter",
     "RateLimiter": "rayrb.core.rate_limiter",

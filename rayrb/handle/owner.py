@@ -16,8 +16,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from rayrb.actors.placement import online_nodes_option
 from rayrb.actors.transport import check_storage_device, check_transport
 from rayrb.core.allocation import row_ranges, split_evenly
@@ -37,7 +35,7 @@ from rayrb.core.validation import (
 )
 from rayrb.core.validation import timeout as check_timeout
 from rayrb.handle.client import PREFETCH, BufferClient, BufferUnavailableError
-from rayrb.io.arrays import from_numpy_dict
+from rayrb.handle.prefill import prefill_replay_buffer  # its home before it had a module of its own
 from rayrb.io.chunks import ChunkDataset
 
 __all__ = ["OfflineToOnlineReplayBuffer", "BufferUnavailableError", "prefill_replay_buffer"]
@@ -493,32 +491,3 @@ def _default_offline_kind(dataset: Any) -> str:
         return "without_replacement"
     own = type(getattr(dataset, "_sampler", None)).__name__  # a TorchRL ReplayBuffer's sampler, duck-typed
     return {"SamplerWithoutReplacement": "without_replacement", "PrioritizedSampler": "prioritized"}.get(own, "uniform")
-
-
-def prefill_replay_buffer(rb: Any, dataset: Any, n_samples: int | None = None, chunk_size: int = 1000,
-                          seed: int | None = None) -> Any:
-    """Copy up to ``n_samples`` distinct rows of an offline dataset into a mutable buffer (TorchRL's helper).
-
-    ``rb`` is anything with ``extend`` (a rayrb buffer's online side, a TorchRL
-    replay buffer); ``dataset`` is any offline source
-    ``OfflineToOnlineReplayBuffer`` accepts. Rows are taken in a random order
-    (``seed``), without repeats.
-    """
-    from rayrb.io.datasets.registry import as_chunk_dataset
-
-    chunk_size = positive_int("chunk_size", chunk_size)
-    # TorchRL builds a dataset id with batch_size=chunk_size; rayrb's own loaders ignore it
-    ds, owned = as_chunk_dataset(dataset, **({"batch_size": chunk_size} if isinstance(dataset, str) else {}))
-    try:
-        total = len(ds) if n_samples is None else min(positive_int("n_samples", n_samples), len(ds))
-        order = np.random.default_rng(seed).permutation(len(ds))[:total]
-        for start in range(0, total, chunk_size):
-            rows = ds.gather(order[start:start + chunk_size])
-            if isinstance(rb, BufferClient):
-                rb.extend(rows, prefill=True)  # seeding the online side: past any rate limiter
-            else:
-                rb.extend(from_numpy_dict(rows))
-    finally:
-        if owned:
-            shutil.rmtree(Path(ds.root).parent, ignore_errors=True)
-    return rb
