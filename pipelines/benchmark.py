@@ -48,13 +48,13 @@ SIZES = {
                  repeats=3, min_time=1.0, min_iters=5, writer_batches=50, writer_rows=1000, per_row_frames=20_000,
                  prefetch=16, prefetch_sweep=[1, 4, 8, 16, 32], consumers=[1, 2, 4, 8], consumer_batch=4096,
                  draw_batches=[256, 4096], draw_consumers=4, draw_prefetch=[16, 64], online_shards=2, writers=[1, 4],
-                 cluster_nodes=[1, 2]),
+                 cluster_nodes=[1, 2], idle_s=3.0, settle_s=1.0, start_delay_s=0.5),
     # every section and key once, with as few actors as that takes (each is a process start on a small machine)
     "smoke": dict(n_off=4000, dim=8, n_on=1000, batch_sizes=[64, 512], shards=[1], repeats=1, min_time=0.02,
                   min_iters=2, writer_batches=3, writer_rows=100, per_row_frames=300, prefetch=2,
                   prefetch_sweep=[1, 2], consumers=[1, 2], consumer_batch=64,
                   draw_batches=[64], draw_consumers=1, draw_prefetch=[4], online_shards=1, writers=[1],
-                  cluster_nodes=[2]),
+                  cluster_nodes=[2], idle_s=0.2, settle_s=0.1, start_delay_s=0.1),
 }
 
 
@@ -225,7 +225,7 @@ def bench_sampling(cfg, offline, online, root, results):
     B = B_list[-1]
     rb = buffers[cfg["shards"][-1]]
     gc.collect()
-    time.sleep(1.0)  # let earlier batches' objects be freed
+    time.sleep(cfg["settle_s"])  # let earlier batches' objects be freed
     base, samples, stop = plasma_mib(), [], threading.Event()
 
     def poll():
@@ -312,7 +312,7 @@ def bench_draw_path(cfg, offline, online, root, results):
     prefetches = list(cfg["draw_prefetch"])
     out: dict[str, Any] = {"consumers": cfg["draw_consumers"], "prefetch": prefetches[0]}
     seconds = cfg["min_time"] * 3
-    idle = coordinator_idle_cpu(rb)
+    idle = coordinator_idle_cpu(rb, cfg["idle_s"])
     out["coordinator_idle_cpu_ms_per_s"] = idle * 1e3
     for B, pf in [(B, pf) for pf in prefetches for B in cfg["draw_batches"]]:
         row: dict[str, list] = {}
@@ -322,7 +322,8 @@ def bench_draw_path(cfg, offline, online, root, results):
             ray.get([a.__ray_ready__.remote() for a in actors])
             cpu0, n0 = coordinator_cpu(rb)
             w0 = time.perf_counter()
-            got = ray.get([a.run.remote(rb.client(), B, pf, seconds, time.time() + 0.5) for a in actors])
+            got = ray.get([a.run.remote(rb.client(), B, pf, seconds, time.time() + cfg["start_delay_s"])
+                           for a in actors])
             cpu1, n1 = coordinator_cpu(rb)
             wall = time.perf_counter() - w0
             for a in actors:
@@ -462,7 +463,8 @@ def bench_consumers(cfg, offline, online, root, results):
         for _ in range(cfg["repeats"]):
             before, cpu0 = ray.get(rb.rpc.coord.stats.remote(False))["coordinator"], psutil.cpu_times()
             roles0 = cpu_by_role()
-            got = ray.get([a.run.remote(rb.client(), B, cfg["prefetch"], seconds, time.time() + 0.5) for a in actors])
+            got = ray.get([a.run.remote(rb.client(), B, cfg["prefetch"], seconds, time.time() + cfg["start_delay_s"])
+                           for a in actors])
             after, cpu1 = ray.get(rb.rpc.coord.stats.remote(False))["coordinator"], psutil.cpu_times()
             roles = {k: v - roles0.get(k, 0.0) for k, v in cpu_by_role().items()}
             busy = sum(getattr(cpu1, f) - getattr(cpu0, f) for f in ("user", "system", "nice", "irq", "softirq"))

@@ -99,7 +99,13 @@ def head(tmp_path_factory):
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-def submit_train_bandit(head, data_home, tmp_path, *args: str) -> tuple[str, dict]:
+@pytest.fixture(scope="module")
+def bandit_root(tmp_path_factory):
+    """One data root for the module's jobs: the second reuses the splits and the behaviour log the first wrote."""
+    return tmp_path_factory.mktemp("bandit-root")
+
+
+def submit_train_bandit(head, data_home, tmp_path, root, *args: str) -> tuple[str, dict]:
     """``ray job submit`` the main job's quick configuration; its streamed log and metrics.json."""
     url, env = head
     out = tmp_path / "out"
@@ -107,7 +113,7 @@ def submit_train_bandit(head, data_home, tmp_path, *args: str) -> tuple[str, dic
         [os.path.join(os.path.dirname(sys.executable), "ray"), "job", "submit", "--address", url,
          "--working-dir", str(REPO), "--",
          "python", "pipelines/train_bandit.py", "--quick", "--data-home", str(data_home),
-         "--root", str(tmp_path / "root"), "--out", str(out), *args],
+         "--root", str(root), "--out", str(out), *args],
         capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
     log = submit.stdout + submit.stderr
     assert submit.returncode == 0, log[-4000:]
@@ -115,8 +121,8 @@ def submit_train_bandit(head, data_home, tmp_path, *args: str) -> tuple[str, dic
     return log, json.loads((out / "metrics.json").read_text())
 
 
-def test_train_bandit_runs_as_a_submitted_job(head, data_home, tmp_path):
-    log, metrics = submit_train_bandit(head, data_home, tmp_path, "--dataset", "openml:mushroom_onehot",
+def test_train_bandit_runs_as_a_submitted_job(head, data_home, tmp_path, bandit_root):
+    log, metrics = submit_train_bandit(head, data_home, tmp_path, bandit_root, "--dataset", "openml:mushroom_onehot",
                                        "--behaviour", "uniform", "--no-online-only")
     # what the job printed, streamed back by `ray job submit`
     assert "prepared openml:mushroom_onehot: 8124 rows, 117 features, 2 actions" in log
@@ -129,8 +135,8 @@ def test_train_bandit_runs_as_a_submitted_job(head, data_home, tmp_path):
     assert metrics["o2o"]["online_rows"] > 0
 
 
-def test_train_bandit_trains_an_rllib_learner_group(head, data_home, tmp_path):
-    log, metrics = submit_train_bandit(head, data_home, tmp_path, "--dataset", "openml:mushroom_onehot",
+def test_train_bandit_trains_an_rllib_learner_group(head, data_home, tmp_path, bandit_root):
+    log, metrics = submit_train_bandit(head, data_home, tmp_path, bandit_root, "--dataset", "openml:mushroom_onehot",
                                        "--input", "rllib", "--behaviour", "uniform", "--no-online-only")
     assert metrics["config"]["input"] == "rllib"
     assert "[offline-to-online] step    60/60" in log and "60/60 batches with the exact split" in log

@@ -22,55 +22,81 @@ def rows(ids: np.ndarray) -> TensorDict:
 @pytest.mark.usefixtures("ray_session")
 def test_soak_with_killed_shards_loses_and_doubles_nothing(tmp_path, ray_session):
     ray = ray_session
-    B, f, writers, per_write, seconds = 64, 0.5, 3, 50, 12
+    B, f, writers, per_write = 64, 0.5, 3, 50
+    writes, batches = 20, 10  # each writer's writes and each sampler's batches before each kill and after the last
 
     @ray.remote(num_cpus=0)
     class Writer:
         def __init__(self, rb, base):
-            self.rb, self.base, self.acked = rb, base, []
+            self.rb, self.base, self.acked, self.stop = rb, base, [], False
 
-        def run(self, until):
+        def run(self):
             k = 0
-            while time.time() < until:
+            while not self.stop:
                 ids = self.base + np.arange(k, k + per_write)
                 self.rb.extend(rows(ids))  # returns only once the shards hold the rows
                 self.acked.extend(ids.tolist())
                 k += per_write
             return self.acked
 
+        def progress(self):
+            return len(self.acked) // per_write
+
+        def halt(self):
+            self.stop = True
+
     @ray.remote(num_cpus=0)
     class Sampler:
         def __init__(self, rb):
-            self.rb = rb
+            self.rb, self.stop, self.batches = rb, False, 0
 
-        def run(self, until):
-            batches, bad = 0, []
-            while time.time() < until:
+        def run(self):
+            bad = []
+            while not self.stop:
                 _, info = self.rb.sample(B, return_info=True)
                 n_off = int(info["offline"].sum())
                 if n_off not in (B, offline_count(B, f)):  # all offline only before the first write lands
                     bad.append(n_off)
-                batches += 1
-            return batches, bad
+                self.batches += 1
+            return self.batches, bad
+
+        def progress(self):
+            return self.batches
+
+        def halt(self):
+            self.stop = True
+
+    def wait_for_progress(actors, since):
+        """Until each writer and sampler has done its share more since ``since``: kills fall while they run."""
+        want = [m + (writes if i < writers else batches) for i, m in enumerate(since)]
+        deadline = time.monotonic() + 120
+        while True:
+            now = ray.get([a.progress.remote() for a in actors])
+            if all(n >= w for n, w in zip(now, want)):
+                return
+            assert time.monotonic() < deadline, f"no progress within 120 s: {since} -> {now}"
+            time.sleep(0.05)
 
     rb = OfflineToOnlineReplayBuffer(rows(np.arange(-1000, 0)), online_capacity=200_000, num_offline_shards=2,
                                      num_online_shards=2, offline_fraction=f, seed=0, timeout=60,
                                      dataset_root=tmp_path / "ds", storage_dir=tmp_path / "state")
     try:
-        ws = [Writer.remote(rb.client(), 10_000_000 * (i + 1)) for i in range(writers)]
-        ss = [Sampler.remote(rb.client()) for _ in range(2)]
+        ws = [Writer.options(max_concurrency=2).remote(rb.client(), 10_000_000 * (i + 1)) for i in range(writers)]
+        ss = [Sampler.options(max_concurrency=2).remote(rb.client()) for _ in range(2)]
         ray.get([a.__ray_ready__.remote() for a in ws + ss])
-        until = time.time() + seconds  # from when all run: each kill falls while they write and sample
-        work = [w.run.remote(until) for w in ws] + [s.run.remote(until) for s in ss]
-        recovery = {}
+        work = [a.run.remote() for a in ws + ss]
+        recovery, since = {}, [0] * len(ws + ss)
         for name, shard in (("offline shard", rb.rpc.shards[0]), ("online shard", rb.rpc.shards[-1])):
-            time.sleep(seconds / 3)
+            wait_for_progress(ws + ss, since)
             pid = ray.get(shard.__ray_call__.remote(lambda self: os.getpid()))
             ray.kill(shard, no_restart=False)
             t0 = time.monotonic()
             while ray.get(shard.__ray_call__.remote(lambda self: os.getpid()), timeout=60) == pid:
                 time.sleep(0.01)  # the kill has not reached the process yet
             recovery[name] = time.monotonic() - t0  # until the restarted process answers
+            since = ray.get([a.progress.remote() for a in ws + ss])
+        wait_for_progress(ws + ss, since)  # writes and samples go on after the last restart
+        ray.get([a.halt.remote() for a in ws + ss])
         acked = [i for ids in ray.get(work[:writers]) for i in ids]
         sampled = ray.get(work[writers:])
         rb.dumps(tmp_path / "end")

@@ -57,26 +57,42 @@ def test_the_coordinator_and_an_online_shard_each_survive_ten_kills_while_writer
                 k += per_write
             return self.acked
 
+        def progress(self):
+            return len(self.acked)
+
         def halt(self):
             self.stop = True
 
     @ray.remote(num_cpus=0)
     class Sampler:
         def __init__(self, rb):
-            self.rb, self.stop = rb, False
+            self.rb, self.stop, self.batches = rb, False, 0
 
         def run(self):
-            batches, bad = 0, []
+            bad = []
             while not self.stop:
                 _, info = self.rb.sample(B, return_info=True)
                 n_off = int(info["offline"].sum())
                 if n_off not in (B, offline_count(B, f)) or len(info["offline"]) != B:
                     bad.append(n_off)
-                batches += 1
-            return batches, bad
+                self.batches += 1
+            return self.batches, bad
+
+        def progress(self):
+            return self.batches
 
         def halt(self):
             self.stop = True
+
+    def wait_for_progress(actors, since):
+        """Until every writer and sampler has done more since ``since``: each kill falls while they run."""
+        deadline = time.monotonic() + 60
+        while True:
+            now = ray.get([a.progress.remote() for a in actors])
+            if all(n > m for n, m in zip(now, since)):
+                return now
+            assert time.monotonic() < deadline, f"no progress within 60 s: {since} -> {now}"
+            time.sleep(0.02)
 
     rb = OfflineToOnlineReplayBuffer(rows(np.arange(-500, 0)), online_capacity=100_000, num_offline_shards=1,
                                      num_online_shards=2, offline_fraction=f, seed=0, timeout=120,
@@ -86,9 +102,10 @@ def test_the_coordinator_and_an_online_shard_each_survive_ten_kills_while_writer
         ss = [Sampler.options(max_concurrency=2).remote(rb.client())]
         ray.get([a.__ray_ready__.remote() for a in ws + ss])
         work = [a.run.remote() for a in ws + ss]
+        done = [0] * len(ws + ss)
         for actor in (rb.rpc.coord, rb.rpc.shards[-1]):
             for _ in range(kills):
-                time.sleep(0.3)
+                done = wait_for_progress(ws + ss, done)
                 kill_and_wait(ray, actor)
         ray.get([a.halt.remote() for a in ws + ss])
         acked = [i for ids in ray.get(work[:2]) for i in ids]
