@@ -631,6 +631,7 @@ def bench_writing(cfg, root, results):
             from torchrl.data import LazyTensorStorage, RayReplayBuffer
 
             rray = RayReplayBuffer(storage=LazyTensorStorage(capacity), batch_size=None)
+            ray.get(rray._rb.__ray_ready__.remote())  # its actor's start is not a write (rayrb's buffer is up)
             for kind, target in (("rayrb", rb), ("torchrl_ray", rray._rb)):
                 t0 = time.perf_counter()
                 ray.get([w.write.remote(target, kind, cfg["writer_batches"], cfg["writer_rows"]) for w in writers])
