@@ -1,5 +1,5 @@
-"""What the coordinator-restart tests share: tagged rows, the online rows the shards hold, and a kill that waits
-for the new process."""
+"""What the restart tests share: tagged rows, the online rows the shards hold, a kill that waits for the new
+process, and a sampler that runs while things are killed."""
 import os
 import time
 
@@ -49,3 +49,30 @@ def kill_coordinator(rb) -> None:
                 raise
         assert time.monotonic() < deadline, "the coordinator was not restarted within 60 s"
         time.sleep(0.1)
+
+
+class LoopingSampler:
+    """Samples batches of ``batch_size`` until halted (a Ray actor with ``max_concurrency=2``), counting them and
+    keeping the offline count of any batch that is not whole or not split exactly (all offline passes: that is
+    the batch before the first write lands)."""
+
+    def __init__(self, rb, batch_size: int, fraction: float):
+        self.rb, self.batch_size, self.fraction, self.stop, self.batches = rb, batch_size, fraction, False, 0
+
+    def run(self) -> tuple[int, list[int]]:
+        from rayrb.core.allocation import offline_count
+
+        B, bad = self.batch_size, []
+        while not self.stop:
+            _, info = self.rb.sample(B, return_info=True)
+            n_off = int(info["offline"].sum())
+            if n_off not in (B, offline_count(B, self.fraction)) or len(info["offline"]) != B:
+                bad.append(n_off)
+            self.batches += 1
+        return self.batches, bad
+
+    def progress(self) -> int:
+        return self.batches
+
+    def halt(self) -> None:
+        self.stop = True

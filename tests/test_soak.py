@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 from conftest import run_marked
+from restart_util import LoopingSampler
 from tensordict import TensorDict
 
 from rayrb import OfflineToOnlineReplayBuffer
-from rayrb.core.allocation import offline_count
 
 
 def rows(ids: np.ndarray) -> TensorDict:
@@ -45,26 +45,7 @@ def test_soak_with_killed_shards_loses_and_doubles_nothing(tmp_path, ray_session
         def halt(self):
             self.stop = True
 
-    @ray.remote(num_cpus=0)
-    class Sampler:
-        def __init__(self, rb):
-            self.rb, self.stop, self.batches = rb, False, 0
-
-        def run(self):
-            bad = []
-            while not self.stop:
-                _, info = self.rb.sample(B, return_info=True)
-                n_off = int(info["offline"].sum())
-                if n_off not in (B, offline_count(B, f)):  # all offline only before the first write lands
-                    bad.append(n_off)
-                self.batches += 1
-            return self.batches, bad
-
-        def progress(self):
-            return self.batches
-
-        def halt(self):
-            self.stop = True
+    Sampler = ray.remote(num_cpus=0)(LoopingSampler)
 
     def wait_for_progress(actors, since):
         """Until each writer and sampler has done its share more since ``since``: kills fall while they run."""
@@ -82,7 +63,7 @@ def test_soak_with_killed_shards_loses_and_doubles_nothing(tmp_path, ray_session
                                      dataset_root=tmp_path / "ds", storage_dir=tmp_path / "state")
     try:
         ws = [Writer.options(max_concurrency=2).remote(rb.client(), 10_000_000 * (i + 1)) for i in range(writers)]
-        ss = [Sampler.options(max_concurrency=2).remote(rb.client()) for _ in range(2)]
+        ss = [Sampler.options(max_concurrency=2).remote(rb.client(), B, f) for _ in range(2)]
         ray.get([a.__ray_ready__.remote() for a in ws + ss])
         work = [a.run.remote() for a in ws + ss]
         recovery, since = {}, [0] * len(ws + ss)

@@ -8,10 +8,10 @@ import time
 import numpy as np
 import pytest
 import torch
+from restart_util import LoopingSampler
 from tensordict import TensorDict
 
 from rayrb import OfflineToOnlineReplayBuffer
-from rayrb.core.allocation import offline_count
 
 
 def rows(ids: np.ndarray) -> TensorDict:
@@ -63,26 +63,7 @@ def test_the_coordinator_and_an_online_shard_each_survive_ten_kills_while_writer
         def halt(self):
             self.stop = True
 
-    @ray.remote(num_cpus=0)
-    class Sampler:
-        def __init__(self, rb):
-            self.rb, self.stop, self.batches = rb, False, 0
-
-        def run(self):
-            bad = []
-            while not self.stop:
-                _, info = self.rb.sample(B, return_info=True)
-                n_off = int(info["offline"].sum())
-                if n_off not in (B, offline_count(B, f)) or len(info["offline"]) != B:
-                    bad.append(n_off)
-                self.batches += 1
-            return self.batches, bad
-
-        def progress(self):
-            return self.batches
-
-        def halt(self):
-            self.stop = True
+    Sampler = ray.remote(num_cpus=0)(LoopingSampler)
 
     def wait_for_progress(actors, since):
         """Until every writer and sampler has done more since ``since``: each kill falls while they run."""
@@ -99,7 +80,7 @@ def test_the_coordinator_and_an_online_shard_each_survive_ten_kills_while_writer
                                      dataset_root=tmp_path / "ds", storage_dir=tmp_path / "state")
     try:
         ws = [Writer.options(max_concurrency=2).remote(rb.client(), 10_000_000 * (i + 1)) for i in range(2)]
-        ss = [Sampler.options(max_concurrency=2).remote(rb.client())]
+        ss = [Sampler.options(max_concurrency=2).remote(rb.client(), B, f)]
         ray.get([a.__ray_ready__.remote() for a in ws + ss])
         work = [a.run.remote() for a in ws + ss]
         done = [0] * len(ws + ss)
