@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from rayrb.core.allocation import check_fraction, offline_count, split_batch, split_slices
+from rayrb.core.allocation import split_batch, split_checked, split_slices
 from rayrb.core.allocators import make_allocator
 from rayrb.core.plans import OFFLINE, ONLINE, SIDES, BatchPlan, Part
 from rayrb.core.rate_limiter import ALL_OFFLINE, WAIT, make_rate_limiter
@@ -181,8 +181,7 @@ class Planner:
         """The split of this batch, or, at the end of an epoch that serves short batches, of the largest
         shorter batch whose exact split fits in what each side has left."""
         if getattr(self.alloc, "epoch_end", None) != "short":  # batch_size was checked by draw
-            n_off = offline_count(batch_size, check_fraction(fraction)) if online > 0 else batch_size
-            return {OFFLINE: n_off, ONLINE: batch_size - n_off}
+            return dict(zip(SIDES, split_checked(batch_size, fraction, online)))
         need = dict(zip(SIDES, split_batch(batch_size, fraction, online)))
         room = {side: self.alloc.room(side) for side in SIDES}
         for b in range(batch_size, 0, -1):

@@ -109,3 +109,18 @@ def test_latencies_reach_rays_metrics_in_bulk_and_all_of_them():
     assert seen == [1.0]  # the first exports at once; the rest wait for the next second
     assert m.snapshot()["plan_ms_p50"] == 2.0  # stats() stay exact, and export what waited
     assert seen == [1.0, 2.0, 3.0]
+
+
+def test_a_schedule_gone_out_of_range_is_refused_even_before_anything_is_online():
+    from rayrb.core.schedules import Schedule
+
+    class Broken(Schedule):
+        def __call__(self, step, n_offline, n_online):
+            return 1.5
+
+    p = Planner({"offline": 1, "online": 1}, offline_fraction=Broken(), seed=0)
+    sizes = {"offline": np.array([50]), "online": np.array([0])}
+    state = p.rng.bit_generator.state
+    with pytest.raises(ValueError, match="offline_fraction"):
+        p.draw(8, sizes=sizes)
+    assert p.step == 0 and p.rng.bit_generator.state == state
