@@ -293,7 +293,7 @@ def coordinator_cpu(rb) -> tuple[float, int]:
     return float(c.get("cpu_seconds", 0.0)), int(c.get("batches", 0))
 
 
-def coordinator_idle_cpu(rb, seconds: float = 3.0) -> float:
+def coordinator_idle_cpu(rb, seconds: float) -> float:
     """The coordinator's CPU seconds per second while nothing is asked of it: what a Ray actor process spends
     whatever it serves (an idle trivial actor spends the same), so not a cost of any batch."""
     c0, _ = coordinator_cpu(rb)

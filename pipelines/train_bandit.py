@@ -639,12 +639,11 @@ def main(argv: list[str] | None = None) -> dict:
         train = ChunkDataset.open(splits["train"]).read()
         params = fit_narrow(train["X"], train["y"], K, args.behaviour_features, args.seed)
         name = f"{args.behaviour}{len(params['features'])}"
+        hit = (narrow_actions(params, test["X"]) == test["y"]).astype(np.float64)
         if args.behaviour == "segment":
             params = fit_segment(params, train["X"], args.explored_share)
             name += f"-explored{args.explored_share:g}"
-        hit = (narrow_actions(params, test["X"]) == test["y"]).astype(np.float64)
-        if args.behaviour == "segment":  # a uniform action earns 1/K in expectation
-            hit[explored(params, test["X"])] = 1 / K
+            hit[explored(params, test["X"])] = 1 / K  # a uniform action earns 1/K in expectation
         behaviour_acc = float(hit.mean())
     else:
         behaviour_acc = float(behaviour_probs(args.behaviour, K)[test["y"]].mean())  # its expected held-out reward
