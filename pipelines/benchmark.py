@@ -328,9 +328,11 @@ def bench_draw_path(cfg, offline, online, root, results):
             actors = [Consumer.remote() for _ in range(cfg["draw_consumers"])]
             ray.get([a.warm.remote(rb.client(), B) for a in actors])
             cpu0, n0 = coordinator_cpu(rb)
+            roles0 = cpu_by_role()
             w0 = time.perf_counter()
             got = ray.get([a.run.remote(rb.client(), B, pf, seconds, time.time() + cfg["start_delay_s"])
                            for a in actors])
+            roles = {k: v - roles0.get(k, 0.0) for k, v in cpu_by_role().items()}
             cpu1, n1 = coordinator_cpu(rb)
             wall = time.perf_counter() - w0
             for a in actors:
@@ -340,6 +342,10 @@ def bench_draw_path(cfg, offline, online, root, results):
             ms = 1e3 * (cpu1 - cpu0) / max(n1 - n0, 1)
             # above the idle process's own spending: the part that grows with batches, which sets the ceiling
             net = 1e3 * max(0.0, cpu1 - cpu0 - idle * wall) / max(n1 - n0, 1)
+            # where the machine's CPU goes per batch served: consumers, shards, coordinator, Ray's own processes
+            served = sum(g["rows"] for g in got) / B
+            for role, seconds_used in roles.items():
+                row.setdefault(f"cpu_ms_per_batch_{role.replace(' ', '_')}", []).append(1e3 * seconds_used / served)
             for k, v in {"consumers_rows_per_s": rate, "torchrl_o2o_rows_per_s": o2o_rate,
                          "ratio_vs_torchrl_o2o": rate / o2o_rate, "coordinator_cpu_ms_per_batch": ms,
                          "coordinator_cpu_ms_per_batch_above_idle": net,
@@ -840,6 +846,9 @@ def main(argv: list[str] | None = None) -> dict:
                         "writes results_gpu.json) are not in the default")
     p.add_argument("--batch-sizes", default=None, help="comma-separated, overrides the mode's")
     p.add_argument("--repeats", type=int, default=None, help="overrides the mode's")
+    p.add_argument("--ray-config", default=None, type=json.loads,
+                   help='Ray system settings (JSON) for the instance this starts, e.g. '
+                        '\'{"max_direct_call_object_size": 1048576}\'; recorded in the results')
     args = p.parse_args(argv)
     cfg = dict(SIZES["smoke" if args.smoke else "full"])
     cfg["gpu"] = dict(GPU_SMOKE if args.smoke else GPU)
@@ -853,8 +862,10 @@ def main(argv: list[str] | None = None) -> dict:
     if not ray.is_initialized():
         # a submitted job joins its cluster; run alone, it starts its own instance even if a `ray start` one runs here
         address = os.environ.get("RAY_ADDRESS") or "local"
+        if args.ray_config and address != "local":
+            raise ValueError(f"--ray-config sets up a Ray instance this starts; got RAY_ADDRESS={address!r}")
         ray.init(address=address, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING,
-                 object_store_memory=2 << 30 if address == "local" else None)
+                 object_store_memory=2 << 30 if address == "local" else None, _system_config=args.ray_config)
     results: dict[str, Any] = {
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
         "mode": "smoke" if args.smoke else "full",
@@ -862,6 +873,7 @@ def main(argv: list[str] | None = None) -> dict:
                     "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)},
         "versions": {m: __import__(m).__version__ for m in ("ray", "torch", "tensordict", "torchrl", "numpy")},
         "config": cfg,
+        "ray_config": args.ray_config or {},
         "data": f"synthetic covertype-sized table {cfg['n_off']} x {cfg['dim']} float32 + int64 label (NOT real "
                 f"covertype); online {cfg['n_on']} rows",
         "not_measured": [],
