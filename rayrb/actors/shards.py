@@ -24,7 +24,6 @@ from typing import Any
 
 import numpy as np
 
-from rayrb.actors.heap import return_large_frees
 from rayrb.actors.lifecycle import begin
 from rayrb.actors.metrics import ActorMetrics
 from rayrb.core.plans import Epoch
@@ -47,7 +46,6 @@ class _Shard:
                  sampler_options: Mapping[str, float] | None = None, device: str | None = None,
                  state_dir: str | None = None):
         self.shard_id = shard_id
-        return_large_frees()  # a read's array, freed once Ray has copied it, goes back to the system
         self._lives = begin(state_dir, f"shard {shard_id}")
         self._device = device  # None: rows in host memory maps; else a DeviceTable on this torch device
         self._table = None
