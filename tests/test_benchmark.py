@@ -26,3 +26,9 @@ def test_benchmark_smoke_writes_results(tmp_path):
     assert results["checks"]["preprocess_equal_to_torchrl"] is True
     assert any(k.startswith("B=64 rayrb") for k in results["ratios"])
     assert results["consumers"]["2"]["rows_per_s"]["median"] > 0 and results["consumers"]["1"]["speedup_vs_one"] == 1
+    # the draw path reports where the machine's CPU went, per role, and the Ray settings it ran under
+    draw = results["draw_path"]["64"]
+    for role in ("consumers", "shards", "coordinator", "ray_system"):
+        assert draw[f"cpu_ms_per_batch_{role}"]["median"] >= 0, role
+    assert sum(draw[k]["median"] for k in draw if k.startswith("cpu_ms_per_batch_")) > 0
+    assert results["ray_config"] == {}
