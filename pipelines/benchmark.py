@@ -343,6 +343,7 @@ def bench_draw_path(cfg, offline, online, root, results):
             # above the idle process's own spending: the part that grows with batches, which sets the ceiling
             net = 1e3 * max(0.0, cpu1 - cpu0 - idle * wall) / max(n1 - n0, 1)
             # where the machine's CPU goes per batch served: consumers, shards, coordinator, Ray's own processes
+            # (the consumers' figure includes their polling wait for the common start, start_delay_s)
             served = sum(g["rows"] for g in got) / B
             for role, seconds_used in roles.items():
                 row.setdefault(f"cpu_ms_per_batch_{role.replace(' ', '_')}", []).append(1e3 * seconds_used / served)
