@@ -1,5 +1,5 @@
 """What the restart tests share: tagged rows, the online rows the shards hold, a kill that waits for the new
-process, and a sampler that runs while things are killed."""
+process, and a sampler that runs while things are killed, with a wait for its progress."""
 import os
 import time
 
@@ -16,8 +16,6 @@ def rows(start: int, n: int) -> TensorDict:
 def online_ids(rb) -> list[int]:
     """Every online row's id, as many times as the shards hold it."""
     import ray
-
-    pass
 
     out = []
     for state in ray.get([s.state.remote() for s in rb.rpc.by_side["online"]]):
@@ -76,3 +74,14 @@ class LoopingSampler:
 
     def halt(self) -> None:
         self.stop = True
+
+
+def wait_for_progress(ray, actors, want: list[int], timeout: float) -> list[int]:
+    """Until each actor's ``progress()`` has reached ``want[i]``, so that a kill falls while they run; their counts."""
+    deadline = time.monotonic() + timeout
+    while True:
+        now = ray.get([a.progress.remote() for a in actors])
+        if all(n >= w for n, w in zip(now, want)):
+            return now
+        assert time.monotonic() < deadline, f"no progress within {timeout} s: wanted {want}, got {now}"
+        time.sleep(0.02)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import run_marked
-from restart_util import LoopingSampler
+from restart_util import LoopingSampler, wait_for_progress
 from tensordict import TensorDict
 
 from rayrb import OfflineToOnlineReplayBuffer
@@ -47,16 +47,9 @@ def test_soak_with_killed_shards_loses_and_doubles_nothing(tmp_path, ray_session
 
     Sampler = ray.remote(num_cpus=0)(LoopingSampler)
 
-    def wait_for_progress(actors, since):
-        """Until each writer and sampler has done its share more since ``since``: kills fall while they run."""
-        want = [m + (writes if i < writers else batches) for i, m in enumerate(since)]
-        deadline = time.monotonic() + 120
-        while True:
-            now = ray.get([a.progress.remote() for a in actors])
-            if all(n >= w for n, w in zip(now, want)):
-                return
-            assert time.monotonic() < deadline, f"no progress within 120 s: {since} -> {now}"
-            time.sleep(0.05)
+    def enough(since):
+        """Each writer's and sampler's share more than ``since``."""
+        return [m + (writes if i < writers else batches) for i, m in enumerate(since)]
 
     rb = OfflineToOnlineReplayBuffer(rows(np.arange(-1000, 0)), online_capacity=200_000, num_offline_shards=2,
                                      num_online_shards=2, offline_fraction=f, seed=0, timeout=60,
@@ -68,7 +61,7 @@ def test_soak_with_killed_shards_loses_and_doubles_nothing(tmp_path, ray_session
         work = [a.run.remote() for a in ws + ss]
         recovery, since = {}, [0] * len(ws + ss)
         for name, shard in (("offline shard", rb.rpc.shards[0]), ("online shard", rb.rpc.shards[-1])):
-            wait_for_progress(ws + ss, since)
+            wait_for_progress(ray, ws + ss, enough(since), 120)
             pid = ray.get(shard.__ray_call__.remote(lambda self: os.getpid()))
             ray.kill(shard, no_restart=False)
             t0 = time.monotonic()
@@ -76,7 +69,7 @@ def test_soak_with_killed_shards_loses_and_doubles_nothing(tmp_path, ray_session
                 time.sleep(0.01)  # the kill has not reached the process yet
             recovery[name] = time.monotonic() - t0  # until the restarted process answers
             since = ray.get([a.progress.remote() for a in ws + ss])
-        wait_for_progress(ws + ss, since)  # writes and samples go on after the last restart
+        wait_for_progress(ray, ws + ss, enough(since), 120)  # writes and samples go on after the last restart
         ray.get([a.halt.remote() for a in ws + ss])
         acked = [i for ids in ray.get(work[:writers]) for i in ids]
         sampled = ray.get(work[writers:])

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from restart_util import LoopingSampler
+from restart_util import LoopingSampler, online_ids, wait_for_progress
 from tensordict import TensorDict
 
 from rayrb import OfflineToOnlineReplayBuffer
@@ -65,16 +65,6 @@ def test_the_coordinator_and_an_online_shard_each_survive_ten_kills_while_writer
 
     Sampler = ray.remote(num_cpus=0)(LoopingSampler)
 
-    def wait_for_progress(actors, since):
-        """Until every writer and sampler has done more since ``since``: each kill falls while they run."""
-        deadline = time.monotonic() + 60
-        while True:
-            now = ray.get([a.progress.remote() for a in actors])
-            if all(n > m for n, m in zip(now, since)):
-                return now
-            assert time.monotonic() < deadline, f"no progress within 60 s: {since} -> {now}"
-            time.sleep(0.02)
-
     rb = OfflineToOnlineReplayBuffer(rows(np.arange(-500, 0)), online_capacity=100_000, num_offline_shards=1,
                                      num_online_shards=2, offline_fraction=f, seed=0, timeout=120,
                                      dataset_root=tmp_path / "ds", storage_dir=tmp_path / "state")
@@ -86,7 +76,7 @@ def test_the_coordinator_and_an_online_shard_each_survive_ten_kills_while_writer
         done = [0] * len(ws + ss)
         for actor in (rb.rpc.coord, rb.rpc.shards[-1]):
             for _ in range(kills):
-                done = wait_for_progress(ws + ss, done)
+                done = wait_for_progress(ray, ws + ss, [m + 1 for m in done], 60)  # each has done more
                 kill_and_wait(ray, actor)
         ray.get([a.halt.remote() for a in ws + ss])
         acked = [i for ids in ray.get(work[:2]) for i in ids]
@@ -95,10 +85,8 @@ def test_the_coordinator_and_an_online_shard_each_survive_ten_kills_while_writer
         stats = rb.stats()
         assert stats["coordinator"]["restarts"] == kills
         assert [s["restarts"] for s in stats["shards"]] == [0, 0, kills]
-        held = []
-        for state in ray.get([s.state.remote() for s in rb.rpc.by_side["online"]]):
-            held += state["rows/id"][state["generation"] > 0].tolist()
-        assert sorted(held) == sorted(acked) and len(set(held)) == len(held)  # every acknowledged row, once
+        held = online_ids(rb)
+        assert held == sorted(acked) and len(set(held)) == len(held)  # every acknowledged row, once
         assert len(rb.sample(B)) == B  # and the buffer answers
     finally:
         rb.shutdown()
