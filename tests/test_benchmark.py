@@ -32,3 +32,14 @@ def test_benchmark_smoke_writes_results(tmp_path):
         assert draw[f"cpu_ms_per_batch_{role}"]["median"] >= 0, role
     assert sum(draw[k]["median"] for k in draw if k.startswith("cpu_ms_per_batch_")) > 0
     assert results["ray_config"] == {}
+
+
+def test_ray_settings_are_refused_for_a_cluster_the_benchmark_joins(tmp_path):
+    """``--ray-config`` sets up an instance the benchmark starts; joining a running one, it fails before any work."""
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "RAY_ADDRESS": "127.0.0.1:1"}
+    out = subprocess.run([sys.executable, str(REPO / "pipelines" / "benchmark.py"), "--smoke", "--out", str(tmp_path),
+                          "--ray-config", '{"max_direct_call_object_size": 1048576}'],
+                         capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert out.returncode != 0
+    assert "--ray-config sets up a Ray instance this starts; got RAY_ADDRESS='127.0.0.1:1'" in out.stderr
+    assert not (tmp_path / "results.json").exists()
