@@ -355,6 +355,7 @@ def _start_actors(dataset: ChunkDataset, name: str, capacity: int, m: int, k: in
     import ray
 
     from rayrb.actors.coordinator import Coordinator
+    from rayrb.actors.lifecycle import actor_class
     from rayrb.actors.placement import group_options, on_node, shard_placement
     from rayrb.actors.shards import OfflineShard, OnlineShard
     from rayrb.durability.storage import shard_directory
@@ -373,12 +374,12 @@ def _start_actors(dataset: ChunkDataset, name: str, capacity: int, m: int, k: in
     started: list = []
     try:
         for i, (a, b) in enumerate(ranges):
-            started.append(ray.remote(**cls_opts)(OfflineShard).options(
+            started.append(actor_class(OfflineShard, **cls_opts).options(
                 name=f"{name}/off-{i}", **shard_placement(dataset, a, b, off_opts))
                            .remote(str(dataset.root), a, b, f"{name}/off-{i}", kinds[OFFLINE], sampler_options=so,
                                    state_dir=shard_directory(storage_dir, instance, f"off-{i}"), device=table))
         for i, c in enumerate(capacities):
-            started.append(ray.remote(**cls_opts)(OnlineShard).options(
+            started.append(actor_class(OnlineShard, **cls_opts).options(
                 name=f"{name}/on-{i}", **on_node(on_opts, online_nodes[i] if online_nodes else None)).remote(
                 dataset.spec.to_json(), c, f"{name}/on-{i}", kinds[ONLINE], sampler_options=so,
                 state_dir=shard_directory(storage_dir, instance, f"on-{i}"), device=table))
@@ -387,7 +388,7 @@ def _start_actors(dataset: ChunkDataset, name: str, capacity: int, m: int, k: in
         coord_restart = restart if storage_dir is not None else {}
         # Shards by name, not handle: a handle in the arguments would live in the object store, and a restart
         # needs its arguments for as long as the buffer lives (ray#53727).
-        coord = ray.remote(Coordinator).options(name=name, **coord_restart, **coord_opts).remote(
+        coord = actor_class(Coordinator).options(name=name, **coord_restart, **coord_opts).remote(
             [f"{name}/off-{i}" for i in range(m)], [b - a for a, b in ranges],
             [f"{name}/on-{i}" for i in range(k)], capacities, offline_fraction=schedule,
             sampler=dict(kinds), epoch_end=epoch_end, seed=seed, name=name, beta=prio["beta"], rate_limiter=rate_limiter,
