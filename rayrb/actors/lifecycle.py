@@ -21,7 +21,7 @@ def actor_class(cls: type, **options: Any) -> Any:
     return _actor_class(cls, tuple(sorted(options.items())))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _actor_class(cls: type, options: tuple) -> Any:
     import ray
 
