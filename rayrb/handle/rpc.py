@@ -61,21 +61,29 @@ class Rpc:
         is raised and nothing was drawn or written. The call that goes through reports
         how long it waited.
         """
-        t0, waited = time.monotonic(), 0.0
+        since, waited = time.monotonic(), 0.0
         while True:
-            extra = {"waited": time.monotonic() - t0} if waited else {}
+            extra = {"waited": waited} if waited else {}
             out = self.get(getattr(self.coord, method).remote(*args, **kwargs, **extra))
             if not isinstance(out, HeldBack):
                 return out
-            waited = self.backoff(waited, out)
+            waited = self.backoff(since, out)
 
-    def backoff(self, waited: float, held: HeldBack) -> float:
-        """Sleep before asking again a call the rate limiter held back; past ``timeout``, raise."""
-        delay = min(0.05, 0.001 + waited)
-        if self.timeout is not None and waited + delay > self.timeout:
+    def backoff(self, since: float, held: HeldBack) -> float:
+        """Sleep before asking again a call the rate limiter held back, first asked at ``since``
+        (``time.monotonic()``); once ``timeout`` has passed since then, raise. Returns the seconds since.
+
+        Wall time, not the sum of the sleeps: on a loaded machine each round trip adds to the wait, and
+        both the timeout and the blocked time the call reports are about how long the caller waited.
+        """
+        waited = time.monotonic() - since
+        if self.timeout is not None and waited >= self.timeout:
             raise HeldBackTimeout(f"buffer {self.name!r}: waited {self.timeout}s for the rate limiter: {held.reason}")
+        delay = min(0.05, 0.001 + waited)
+        if self.timeout is not None:
+            delay = min(delay, self.timeout - waited)
         time.sleep(delay)
-        return waited + delay
+        return time.monotonic() - since
 
     def tell(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Send the coordinator ``method(*args, **kwargs)`` without waiting; its ref (None once closed)."""

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 import uuid
 import weakref
 from collections import deque
@@ -142,13 +143,13 @@ class Stream:
             return held
 
     def _next(self) -> Held:
-        waited = 0.0
+        since, waited = time.monotonic(), 0.0
         while not self._ready:
             if not self._pending:
                 self._ask(self._first_group(), waited)
             held = self._take()
             if isinstance(held, HeldBack):  # the rate limiter holds sampling back: ask again shortly
-                waited = self.rpc.backoff(waited, held)
+                waited = self.rpc.backoff(since, held)
         return self._ready.popleft()
 
     def _first_group(self) -> int:

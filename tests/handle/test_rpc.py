@@ -7,6 +7,7 @@ import time
 import pytest
 
 from rayrb.core.plans import BatchPlan, GroupPlan, Part
+from rayrb.errors import HeldBack, HeldBackTimeout
 from rayrb.handle.rpc import Rpc
 
 
@@ -31,3 +32,48 @@ def test_reads_that_stay_behind_raise_within_the_timeout_remote_calls_included(m
     with pytest.raises(TimeoutError, match=r"did not apply the writes .* within timeout=0.5s"):
         rpc.fetch(group, ["ref"])
     assert time.monotonic() - t0 < 1.5  # counting only the sleeps between asks, it waited about 100 s
+
+
+class Coordinator:
+    """Holds ``extend`` back ``held`` times; records the ``waited`` each call reports."""
+
+    def __init__(self, held: int):
+        self.held, self.reported = held, []
+
+    @property
+    def extend(self):
+        coord = self
+
+        class Method:
+            @staticmethod
+            def remote(*args, waited=0.0):
+                coord.reported.append(waited)
+                if coord.held:
+                    coord.held -= 1
+                    return HeldBack("insert", "the window is full")
+                return "done"
+
+        return Method
+
+
+def slow_get(refs, timeout="call"):  # every round trip takes 0.1 s, as on a loaded machine
+    time.sleep(0.1)
+    return refs
+
+
+def test_a_held_back_call_reports_and_times_out_on_the_wall_time_round_trips_included(monkeypatch):
+    coord = Coordinator(held=5)
+    rpc = Rpc(coord, [], 0, name="t", timeout=10)
+    monkeypatch.setattr(rpc, "get", slow_get)
+    t0 = time.monotonic()
+    assert rpc.call("extend") == "done"
+    waited = time.monotonic() - t0
+    # five round trips of 0.1 s and five short sleeps: the sleeps alone add up to about 0.05 s
+    assert coord.reported[-1] >= 0.5 and coord.reported[-1] <= waited
+
+    rpc = Rpc(Coordinator(held=10**6), [], 0, name="t", timeout=0.5)
+    monkeypatch.setattr(rpc, "get", slow_get)
+    t0 = time.monotonic()
+    with pytest.raises(HeldBackTimeout, match="waited 0.5s for the rate limiter"):
+        rpc.call("extend")
+    assert 0.5 <= time.monotonic() - t0 < 1.0  # counting only the sleeps, it waited about 5 s
