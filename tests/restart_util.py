@@ -23,8 +23,8 @@ def online_ids(rb) -> list[int]:
     return sorted(out)
 
 
-def kill_coordinator(rb) -> None:
-    """Kill the coordinator's process as a crash would, and wait until a new process answers.
+def kill_and_wait(actor, timeout: float = 60) -> None:
+    """Kill the actor's process as a crash would, and wait until a new process answers.
 
     ``ray.kill`` returns before the process is gone, and a call the old process answers then dies
     replying to is re-sent; waiting for another process id keeps that case out of the tests that compare
@@ -32,12 +32,12 @@ def kill_coordinator(rb) -> None:
     """
     import ray
 
-    def pid():
-        return ray.get(rb.rpc.coord.__ray_call__.remote(lambda self: os.getpid()), timeout=10)
+    def pid(wait: float = 10):
+        return ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=wait)
 
-    before = pid()
-    ray.kill(rb.rpc.coord, no_restart=False)
-    deadline = time.monotonic() + 60
+    before = pid(timeout)
+    ray.kill(actor, no_restart=False)
+    deadline = time.monotonic() + timeout
     while True:
         try:
             if pid() != before:
@@ -45,8 +45,13 @@ def kill_coordinator(rb) -> None:
         except Exception:
             if time.monotonic() > deadline:
                 raise
-        assert time.monotonic() < deadline, "the coordinator was not restarted within 60 s"
-        time.sleep(0.1)
+        assert time.monotonic() < deadline, f"the actor was not restarted within {timeout} s"
+        time.sleep(0.05)
+
+
+def kill_coordinator(rb) -> None:
+    """``kill_and_wait`` for the buffer's coordinator."""
+    kill_and_wait(rb.rpc.coord)
 
 
 class LoopingSampler:

@@ -2,13 +2,11 @@
 from __future__ import annotations
 
 import gc
-import os
-import time
 
 import numpy as np
 import pytest
 import torch
-from restart_util import LoopingSampler, online_ids, wait_for_progress
+from restart_util import LoopingSampler, kill_and_wait, online_ids, wait_for_progress
 from tensordict import TensorDict
 
 from rayrb import OfflineToOnlineReplayBuffer
@@ -17,25 +15,6 @@ from rayrb import OfflineToOnlineReplayBuffer
 def rows(ids: np.ndarray) -> TensorDict:
     ids = torch.as_tensor(ids, dtype=torch.int64)
     return TensorDict({"obs": ids.float()[:, None], "id": ids}, [len(ids)])
-
-
-def pid(ray, actor) -> int:
-    return ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=60)
-
-
-def kill_and_wait(ray, actor) -> None:
-    """Kill the actor's process as a crash would, and wait until a new process answers."""
-    before = pid(ray, actor)
-    ray.kill(actor, no_restart=False)
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if pid(ray, actor) != before:
-                return
-        except Exception:
-            pass
-        assert time.monotonic() < deadline, "the actor was not restarted within 60 s"
-        time.sleep(0.05)
 
 
 def test_the_coordinator_and_an_online_shard_each_survive_ten_kills_while_writers_and_samplers_run(
@@ -77,7 +56,7 @@ def test_the_coordinator_and_an_online_shard_each_survive_ten_kills_while_writer
         for actor in (rb.rpc.coord, rb.rpc.shards[-1]):
             for _ in range(kills):
                 done = wait_for_progress(ray, ws + ss, [m + 1 for m in done], 60)  # each has done more
-                kill_and_wait(ray, actor)
+                kill_and_wait(actor)
         ray.get([a.halt.remote() for a in ws + ss])
         acked = [i for ids in ray.get(work[:2]) for i in ids]
         (batches, bad), = ray.get(work[2:])
@@ -104,7 +83,7 @@ def test_a_coordinator_comes_back_after_the_driver_dropped_all_but_a_client(tmp_
     client = build()  # the owner object and every ref the driver held are gone: only this handle is left
     gc.collect()
     try:
-        kill_and_wait(ray, client.rpc.coord)
+        kill_and_wait(client.rpc.coord)
         assert len(client.sample()) == 8 and client.write_count == 10
         assert client.stats()["coordinator"]["restarts"] == 1
     finally:
