@@ -1,4 +1,5 @@
-"""`make demo`'s job stays runnable (a short run, in its own process and its own local Ray)."""
+"""`pipelines/demo.py` stays runnable (a short run, in its own process and its own local Ray); `make demo`'s job,
+`pipelines/train_bandit.py`, runs in `tests/test_jobs.py`."""
 import os
 import subprocess
 import sys
