@@ -145,9 +145,10 @@ def shard_directory(root: str | os.PathLike | None, buffer_id: str, shard: str) 
 
 
 _MAGIC = b"RRBS"
-# The coordinator's saved state: 1 = JSON {"planner", "side_rng", "version", "version_path", "answers"}
-# (docs/durability.md, "Files and formats"). A version that changes what is saved bumps it.
-STATE_SCHEMA = 1
+# The coordinator's saved state: JSON {"planner", "side_rng", "version", "version_path", "answers"}
+# (docs/durability.md, "Files and formats"); 2: each answer's batches as positional lists
+# (rayrb.core.plans.group_to_json), 1 had keyed objects. A version that changes what is saved bumps it.
+STATE_SCHEMA = 2
 _HEADER = struct.Struct("<4sQQQ")  # magic, sequence number, payload length, xxh3_64 of the payload
 
 
