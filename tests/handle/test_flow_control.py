@@ -47,11 +47,11 @@ def test_concurrent_writers_and_samplers_keep_the_ratio(make_buffer, ray_session
             while time.time() < until:
                 try:
                     self.rb.extend(rows(base + k, 20))
-                except TimeoutError:  # the learners stopped first: this write was never made
+                except TimeoutError:  # the learners stopped first: held back, or answered too late to count
                     assert time.time() > until
-                    break
+                    return k, 20  # a write that timed out may still have been applied
                 k += 20
-            return k
+            return k, 0
 
     @ray.remote(num_cpus=0)
     class Learner:
@@ -77,7 +77,8 @@ def test_concurrent_writers_and_samplers_keep_the_ratio(make_buffer, ray_session
                    actors[2].run.remote(until), actors[3].run.remote(until)])
     s = limiter_stats(rb)
     inserts, samples = s["inserts"], s["samples"]
-    assert inserts == out[0] + out[1] and samples > 0
+    written, maybe = out[0][0] + out[1][0], out[0][1] + out[1][1]
+    assert written <= inserts <= written + maybe and samples > 0
     # diff = inserts * spi - samples stays in the window, give or take one batch's online rows
     centre = spi * min_size
     assert centre - error_buffer - B <= s["diff"] <= centre + error_buffer, s
