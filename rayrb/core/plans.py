@@ -176,7 +176,8 @@ def group_from_json(data: Mapping[str, Any]) -> GroupPlan:
     plans = [BatchPlan([Part(*p) for p in parts], n_off, n_on, fraction, step,
                        None if weights is None else ImportanceWeights(weights[0], weights[1]), last)
              for parts, n_off, n_on, fraction, step, last, weights in data["plans"]]
-    args = [(list(c), list(s), [None if e is None else Epoch(*e) for e in (ep or [])], w) for c, s, ep, w in data["args"]]
+    args = [(list(c), list(s), [None if e is None else Epoch(*e) for e in (ep or [])], w)
+            for c, s, ep, w in data["args"]]
     return GroupPlan(plans, [tuple(r) for r in data["reads"]], args, data["version"], data["first"])
 
 
