@@ -149,7 +149,7 @@ class _Shard:
         if written is not None and self._written_count() < written:
             return {"behind": torch.zeros(1, device=self._table.device if self._table is not None else "cpu")}
         t0 = time.perf_counter()
-        idx = self._indices(counts, seeds, epochs)
+        idx = self._indices(counts, seeds, epochs, written)  # the rows there were at the plan, as sample_many
         rows = self._gather_tensors(idx)
         target = torch.device(device) if device is not None else next(iter(rows.values())).device
         out = {f"rows/{k}": v.to(target, non_blocking=True) for k, v in rows.items()}

@@ -111,6 +111,24 @@ def test_a_read_that_arrives_before_its_planned_writes_draws_nothing(dataset, tm
     assert out["rows/id"].shape == (3,) and "behind" not in out
 
 
+@pytest.mark.parametrize("device", [None, "cpu"])
+def test_a_direct_read_draws_over_the_rows_written_when_it_was_planned(dataset, device):
+    """A plan names the write count it was made at: a tensor read (feed(), GPU direct reads, gloo) that arrives
+    after later writes landed draws over the same rows as the object-store read of that plan, never newer ones."""
+    from rayrb.io.chunks import ChunkDataset
+
+    spec = ChunkDataset.open(dataset).spec.to_json()
+    shard = OnlineShard(spec, 500, "t/on", device=device)
+    rows = {"obs": np.ones((500, 5), np.float32), "id": np.arange(500), "nested/r": np.zeros(500, np.float32)}
+    shard.extend(rows, 0, 50, first=0)  # the plan is made here, at 50 rows written
+    shard.extend(rows, 50, 500, first=50)  # then 450 more land before the read arrives
+    host_rows, host_info = shard.sample_many([200, 100], [7, 8], written=50)
+    direct = shard.sample_many_tensors([200, 100], [7, 8], written=50)
+    assert int(direct["info/index"].max()) < 50, "the direct read drew rows written after its plan"
+    np.testing.assert_array_equal(direct["info/index"].numpy(), host_info["index"])
+    np.testing.assert_array_equal(direct["rows/id"].numpy(), host_rows["id"])
+
+
 @pytest.mark.usefixtures("ray_session")
 def test_iterating_with_reads_submitted_here_gives_the_coordinators_stream(make_buffer, monkeypatch):
     """The GPU actor's path (plan at the coordinator, read from the shards here), over the object store."""
