@@ -82,3 +82,38 @@ def test_no_import_circle():
 @pytest.mark.parametrize("g, cycle", [({"a": {"b"}, "b": {"a"}}, ["a", "b", "a"]), ({"a": {"b"}, "b": set()}, None)])
 def test_the_circle_check_finds_a_circle(g, cycle):
     assert find_cycle(g) == cycle
+
+
+def test_every_module_is_loaded_once_under_one_name():
+    """Paths from before the layers (``rayrb.datasets.registry``, ``rayrb.buffer``, ...) are not importable: an
+    alias loaded a second copy of a module under its old name (two dataset registries, say). Run in a fresh
+    process so that import order is the one a user's program has."""
+    import subprocess
+    import sys
+
+    code = r"""
+import importlib, pkgutil, sys
+import rayrb
+old = ["rayrb.datasets.registry", "rayrb.datasets", "rayrb.buffer", "rayrb.allocation", "rayrb.chunks",
+       "rayrb.coordinator", "rayrb.client", "rayrb.schema"]
+importable = []
+for name in old:
+    try:
+        importlib.import_module(name)
+        importable.append(name)
+    except ModuleNotFoundError:
+        pass
+for m in pkgutil.walk_packages(rayrb.__path__, "rayrb."):
+    if not m.name.startswith(("rayrb.integrations", "rayrb.cli")):
+        importlib.import_module(m.name)
+files = {}
+for name, mod in list(sys.modules.items()):
+    f = getattr(mod, "__file__", None)
+    if name.startswith("rayrb") and f:
+        files.setdefault(f, set()).add(id(mod))
+twice = sorted(f for f, ids in files.items() if len(ids) > 1)
+print(importable, twice)
+assert not importable and not twice, (importable, twice)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr[-2000:]
