@@ -297,8 +297,8 @@ def route_priorities(offline: Any, shard: Any, index: Any, generation: Any, prio
     ...     [True, False, True], [1, 0, 1], [3, 2, 0], [1, 1, 1], [5.0, 6.0, 7.0], sizes)]
     [('offline', 1, [3, 0]), ('online', 0, [2])]
     """
-    offline, shard = np.asarray(offline, bool).reshape(-1), np.asarray(shard, np.int64).reshape(-1)
-    index, generation = np.asarray(index, np.int64).reshape(-1), np.asarray(generation, np.int64).reshape(-1)
+    offline = _flags("offline", offline)
+    shard, index, generation = _integers("shard", shard), _integers("index", index), _integers("generation", generation)
     priority = np.asarray(priority, np.float64).reshape(-1)
     lengths = [len(offline), len(shard), len(index), len(generation), len(priority)]
     if len(set(lengths)) != 1:
@@ -316,3 +316,34 @@ def route_priorities(offline: Any, shard: Any, index: Any, generation: Any, prio
                 raise IndexError(f"{side} shard {i} holds {int(sizes[side][i])} rows, got index {int(bad[0])}")
             routes.append((side, int(i), (index[sel], generation[sel], priority[sel])))
     return routes
+
+
+def _integers(name: str, values: Any) -> np.ndarray:
+    """``values`` as int64, refused where one is not a whole number (an index of 45.5 is not row 45).
+
+    >>> _integers("index", [3.0, 45.5])
+    Traceback (most recent call last):
+    ValueError: index must hold integers, got 45.5 (float64)
+    """
+    a = np.asarray(values).reshape(-1)
+    if a.dtype.kind in "iu":
+        return a.astype(np.int64, copy=False)
+    bad = a[~np.isfinite(a) | (a != np.round(a))] if a.dtype.kind == "f" else a  # bools, strings: none is an index
+    if bad.size:
+        raise ValueError(f"{name} must hold integers, got {bad[0].item()!r} ({a.dtype})")
+    return a.astype(np.int64)
+
+
+def _flags(name: str, values: Any) -> np.ndarray:
+    """``values`` as bool: booleans, or numbers that are 0 or 1.
+
+    >>> _flags("offline", [1, 0, 3])
+    Traceback (most recent call last):
+    ValueError: offline must hold booleans (or 0 and 1), got 3
+    """
+    a = np.asarray(values).reshape(-1)
+    if a.dtype.kind != "b":
+        bad = a[(a != 0) & (a != 1)] if a.dtype.kind in "iuf" else a
+        if bad.size:
+            raise ValueError(f"{name} must hold booleans (or 0 and 1), got {bad[0].item()!r}")
+    return a.astype(bool)

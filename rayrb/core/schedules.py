@@ -18,6 +18,7 @@ Examples:
 """
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -128,5 +129,13 @@ def make_schedule(spec: float | str | Mapping[str, Any] | Schedule) -> Schedule:
         kind = cfg.pop("kind", None)
         if kind not in _KINDS:
             raise ValueError(f"schedule kind must be one of {sorted(_KINDS)}, got {kind!r}")
-        return _KINDS[kind](**cfg)
+        params = list(inspect.signature(_KINDS[kind]).parameters)
+        unknown = sorted(set(cfg) - set(params))
+        if unknown:
+            raise ValueError(f"the {kind!r} schedule takes no {', '.join(map(repr, unknown))}: expected some of "
+                             f"{params}, got {sorted(cfg)}")
+        try:
+            return _KINDS[kind](**cfg)
+        except TypeError as e:  # a required parameter missing
+            raise ValueError(f"the {kind!r} schedule expects {params}, got {sorted(cfg)}: {e}") from None
     raise TypeError(f"expected a fraction, a schedule kind, a config dict or a Schedule, got {type(spec).__name__}")

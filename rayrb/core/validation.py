@@ -89,6 +89,30 @@ def priority_options(alpha: Any = ALPHA, beta: Any = BETA, eps: Any = EPS) -> di
             "eps": finite_number("eps", eps, minimum=0.0, strict=True)}
 
 
+def boolean(name: str, value: Any) -> bool:
+    """``value`` as a ``bool``: ``True`` or ``False`` (numpy's too), never a truthy string or number.
+
+    >>> boolean("prefill", "false")
+    Traceback (most recent call last):
+    TypeError: prefill must be True or False, got 'false'
+    """
+    if not isinstance(value, bool) and type(value).__name__ != "bool_":
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return bool(value)
+
+
+def optional_str(name: str, value: Any) -> str | None:
+    """``value`` as a ``str``, or ``None``.
+
+    >>> optional_str("write_id", ["w"])
+    Traceback (most recent call last):
+    TypeError: write_id must be a string or None, got list ['w']
+    """
+    if value is not None and not isinstance(value, str):
+        raise TypeError(f"{name} must be a string or None, got {type(value).__name__} {value!r:.100}")
+    return value
+
+
 def one_of(name: str, value: Any, choices: Any) -> Any:
     if value not in tuple(choices):
         raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}")

@@ -10,10 +10,14 @@ import functools
 import uuid
 from typing import Any
 
+from collections.abc import Mapping
+
 import numpy as np
 import torch
+from tensordict import TensorDictBase
 
 from rayrb.core.schema import strip_bookkeeping
+from rayrb.core.validation import boolean, optional_str
 from rayrb.errors import BufferUnavailableError, WriteTimeoutError
 from rayrb.io.arrays import to_numpy_dict
 
@@ -29,6 +33,9 @@ class Writes:
         if isinstance(data, (list, tuple)):
             raise TypeError(f"expected one TensorDict or dict of arrays for {what}, got a {type(data).__name__} "
                             f"of {len(data)}: concatenate them first (torch.cat)")
+        if not isinstance(data, (TensorDictBase, Mapping)):
+            raise TypeError(f"expected {what} as a TensorDict or a dict of tensors or arrays, got "
+                            f"{type(data).__name__}")
         arrays = strip_bookkeeping(to_numpy_dict(data), keep=self._spec.keys)
         self._spec.validate(arrays, what=what)
         return arrays
@@ -61,6 +68,7 @@ class Writes:
         """
         import ray
 
+        write_id, prefill = optional_str("write_id", write_id), boolean("prefill", prefill)
         arrays = self._rows(data, "online data")
         n = next(iter(arrays.values())).shape[0]
         if n == 0:
@@ -69,7 +77,7 @@ class Writes:
         ref = ray.put(arrays)  # one object; each shard copies its own contiguous piece out of it
         try:
             for attempt in range(MAX_ASKS):
-                indices, acks = self.rpc.call("extend", [ref], n, write_id=write_id, prefill=bool(prefill),
+                indices, acks = self.rpc.call("extend", [ref], n, write_id=write_id, prefill=prefill,
                                               node=_node_id())
                 try:
                     self.rpc.get(acks)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from rayrb import BufferUnavailableError, OfflineToOnlineReplayBuffer
+from rayrb import BufferUnavailableError, OfflineToOnlineReplayBuffer, SampleToInsertRatio
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -254,6 +254,38 @@ def test_a_client_handle_cannot_shut_the_buffer_down(make_buffer, ray_session):
     assert rb.sample(4).batch_size[0] == 4
     assert rb.client().sample(4).batch_size[0] == 4
 
+
+
+def test_malformed_arguments_are_refused_by_name_and_change_nothing(make_buffer, tmp_path):
+    """Each is refused at the handle, naming the argument, what was expected and what came; nothing is written,
+    drawn or set."""
+    kw = dict(online_capacity=20, num_offline_shards=2, sampler="prioritized", seed=3, offline_fraction=0.5,
+              rate_limiter=SampleToInsertRatio(1.0, 1, (-10_000, 10)))
+    a = make_buffer(offline_rows(100), **kw)
+    twin = make_buffer(offline_rows(100), **kw)
+    for rb in (a, twin):
+        rb.extend(online_rows(0, 8))
+    with pytest.raises(TypeError, match=r"write_id must be a string.*got list"):
+        a.extend(online_rows(8, 2), write_id=["w"])
+    with pytest.raises(TypeError, match=r"prefill must be True or False, got 'false'"):
+        a.extend(online_rows(8, 50), prefill="false")  # a truthy string would write past the rate limiter
+    with pytest.raises(TypeError, match=r"online data.*TensorDict or a dict.*got NoneType"):
+        a.extend(None)
+    with pytest.raises(ValueError, match=r"'cosine' schedule.*'stpes'.*expected"):
+        a.offline_fraction = {"kind": "cosine", "start": 1.0, "end": 0.0, "stpes": 10}
+    with pytest.raises(ValueError, match=r"'cosine' schedule.*'stpes'"):
+        make_buffer(offline_rows(100), online_capacity=20, offline_fraction={"kind": "cosine", "stpes": 10},
+                    dataset_root=tmp_path / "never")
+    _, info = a.sample(16, return_info=True)
+    twin.sample(16, return_info=True)
+    floats = dict(info, index=info["index"].double() + 0.5)
+    with pytest.raises(ValueError, match=r"index must hold integers, got .*45.5|index must hold integers"):
+        a.update_priority(floats, torch.full((16,), 5.0))
+    flags = dict(info, offline=info["offline"].long() * 3)
+    with pytest.raises(ValueError, match=r"offline must hold booleans.*got 3"):
+        a.update_priority(flags, torch.full((16,), 5.0))
+    assert a.write_count == twin.write_count == 8 and a.offline_fraction == 0.5
+    assert torch.equal(a.sample(64)["id"], twin.sample(64)["id"])  # no row, priority or draw moved
 
 def fails_on_chunk_one(td):
     if float(td["obs"][0, 0]) >= 100:
