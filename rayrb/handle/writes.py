@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import functools
 import uuid
-from typing import Any
-
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import torch
