@@ -32,6 +32,10 @@ class WriteTimeoutError(RayrbError, TimeoutError):
         return type(self), (str(self), self.write_id)
 
 
+class WriteIdError(RayrbError, ValueError):
+    """A ``write_id`` used before for other rows: a retry sends the same rows, other rows take a new id."""
+
+
 class HeldBackTimeout(RayrbError, TimeoutError):
     """The rate limiter held a call back for longer than ``timeout``: nothing was drawn or written."""
 

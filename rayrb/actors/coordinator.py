@@ -211,17 +211,19 @@ class Coordinator:
 
     # writing ------------------------------------------------------------------------
     def extend(self, rows_ref: Sequence[Any], rows: int, write_id: str | None = None, prefill: bool = False,
-               waited: float = 0.0, node: str | None = None) -> tuple[np.ndarray, list[Any]] | HeldBack:
+               waited: float = 0.0, node: str | None = None, digest: str | None = None
+               ) -> tuple[np.ndarray, list[Any]] | HeldBack:
         """Send contiguous pieces of one batch of ``rows`` rows (``rows_ref[0]``, an ObjectRef) to shards.
 
         Returns the rows' global online indices and the shards' acknowledgements; the
         caller waits on those before it reports the write as done. A ``write_id`` seen
-        before returns that write's indices and acknowledgements, and writes nothing.
+        before with the same rows (``digest``, the handle's ``rows_digest``) returns that write's indices and
+        acknowledgements, and writes nothing; with other rows it is refused (``WriteIdError``).
         The rate limiter may hold a write back; ``prefill`` writes past it. A write
         from ``node`` (the writer's node id) prefers the online shards there, while
         they are at most ``slack`` rows ahead of the rest.
         """
-        rows, seen = self._writing.check(rows, write_id)
+        rows, seen = self._writing.check(rows, write_id, digest)
         if seen is not None and seen[1] is not None and not failed(seen[1]):
             return seen  # a retry: applied once, and its acknowledgements are the first call's
         if seen is not None:  # journalled before a restart, or a shard failed its piece
@@ -233,7 +235,7 @@ class Coordinator:
             except HeldBack as held:
                 self._metrics.count("insert_blocked_calls")
                 return held
-            indices, acks, touched = self._writing.write(rows_ref, rows, write_id, node)
+            indices, acks, touched = self._writing.write(rows_ref, rows, write_id, node, digest)
             self._planner.record_insert(rows, size, prefill=prefill)
             self._waited("insert", waited)
         if touched:

@@ -70,23 +70,21 @@ class Writing:
     def _sent(self, pieces: Sequence[Any], acks: Sequence[Any]) -> None:
         self._unsettled += [(w.shard, w.first, a) for w, a in zip(pieces, acks)]
 
-    def check(self, rows: int, write_id: str | None) -> tuple[int, Any]:
-        """``(rows, what an earlier write with this id got)``; raises if this buffer cannot take the write."""
+    def check(self, rows: int, write_id: str | None, digest: str | None = None) -> tuple[int, Any]:
+        """``(rows, what an earlier write with this id got)``; raises if this buffer cannot take the write, or if
+        ``write_id`` named a write of other rows (``WriteLog.retry_of``)."""
         if self.log is None:
             raise RuntimeError("this buffer has no online shards")
-        rows, seen = positive_int("rows", rows), self.log.lookup(write_id)
-        if seen is not None and len(seen[0]) != rows:  # its pieces would be cut from other rows
-            raise ValueError(f"write_id {write_id!r} names a write of {len(seen[0])} rows, got a retry of {rows} "
-                             "rows: a retry must send the same rows (or use a new write_id)")
-        return rows, seen
+        rows = positive_int("rows", rows)
+        return rows, self.log.retry_of(write_id, rows, digest)
 
-    def write(self, rows_ref: Sequence[Any], rows: int, write_id: str | None, node: str | None
-              ) -> tuple[np.ndarray, list[Any], list[int]]:
+    def write(self, rows_ref: Sequence[Any], rows: int, write_id: str | None, node: str | None,
+              digest: str | None = None) -> tuple[np.ndarray, list[Any], list[int]]:
         """Place a new write, journal it and send its pieces: ``(indices, acks, shards written)``."""
         local = self._local_shards(node)
         plan = self.log.place(rows, local)
-        acks = self._send(rows_ref, write_id, plan, plan)
-        self.log.commit(plan, write_id, acks)
+        acks = self._send(rows_ref, write_id, plan, plan, digest)
+        self.log.commit(plan, write_id, acks, digest)
         self._sent(plan, acks)
         self._metrics.count("rows_written", int(rows))
         if local:
@@ -102,18 +100,18 @@ class Writing:
         whole, send = self.log.resume(write_id)
         if not send:
             return self.log.indices(whole), [], []
-        acks = self._send(rows_ref, write_id, whole, send)
+        acks = self._send(rows_ref, write_id, whole, send, self.log.digest(write_id))
         self.log.remember(write_id, whole, acks)
         self._sent(send, acks)
         self._metrics.count("rows_written", sum(w.rows for w in send))
         self._metrics.count("writes_resumed")
         return self.log.indices(whole), acks, [w.shard for w in send]
 
-    def _send(self, rows_ref: Sequence[Any], write_id: str | None, whole: Sequence[Any], send: Sequence[Any]
-              ) -> list[Any]:
+    def _send(self, rows_ref: Sequence[Any], write_id: str | None, whole: Sequence[Any], send: Sequence[Any],
+              digest: str | None = None) -> list[Any]:
         """Journal a write's ``whole`` plan under ``write_id``, then send the pieces in ``send``; their acks."""
         if self._state is not None and write_id is not None:  # before the shards get it: a restart must know
-            self._state.journal(write_id, [(w.shard, w.start, w.stop, w.first) for w in whole])
+            self._state.journal(write_id, [(w.shard, w.start, w.stop, w.first) for w in whole], digest)
         # The ref came nested in a list, so it is still unresolved: each shard fetches its piece itself.
         return [self._shards[w.shard].extend.remote(rows_ref[0], w.start, w.stop, first=w.first) for w in send]
 

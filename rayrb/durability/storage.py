@@ -162,7 +162,8 @@ class CoordinatorState:
     pickled state written in place: a save torn by a crash fails its check, and the
     other file, one save older, is loaded. (A rename per save cost 0.13-0.5 ms here;
     this costs about 5 us plus the pickling.) ``writes.log`` gets one line per identified write, appended before the
-    shards are sent their pieces: ``[write_id, [[shard, start, stop, first], ...]]``.
+    shards are sent their pieces: ``[write_id, [[shard, start, stop, first], ...], digest]`` (the digest of its
+    rows, so that a restarted coordinator still tells a retry from other rows under the same id).
     A restarted coordinator takes the write counts from the shards and remembers the
     journalled writes, so a retry of one is answered, and only the pieces the shards
     lack are sent (``rayrb.durability.writelog.WriteLog.resume``). A torn last line (a crash
@@ -181,7 +182,7 @@ class CoordinatorState:
         {'version': 3}
         >>> for i in range(5):
         ...     s.journal(f"w{i}", [(0, 0, 10, 10 * i)])
-        >>> [w for w, _ in s.writes()]  # the last ``remember``
+        >>> [w for w, _, _ in s.writes()]  # the last ``remember``
         ['w3', 'w4']
     """
 
@@ -245,8 +246,8 @@ class CoordinatorState:
                              "checkpoint")
         return saved["state"]
 
-    def journal(self, write_id: str, pieces: list[tuple[int, int, int, int]]) -> None:
-        line = json.dumps([write_id, [[int(x) for x in p] for p in pieces]]) + "\n"
+    def journal(self, write_id: str, pieces: list[tuple[int, int, int, int]], digest: str | None = None) -> None:
+        line = _journal_line(write_id, [[int(x) for x in p] for p in pieces], digest)
         fd = os.open(self._journal, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         try:
             os.write(fd, line.encode())
@@ -256,19 +257,20 @@ class CoordinatorState:
         if self._lines > 2 * self._remember:  # keep the journal about as long as what is remembered
             keep = self.writes()
             tmp = self.directory / "writes.log.tmp"
-            tmp.write_text("".join(json.dumps([w, p]) + "\n" for w, p in keep))
+            tmp.write_text("".join(_journal_line(*entry) for entry in keep))
             os.replace(tmp, self._journal)
             self._lines = len(keep)
 
-    def writes(self) -> list[tuple[str, list[list[int]]]]:
-        """The last ``remember`` journalled writes, oldest first."""
+    def writes(self) -> list[tuple[str, list[list[int]], str | None]]:
+        """The last ``remember`` journalled writes ``(write_id, pieces, digest of the rows or None)``, oldest
+        first."""
         out = []
         for line in self._read_lines():
             try:
-                write_id, pieces = json.loads(line)
+                write_id, pieces, *digest = json.loads(line)
             except ValueError:
                 continue  # torn by a crash mid-append
-            out.append((write_id, pieces))
+            out.append((write_id, pieces, digest[0] if digest else None))
         return out[-self._remember:]
 
     def _read_lines(self) -> Iterator[str]:
@@ -286,3 +288,8 @@ class CoordinatorState:
 
     def remove(self) -> None:
         _remove(self.directory)
+
+
+def _journal_line(write_id: str, pieces: list[list[int]], digest: str | None) -> str:
+    """``[write_id, pieces, digest]`` as one line (without a digest, ``[write_id, pieces]``, as before digests)."""
+    return json.dumps([write_id, pieces] if digest is None else [write_id, pieces, digest]) + "\n"

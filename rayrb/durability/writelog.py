@@ -12,10 +12,12 @@ so fill levels stay balanced. ``WriteLog.plan`` computes a write's pieces,
 slots and global indices without changing anything; ``WriteLog.commit``
 applies it once the shards hold the rows.
 
-A write may carry an identity. A write whose identity was committed before is
-not applied again: ``WriteLog.lookup`` returns the indices it got (and the
-receipt the caller kept with them, such as the shards' acknowledgements), so a
-caller that retries after a timeout writes its rows once. A write whose pieces
+A write may carry an identity, and a digest of its rows. A write whose identity was
+committed before is not applied again: ``WriteLog.retry_of`` returns the indices it got
+(and the receipt the caller kept with them, such as the shards' acknowledgements), so a
+caller that retries after a timeout writes its rows once; other rows under a used
+identity (another row count, or another digest) are refused (``WriteIdError``), never
+answered as if they had landed. A write whose pieces
 did not all land (a shard failed, or the coordinator died between sending its
 pieces) is finished by ``WriteLog.resume``: the pieces the shards hold stay
 where they are, and only the others are sent, so no row lands twice.
@@ -50,6 +52,7 @@ from typing import Any
 import numpy as np
 
 from rayrb.core.allocation import assign_pieces, split_evenly, write_pieces
+from rayrb.errors import WriteIdError
 
 
 def slots(first: int, n: int, capacity: int) -> np.ndarray:
@@ -83,7 +86,8 @@ class WriteLog:
         self.written = np.zeros(self.capacity.size, dtype=np.int64)
         # per shard: rows [a, b) below ``written`` that no write holds (pieces that never landed)
         self.holes: list[list[tuple[int, int]]] = [[] for _ in range(self.capacity.size)]
-        self._ids: OrderedDict[Hashable, tuple[np.ndarray, Any, list[Write]]] = OrderedDict()
+        # write id -> (indices, receipt, plan, pieces missing, digest of its rows or None)
+        self._ids: OrderedDict[Hashable, tuple[np.ndarray, Any, list[Write], set[int], str | None]] = OrderedDict()
         self._remember = int(remember)
 
     @property
@@ -168,7 +172,8 @@ class WriteLog:
             return np.empty(0, np.int64)
         return np.concatenate([self.offsets[w.shard] + w.slots for w in plan])
 
-    def commit(self, plan: Sequence[Write], write_id: Hashable | None = None, receipt: Any = None) -> None:
+    def commit(self, plan: Sequence[Write], write_id: Hashable | None = None, receipt: Any = None,
+               digest: str | None = None) -> None:
         for w in plan:
             if self.written[w.shard] != w.first and not self._in_hole(w):
                 raise RuntimeError(f"write to online shard {w.shard} planned at row {w.first}, but the shard "
@@ -179,7 +184,7 @@ class WriteLog:
             else:
                 self.written[w.shard] += w.rows
         if write_id is not None:
-            self.remember(write_id, plan, receipt)
+            self.remember(write_id, plan, receipt, digest)
 
     def rebuild(self, pieces: Sequence[Sequence[int]]) -> list[Write]:
         """The plan of a journalled write, from its pieces ``[shard, start, stop, first]``.
@@ -191,21 +196,25 @@ class WriteLog:
         return [Write(int(sh), int(a), int(b), int(f), slots(int(f), int(b) - int(a), self.capacity[int(sh)]))
                 for sh, a, b, f in pieces]
 
-    def remember(self, write_id: Hashable, plan: Sequence[Write], receipt: Any = None) -> None:
+    def remember(self, write_id: Hashable, plan: Sequence[Write], receipt: Any = None,
+                 digest: str | None = None) -> None:
         """Record a write (committed here, or found in a journal), so that a retry of it is not applied again.
 
         Its pieces that end beyond a shard's write count are not held by that shard: they
-        are marked missing, for ``resume``.
+        are marked missing, for ``resume``. ``digest`` names its rows (kept from before when not given).
         """
         plan = list(plan)
         missing = {i for i, w in enumerate(plan) if not self._held(w)}
-        self._ids[write_id] = (self.indices(plan), receipt, plan, missing)
+        if digest is None and write_id in self._ids:
+            digest = self._ids[write_id][4]
+        self._ids[write_id] = (self.indices(plan), receipt, plan, missing, digest)
         self._ids.move_to_end(write_id)
         while len(self._ids) > self._remember:
             self._ids.popitem(last=False)
 
-    def recall(self, journal: Sequence[tuple[Hashable, Sequence[Sequence[int]]]]) -> None:
-        """Remember journalled writes, oldest first, after ``reset`` took the shards' counts.
+    def recall(self, journal: Sequence[Sequence[Any]]) -> None:
+        """Remember journalled writes ``(write_id, pieces[, digest])``, oldest first, after ``reset`` took the
+        shards' counts.
 
         A piece is missing where its shard's count falls short of it, and also where a later
         write was planned over its rows: the coordinator put that write there because the
@@ -218,7 +227,7 @@ class WriteLog:
         """
         later: dict[int, tuple[list[int], list[int]]] = {}  # per shard: later pieces' rows, disjoint runs
         recalled, ids = [], set()
-        for write_id, pieces in reversed(journal):
+        for write_id, pieces, *digest in reversed(journal):
             if write_id in ids:  # a resumed write is journalled again: its latest line is the one that holds
                 continue
             ids.add(write_id)
@@ -226,15 +235,44 @@ class WriteLog:
             over = {i for i, w in enumerate(plan) if _overlaps(later.get(w.shard), w.first, w.first + w.rows)}
             for w in plan:
                 _insert(later.setdefault(w.shard, ([], [])), w.first, w.first + w.rows)
-            recalled.append((write_id, plan, over))
-        for write_id, plan, over in reversed(recalled):
-            self.remember(write_id, plan)
+            recalled.append((write_id, plan, over, digest[0] if digest else None))
+        for write_id, plan, over, digest in reversed(recalled):
+            self.remember(write_id, plan, digest=digest)
             self._ids[write_id][3].update(over)
 
     def lookup(self, write_id: Hashable | None) -> tuple[np.ndarray, Any] | None:
         """``(indices, receipt)`` of an earlier write with this identity, or None."""
         found = None if write_id is None else self._ids.get(write_id)
         return None if found is None else found[:2]
+
+    def digest(self, write_id: Hashable) -> str | None:
+        """The digest of the rows written under ``write_id`` (None: not known)."""
+        found = self._ids.get(write_id)
+        return None if found is None else found[4]
+
+    def retry_of(self, write_id: Hashable | None, rows: int, digest: str | None = None
+                 ) -> tuple[np.ndarray, Any] | None:
+        """``lookup``, for a write of ``rows`` rows whose digest is ``digest``: None for an identity not seen,
+        the earlier write's ``(indices, receipt)`` for its retry; another write under a used identity raises.
+
+        >>> log = WriteLog([8]); log.commit(log.plan([2]), "w", digest="aa")
+        >>> log.retry_of("w", 2, "aa")[0].tolist(), log.retry_of("new", 2, "bb")
+        ([0, 1], None)
+        >>> log.retry_of("w", 2, "bb")
+        Traceback (most recent call last):
+        rayrb.errors.WriteIdError: write_id 'w' names a write of other rows (digest aa, got bb): a retry must send the same rows; other rows need a new write_id
+        """
+        found = self.lookup(write_id)
+        if found is None:
+            return None
+        if len(found[0]) != rows:  # its pieces would be cut from other rows
+            raise WriteIdError(f"write_id {write_id!r} names a write of {len(found[0])} rows, got a retry of {rows} "
+                               "rows: a retry must send the same rows (or use a new write_id)")
+        known = self.digest(write_id)
+        if digest is not None and known is not None and digest != known:
+            raise WriteIdError(f"write_id {write_id!r} names a write of other rows (digest {known}, got {digest}): "
+                               "a retry must send the same rows; other rows need a new write_id")
+        return found
 
     def resume(self, write_id: Hashable) -> tuple[list[Write], list[Write]]:
         """Finish an earlier write; return its whole plan and the pieces to send now (committed here).
@@ -258,7 +296,7 @@ class WriteLog:
         >>> [(w.shard, w.start, w.first) for w in send], log.indices(whole).tolist()
         ([(0, 2, 2)], [0, 1, 2, 3])
         """
-        _, _, plan, missing = self._ids[write_id]
+        _, _, plan, missing, _ = self._ids[write_id]
         again = set()
         for i in sorted(missing):  # one by one: two pieces of a write may share a shard
             if self.written[plan[i].shard] == plan[i].first or self._in_hole(plan[i]):
@@ -304,7 +342,7 @@ class WriteLog:
             raise bad
         self.written = np.array([max([int(c)] + [b for _, b in runs]) for c, runs in zip(written, held)], np.int64)
         self.holes = [_gaps(int(c), runs) for c, runs in zip(written, held)]
-        for _, _, plan, missing in self._ids.values():
+        for _, _, plan, missing, _ in self._ids.values():
             missing.update(i for i, w in enumerate(plan) if not self._held(w))
 
     def _held(self, w: Write) -> bool:

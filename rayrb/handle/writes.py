@@ -18,7 +18,7 @@ from tensordict import TensorDictBase
 from rayrb.core.schema import strip_bookkeeping
 from rayrb.core.validation import boolean, optional_str
 from rayrb.errors import BufferUnavailableError, WriteTimeoutError
-from rayrb.io.arrays import to_numpy_dict
+from rayrb.io.arrays import rows_digest, to_numpy_dict
 
 
 def _numpy(x: Any) -> np.ndarray:
@@ -50,8 +50,9 @@ class Writes:
         Args:
             data: a TensorDict, or a (nested) dict of tensors or arrays, with a batch dimension. Checked
                 against the offline row spec before anything ships.
-            write_id: names the write (one is made up when not given); a retry with the same id is
-                applied once and returns the same indices.
+            write_id: names the write (one is made up when not given); a retry with the same id and the
+                same rows is applied once and returns the same indices; other rows under a used id are refused
+                (``WriteIdError``).
             prefill: write past the rate limiter, to seed the online side.
             wait: accepted for older callers; every write waits for the shards' copies.
 
@@ -61,6 +62,7 @@ class Writes:
         Raises:
             SchemaError: the rows' keys, trailing shapes or dtypes differ from the row spec (nothing
                 was written).
+            WriteIdError: ``write_id`` names an earlier write of other rows (nothing was written).
             WriteTimeoutError: no answer within ``timeout``; it carries ``write_id``, so that a retry
                 with it lands the rows once.
             BufferUnavailableError: the buffer was shut down, or an actor of it could not be restarted.
@@ -73,11 +75,12 @@ class Writes:
         if n == 0:
             return torch.empty(0, dtype=torch.int64)
         write_id = write_id if write_id is not None else uuid.uuid4().hex
+        digest = rows_digest(arrays)  # the rows the id names: a retry sends these, other rows are refused
         ref = ray.put(arrays)  # one object; each shard copies its own contiguous piece out of it
         try:
             for attempt in range(MAX_ASKS):
                 indices, acks = self.rpc.call("extend", [ref], n, write_id=write_id, prefill=prefill,
-                                              node=_node_id())
+                                              node=_node_id(), digest=digest)
                 try:
                     self.rpc.get(acks)
                     break

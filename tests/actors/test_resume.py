@@ -222,3 +222,23 @@ def test_a_half_sent_write_whose_place_was_taken_survives_a_second_restart(make_
         got.update(zip((info["shard"] * 500 + info["index"]).tolist(), batch["id"].tolist()))
     for i, row in zip(indices.tolist(), range(1000, 1150)):  # each answered index holds its own row
         assert got.get(i, row) == row
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_two_writers_under_one_write_id_with_the_same_row_count_are_told_apart_by_their_rows(make_buffer):
+    """A write_id names one writer's write: the same rows again are a retry (answered, not written), other rows
+    under it are refused, never dropped while their writer is told they landed; also after the coordinator
+    restarted, from its journal."""
+    from rayrb.errors import WriteIdError
+
+    rb = make_buffer(rows(0, 50), **KW)
+    first = rb.extend(rows(1000, 40), write_id="collector-0/step-7")
+    with pytest.raises(WriteIdError, match=r"'collector-0/step-7'.*other rows"):
+        rb.extend(rows(2000, 40), write_id="collector-0/step-7")  # another writer, the same id and row count
+    assert torch.equal(rb.extend(rows(1000, 40), write_id="collector-0/step-7"), first)  # the retry
+    assert online_ids(rb) == list(range(1000, 1040)) and rb.write_count == 40
+    kill_coordinator(rb)
+    with pytest.raises(WriteIdError, match="other rows"):
+        rb.extend(rows(2000, 40), write_id="collector-0/step-7")
+    assert torch.equal(rb.extend(rows(1000, 40), write_id="collector-0/step-7"), first)
+    assert online_ids(rb) == list(range(1000, 1040)) and rb.write_count == 40
