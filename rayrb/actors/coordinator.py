@@ -95,9 +95,8 @@ class Coordinator:
         if self._state is None:
             return
         try:
-            self._state.save({"planner": self._planner.state_dict(),
-                              "side_rng": self._drawing.side_rng.bit_generator.state,
-                              "version": self._version.value, "version_path": self._version.file.path},
+            self._state.save({**self._drawing.saved(), "version": self._version.value,
+                              "version_path": self._version.file.path},
                              encoded={"answers": self._drawing.replies.items_json()})
         except OSError:
             self._metrics.count("state_save_failed")
@@ -106,8 +105,7 @@ class Coordinator:
         """Pick up where the previous process left off. Without its state (restarted on another node) the
         stream starts afresh from the seed, but the write counts still come from the shards."""
         if saved is not None:
-            self._planner.load_state_dict(saved["planner"])
-            self._drawing.side_rng.bit_generator.state = saved["side_rng"]
+            self._drawing.load_saved(saved)
             self._version.restarted(saved["version"], saved.get("version_path"))
             self._drawing.replies.load(saved.get("answers"))
         self._writing.recall(self._state.writes())  # a retry is answered, and only missing pieces sent

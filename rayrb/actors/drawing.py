@@ -160,6 +160,19 @@ class Drawing:
         """The sampling state, as if the batches drawn ahead and not yet served were given back."""
         return self.planner.state_dict(at=self.ahead.first_unserved())
 
+    def saved(self) -> dict[str, Any]:
+        """What a restart needs (plain JSON data): the planner's state, the side views' RNG and the log of draws
+        ahead, so that a restarted coordinator numbers draws on and counts the rows given back after it."""
+        return {"planner": self.planner.state_dict(), "side_rng": self.side_rng.bit_generator.state,
+                "ahead": self.ahead.state_dict()}
+
+    def load_saved(self, saved: Mapping[str, Any]) -> None:
+        """Take ``saved()``'s state (a state saved before the log of draws was kept starts that log empty)."""
+        self.planner.load_state_dict(saved["planner"])
+        self.side_rng.bit_generator.state = saved["side_rng"]
+        if "ahead" in saved:
+            self.ahead.load_state_dict(saved["ahead"])
+
     # side views -------------------------------------------------------------------
     def plan_side(self, side: str, batch_size: int, sizes: np.ndarray) -> tuple[BatchPlan, list[np.ndarray]]:
         """``batch_size`` rows of one side, uniformly from the union of its shards: the plan and each part's

@@ -70,6 +70,9 @@ class Planner:
         self.rng = np.random.default_rng(seed)
         self.step = 0
         self.last_snapshot: tuple | None = None
+        # online rows ever taken out of the limiter's count (drawn ahead, dropped unserved): a snapshot taken
+        # before such a drop must not bring those rows back when it is restored
+        self._unrecorded = 0
 
     # the fraction -----------------------------------------------------------
     def fraction(self, sizes: Sizes) -> float:
@@ -107,21 +110,25 @@ class Planner:
 
     # drawing ----------------------------------------------------------------
     def snapshot(self) -> tuple:
-        """What ``restore`` needs to put the stream back here: RNG, step, allocator, sampled rows."""
-        return (self.rng.bit_generator.state, self.step, self.alloc.state_dict(), self.limiter.state_dict()["samples"])
+        """What ``restore`` needs to put the stream back here: RNG, step, allocator, sampled rows (and the rows
+        taken out of that count so far)."""
+        return (self.rng.bit_generator.state, self.step, self.alloc.state_dict(), self.limiter.state_dict()["samples"],
+                self._unrecorded)
 
     def restore(self, saved: tuple) -> None:
         """Go back to a ``snapshot``, as if no draw had been made since.
 
         Settings are kept, and so are the limiter's inserts and waits: writes since the
-        snapshot still count; only the draws' sampled rows are taken back.
+        snapshot still count; only the draws' sampled rows are taken back. Rows dropped
+        since the snapshot (another handle's draws from before it, ``unrecord_samples``)
+        stay out of the count.
         """
         self.rng.bit_generator.state, self.step = saved[0], saved[1]
         self.alloc.load_state_dict(saved[2])
         self.limiter.load_state_dict(self._limiter_state(saved))
 
     def _limiter_state(self, saved: tuple) -> dict[str, Any]:
-        return {**self.limiter.state_dict(), "samples": saved[3]}
+        return {**self.limiter.state_dict(), "samples": max(0, saved[3] - (self._unrecorded - saved[4]))}
 
     def draw(self, batch_size: int, num_slices: int = 1, *, sizes: Sizes,
              totals: tuple[int, int] | None = None) -> list[tuple[BatchPlan, Reads]]:
@@ -221,6 +228,7 @@ class Planner:
     def unrecord_samples(self, rows: int) -> None:
         """Online rows drawn ahead and dropped unserved: the limiter counts rows served."""
         self.limiter.unrecord_sample(rows)
+        self._unrecorded += int(rows)
 
     def record_insert(self, rows: int, online_size: int, *, prefill: bool = False) -> None:
         if prefill:

@@ -125,6 +125,39 @@ def test_rows_planned_by_a_coordinator_that_died_are_read_again_from_the_shards(
     same(a.rpc.fetch(ga, a.rpc.submit(ga)), b.rpc.fetch(gb, b.rpc.submit(gb)))
 
 
+
+def test_closing_an_iterator_after_a_restart_takes_back_only_what_it_did_not_serve(make_buffer):
+    """The restarted coordinator numbers draws on from its saved log: the iterator's reports of what it served
+    after the restart are understood, and closing it gives back only the batches it never handed over. The rest
+    of the epoch then serves every row once."""
+    rb = make_buffer(rows(0, 320), online_capacity=10, seed=1, batch_size=16, sampler="without_replacement",
+                     offline_fraction=1.0, prefetch=0)
+    it = rb.iter_batches(prefetch=8)
+    got = [next(it)["id"] for _ in range(3)]
+    kill_coordinator(rb)
+    got += [next(it)["id"] for _ in range(9)]  # past what was drawn before the crash
+    it.close()
+    served = torch.cat(got).tolist()
+    rest = torch.cat([rb.sample()["id"] for _ in range((320 - len(served)) // 16)]).tolist()
+    twice = len(served) + len(rest) - len(set(served + rest))
+    assert twice == 0, f"{twice} rows of the epoch were served twice"
+    assert sorted(served + rest) == list(range(320))
+
+
+def test_draws_held_ahead_through_a_restart_and_given_back_after_it_stop_counting_as_sampled(make_buffer):
+    """A sample() loop holds batches drawn ahead when the coordinator dies; its next write gives them back to the
+    restarted coordinator, which finds them in its saved log: the rate limiter counts the online rows served."""
+    from rayrb import SampleToInsertRatio
+
+    rb = make_buffer(rows(0, 300), **{**KW, "prefetch": 8}, rate_limiter=SampleToInsertRatio(1.0, 1, (-10_000, 10_000)))
+    rb.extend(rows(1000, 100))
+    served = sum(int((~info["offline"]).sum()) for _, info in (rb.sample(return_info=True) for _ in range(4)))
+    assert rb._stream.in_flight > 0  # batches drawn ahead and held
+    kill_coordinator(rb)
+    rb.extend(rows(2000, 10))  # gives back what the loop held
+    samples = rb.stats()["coordinator"]["rate_limiter"]["samples"]
+    assert samples == served, f"the limiter counts {samples} online rows sampled; the handle served {served}"
+
 def test_an_iterator_goes_on_through_a_restart_with_exact_batches(make_buffer):
     rb = make_buffer(rows(0, 300), **{**KW, "prefetch": 8})
     rb.extend(rows(1000, 150))
