@@ -206,12 +206,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def collect_leftovers(storage_dirs: list[str] | None, dry_run: bool) -> list[str]:
     """Version maps and state directories of buffers whose owner died without shutdown(), on this node."""
-    from rayrb.durability.leftovers import remove, state_dirs, version_files
+    from rayrb.actors.lifecycle import leftovers
+    from rayrb.durability.leftovers import remove
     from rayrb.handle.owner import DEFAULT_STORAGE
 
-    found = version_files()
-    for root in storage_dirs or [DEFAULT_STORAGE]:
-        found += state_dirs(root)
+    found = leftovers(storage_dirs or [DEFAULT_STORAGE])
     return [str(p) for p in (found if dry_run else remove(found))]
 
 

@@ -69,7 +69,7 @@ class Coordinator:
                           rate_limiter=rate_limiter, online_capacity=int(sum(online_capacities)) or None)
         self._planner = planner
         self._drawing = Drawing(planner, self._shards, self._metrics, seed)
-        self._version = Version(name)
+        self._version = Version(name, state_dir)
         # With a state directory, a restarted coordinator (Ray re-runs this with the same arguments) picks up
         # its sampling state there and its write counts from the shards.
         self._lives = begin(state_dir, f"the coordinator of buffer {name!r}")
@@ -95,8 +95,7 @@ class Coordinator:
         if self._state is None:
             return
         try:
-            self._state.save({**self._drawing.saved(), "version": self._version.value,
-                              "version_path": self._version.file.path},
+            self._state.save({**self._drawing.saved(), "version": self._version.value},
                              encoded={"answers": self._drawing.replies.items_json()})
         except OSError:
             self._metrics.count("state_save_failed")
@@ -106,7 +105,7 @@ class Coordinator:
         stream starts afresh from the seed, but the write counts still come from the shards."""
         if saved is not None:
             self._drawing.load_saved(saved)
-            self._version.restarted(saved["version"], saved.get("version_path"))
+            self._version.restarted(saved["version"])
             self._drawing.replies.load(saved.get("answers"))
         self._writing.recall(self._state.writes())  # a retry is answered, and only missing pieces sent
         self._save()

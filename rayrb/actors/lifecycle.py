@@ -1,11 +1,14 @@
-"""An actor's start: counted, and held back when starts keep crashing (``rayrb.durability.restarts``)."""
+"""An actor's start: counted, held back when starts keep crashing (``rayrb.durability.restarts``), its state
+directory leased; and what Ray's actor table says of actors, for clean-up (``rayrb.durability.leftovers``)."""
 from __future__ import annotations
 
 import functools
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
+from rayrb.durability.lease import Lease
 from rayrb.durability.restarts import RestartLog
 
 logger = logging.getLogger("rayrb")
@@ -29,43 +32,84 @@ def _actor_class(cls: type, options: tuple) -> Any:
 
 
 def begin(directory: str | None, what: str) -> RestartLog:
-    """Record this start of actor ``what`` in ``directory``; wait first if the starts before it kept crashing.
+    """Record this start of actor ``what`` in ``directory``; wait first if the starts before it kept crashing,
+    then keep the directory's lease while this process lives (``rayrb.durability.lease``).
 
     Call ``RestartLog.ready`` once the actor is up.
     """
-    log = RestartLog(directory)
-    restarted = reconstructed()
-    wait = log.started(restarted, last_death_cause() if restarted else None)
+    actor, cluster, restarts, cause = whoami()
+    log = RestartLog(directory, actor=actor, cluster=cluster)
+    wait = log.started(restarts, cause if restarts else None)
     if wait:
         logger.warning("rayrb: %s crashed before it finished starting %d time(s) in a row (last cause: %s); "
                        "waiting %.1f s before starting again", what, log.failed_starts, log.last_cause, wait)
         time.sleep(wait)
+    if directory is not None:
+        Lease(directory).start()
     return log
 
 
-def reconstructed() -> bool:
-    """Whether Ray restarted the actor this runs in (False outside an actor, as in tests of the parts)."""
-    try:
-        import ray
-
-        if not ray.is_initialized():
-            return False
-        return bool(ray.get_runtime_context().was_current_actor_reconstructed)
-    except (AssertionError, AttributeError, ImportError):
-        return False
-
-
-def last_death_cause() -> str | None:
-    """Why Ray says this actor's previous process died, where it says (its actor table), in one line."""
+def whoami() -> tuple[str | None, str | None, int, str | None]:
+    """``(actor id, cluster id, restarts, last death cause)`` of the actor this runs in, from Ray's actor table;
+    ``(None, None, 0, None)`` outside an actor (tests of the parts) or where Ray does not say."""
     try:
         import ray
         from ray._private import state
 
-        cause: Any = state.actors(ray.get_runtime_context().get_actor_id()).get("DeathCause")
+        if not ray.is_initialized():
+            return None, None, 0, None
+        actor = ray.get_runtime_context().get_actor_id()
+        if actor is None:
+            return None, None, 0, None
+        info = state.actors(actor)  # a developer API: without it the actor starts as a first start
+    except Exception:
+        return None, None, 0, None
+    return actor, cluster_id(), int(info.get("NumRestarts", 0) or 0), _cause(info.get("DeathCause"))
+
+
+def cluster_id() -> str | None:
+    """The id of the Ray cluster this process is connected to (hex), or None."""
+    try:
+        import ray
+
+        if not ray.is_initialized():
+            return None
+        return ray._private.worker.global_worker.current_cluster_and_job[0].hex()
+    except Exception:
+        return None
+
+
+def actor_state(actor: str) -> str | None:
+    """What Ray's actor table says of ``actor`` (``ALIVE``, ``RESTARTING``, ``DEAD``, ...); None if it does not
+    know it, or cannot be asked."""
+    try:
+        from ray._private import state
+
+        return state.actors(actor).get("State") or None
+    except Exception:
+        return None
+
+
+def leftovers(storage_dirs: list[Any]) -> list[Path]:
+    """What dead buffers left on this node (``rayrb.durability.leftovers``), judged with the view of the Ray
+    cluster this process is connected to (none: by the state directories' leases alone)."""
+    from rayrb.durability.leftovers import state_dirs, version_files
+
+    cluster = cluster_id()
+    state = actor_state if cluster is not None else None
+    found = version_files(cluster=cluster, state=state)
+    for root in storage_dirs:
+        found += state_dirs(root, cluster=cluster, state=state)
+    return found
+
+
+def _cause(cause: Any) -> str | None:
+    """Why Ray says the actor's previous process died (its actor table's death cause), in one line."""
+    try:
         kind = cause.WhichOneof("context")
         if kind is None:
             return None
         message = str(getattr(getattr(cause, kind), "error_message", "") or "").strip().splitlines()
         return f"{kind}: {message[0]}" if message else kind
-    except Exception:  # a developer API: the count does not depend on it
+    except Exception:
         return None

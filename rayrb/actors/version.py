@@ -3,50 +3,58 @@
 A handle holding batches drawn ahead at an older version gives them back before
 its next ``sample()``, so that allocation never uses sizes staler than the previous
 call. Handles on the coordinator's node read the counter from a memory map
-(``VersionFile``, in ``/dev/shm`` where there is one) without a call; others
-read it from the answer to their previous call.
+(``VersionFile``) without a call; others read it from the answer to their previous call.
+
+The map lives in the coordinator's state directory (``version``), where a restarted
+coordinator finds it again, whenever it was made, and clean-up treats it with the rest
+of the buffer's state. A coordinator without a state directory never restarts; it keeps
+the map in ``/dev/shm``, named by its cluster and actor id
+(``rayrb.durability.leftovers.version_name``), which clean-up asks Ray about.
 """
 from __future__ import annotations
 
 import os
-import re
 import tempfile
-import uuid
+from pathlib import Path
 
 import numpy as np
 
+from rayrb.actors.lifecycle import whoami
+from rayrb.durability.leftovers import version_name
+
+FILE = "version"
+
 
 class VersionFile:
-    """The version as 8 bytes in a node-local memory map, made when a handle first asks for it."""
+    """The version as 8 bytes in a node-local memory map, made when a handle first asks for it (or reopened)."""
 
-    def __init__(self, name: str):
-        self._name, self._map, self.path = name, None, None
+    def __init__(self, name: str, directory: str | os.PathLike | None = None):
+        self._name, self._directory = name, None if directory is None else Path(directory)
+        self._map, self.path = None, None
+
+    def _where(self) -> str:
+        if self._directory is not None:
+            return str(self._directory / FILE)
+        folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        actor, cluster, _, _ = whoami()
+        return os.path.join(folder, version_name(self._name, cluster or "0" * 16, actor or os.urandom(16).hex()))
 
     def open(self, version: int) -> str | None:
         """The map's path (made now if needed), or None where no shared folder can be written."""
         if self.path is None:
-            folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-            # the pid names the process that keeps it: rayrb.durability.leftovers removes it once that is gone
-            path = os.path.join(folder, f"rayrb-{self._name.replace('/', '_')}-{os.getpid()}-"
-                                        f"{uuid.uuid4().hex[:8]}.version")
-            try:
-                self._map = np.memmap(path, dtype=np.int64, mode="w+", shape=(1,))
+            path = self._where()
+            try:  # a restarted coordinator maps the file handles on this node already map
+                self._map = np.memmap(path, dtype=np.int64, mode="r+" if os.path.exists(path) else "w+", shape=(1,))
                 self.path = path
-            except OSError:  # no shared folder to write: handles ask instead
+            except (OSError, ValueError):  # no folder to write, or a damaged file: handles ask instead
                 return None
         self.write(version)
         return self.path
 
-    def reopen(self, path: str | None, version: int) -> None:
-        """After a restart: the file handles on this node already map, if it is still there."""
-        if path is not None and os.path.exists(path):
-            try:
-                mine = re.sub(r"-\d+-([0-9a-f]+)\.version$", rf"-{os.getpid()}-\1.version", path)
-                os.rename(path, mine)  # handles' maps stay valid; the name says who keeps it now
-                self._map, self.path = np.memmap(mine, dtype=np.int64, mode="r+", shape=(1,)), mine
-            except (OSError, ValueError):
-                return
-            self.write(version)
+    def reopen(self, version: int) -> None:
+        """After a restart: write the version into the map handles already read, if one was made."""
+        if self._directory is not None and (self._directory / FILE).exists():
+            self.open(version)
 
     def write(self, version: int) -> None:
         if self._map is not None:
@@ -65,16 +73,16 @@ class VersionFile:
 class Version:
     """The counter and its file; ``bump`` after every change handles must see."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, directory: str | os.PathLike | None = None):
         self.value = 0
-        self.file = VersionFile(name)
+        self.file = VersionFile(name, directory)
 
     def bump(self) -> int:
         self.value += 1
         self.file.write(self.value)
         return self.value
 
-    def restarted(self, value: int, path: str | None) -> None:
+    def restarted(self, value: int) -> None:
         """After a restart: one past the saved value, so handles give back what they drew before it."""
         self.value = int(value) + 1
-        self.file.reopen(path, self.value)
+        self.file.reopen(self.value)

@@ -1,23 +1,38 @@
-"""Files a buffer leaves on a node when its owner dies without ``shutdown()``: found and removed. No Ray here.
+"""Files a buffer leaves when its owner dies without ``shutdown()``: found, and removed once proved dead. No Ray.
 
-A buffer writes two kinds of node-local files: its coordinator's version map in
-``/dev/shm`` (``rayrb-<buffer>-<pid>-<id>.version``) and its actors' state under
-``storage_dir`` (one directory per buffer instance, one per actor inside, each with
-``restarts.json`` naming the process that last started there). ``shutdown()`` removes
-both; a driver killed first leaves them. A file is left over when no process named in
-it is alive on this node: a version map whose coordinator pid is gone, or a buffer's
-state directory none of whose actors' last pids is alive and none of whose files
-changed for ``quiet`` seconds (a crashed actor restarts within seconds; its new
-process rewrites ``restarts.json``). Every new buffer removes what it finds on its
-driver's node; ``rayrb gc`` does it on demand, for any ``storage_dir``.
+A buffer keeps its actors' state under ``storage_dir``: one directory per buffer
+instance, one per actor inside, with the actor's memory maps, its ``restarts.json``
+(naming its Ray actor id, its cluster and its last process id) and its ``lease``,
+which the live actor renews every minute (``rayrb.durability.lease``). The
+coordinator's version map lives in its own directory there; a buffer without a
+``storage_dir`` keeps that map in ``/dev/shm`` instead
+(``rayrb-<buffer>-<cluster>-<actor id>.version``). ``shutdown()`` removes both; a
+driver killed first leaves them.
+
+Clean-up removes only what it can prove dead, never judging by local process ids
+alone (another node, or another PID namespace, sees other processes):
+
+* a buffer's state directory is left over when its lease lapsed: none of its files
+  changed for ``QUIET`` seconds, ten renewal periods; and, where the caller can ask
+  the cluster that started its actors (``state``, Ray's actor table), none of them is
+  alive or restarting there; and none of the processes it names runs on this node;
+* a version map is left over when the cluster that made it (the caller's) says its
+  coordinator is dead, or knows it no more. Maps of other clusters are left to theirs.
+
+Every new buffer removes what it finds on its driver's node; ``rayrb gc`` does it on
+demand, for any ``storage_dir``.
 
 Examples:
-    >>> import os, tempfile
+    >>> import tempfile
     >>> shm = Path(tempfile.mkdtemp())
-    >>> (shm / f"rayrb-b1-{os.getpid()}-aa.version").touch()  # this process: alive
-    >>> (shm / "rayrb-b2-999999999-bb.version").touch()  # no such process
-    >>> [p.name for p in version_files([shm])]
-    ['rayrb-b2-999999999-bb.version']
+    >>> for actor in ("a" * 32, "b" * 32):
+    ...     (shm / f"rayrb-buf-{'c' * 16}-{actor}.version").touch()
+    >>> (shm / f"rayrb-buf-{'d' * 16}-{'e' * 32}.version").touch()  # another cluster's
+    >>> states = {"a" * 32: "ALIVE", "b" * 32: "DEAD"}
+    >>> [p.name[:14] for p in version_files([shm], cluster="c" * 56, state=states.get)]
+    ['rayrb-buf-cccc']
+    >>> version_files([shm])  # without the cluster's view nothing is proved dead
+    []
 """
 from __future__ import annotations
 
@@ -27,15 +42,24 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
-_VERSION = re.compile(r"^rayrb-.+-(\d+)-[0-9a-f]+\.version$")
-QUIET = 600.0  # seconds without a change before a state directory of dead processes is left over
+QUIET = 600.0  # seconds without a change (ten lease periods) before a state directory may be left over
+CLUSTER_CHARS = 16  # of the cluster id, in a version map's name
+_VERSION = re.compile(r"^rayrb-.+-([0-9a-f]{%d})-([0-9a-f]+)\.version$" % CLUSTER_CHARS)
+LIVE = ("DEPENDENCIES_UNREADY", "PENDING_CREATION", "ALIVE", "RESTARTING")
+
+ActorState = Callable[[str], "str | None"]  # an actor id -> its state in Ray's actor table, None if unknown
+
+
+def version_name(buffer: str, cluster: str, actor: str) -> str:
+    """The file name of a version map kept in ``/dev/shm`` by coordinator ``actor`` of ``cluster``."""
+    return f"rayrb-{buffer.replace('/', '_')}-{cluster[:CLUSTER_CHARS]}-{actor}.version"
 
 
 def alive(pid: int) -> bool:
-    """Whether process ``pid`` runs on this node."""
+    """Whether process ``pid`` runs on this node (in this PID namespace)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -49,8 +73,18 @@ def shm_dirs() -> list[Path]:
     return [Path(d) for d in ("/dev/shm", tempfile.gettempdir()) if os.path.isdir(d)]
 
 
-def version_files(dirs: Iterable[Path] | None = None) -> list[Path]:
-    """Version maps whose coordinator process is gone."""
+def _dead(actor: str | None, cluster: str | None, mine: str | None, state: ActorState | None) -> bool | None:
+    """Whether the cluster says ``actor`` is dead: None where it cannot say (no view, another cluster)."""
+    if actor is None or cluster is None or mine is None or state is None:
+        return None
+    if cluster[:CLUSTER_CHARS] != mine[:CLUSTER_CHARS]:
+        return None
+    return state(actor) not in LIVE  # DEAD, or forgotten: the actor table knew it once
+
+
+def version_files(dirs: Iterable[Path] | None = None, *, cluster: str | None = None,
+                  state: ActorState | None = None) -> list[Path]:
+    """Version maps whose coordinator the cluster ``cluster`` (the caller's) says is dead (see the module)."""
     out = []
     for d in dirs if dirs is not None else shm_dirs():
         try:
@@ -59,13 +93,15 @@ def version_files(dirs: Iterable[Path] | None = None) -> list[Path]:
             continue
         for name in sorted(names):
             m = _VERSION.match(name)
-            if m and not alive(int(m.group(1))):
+            if m and _dead(m.group(2), m.group(1), cluster, state):
                 out.append(Path(d) / name)
     return out
 
 
-def state_dirs(root: str | os.PathLike, quiet: float = QUIET, now: float | None = None) -> list[Path]:
-    """Buffer instance directories under ``storage_dir`` ``root`` whose actors are all gone (see the module)."""
+def state_dirs(root: str | os.PathLike, quiet: float = QUIET, now: float | None = None, *,
+               cluster: str | None = None, state: ActorState | None = None) -> list[Path]:
+    """Buffer instance directories under ``storage_dir`` ``root`` whose lease lapsed and whose actors are not
+    alive as far as this node and the cluster ``cluster`` can tell (see the module)."""
     root, now = Path(root), time.time() if now is None else now
     out = []
     try:
@@ -73,7 +109,7 @@ def state_dirs(root: str | os.PathLike, quiet: float = QUIET, now: float | None 
     except OSError:
         return out
     for inst in instances:
-        pids, newest = [], 0.0
+        keepers, newest = [], 0.0
         for f in inst.rglob("*"):
             try:
                 newest = max(newest, f.stat().st_mtime)
@@ -81,11 +117,18 @@ def state_dirs(root: str | os.PathLike, quiet: float = QUIET, now: float | None 
                 continue
             if f.name == "restarts.json":
                 try:
-                    pids.append(int(json.loads(f.read_text())["pid"]))
-                except (OSError, ValueError, KeyError, TypeError):
-                    pids.append(-1)  # written by a release before pids were kept: judged by age alone
-        if pids and not any(alive(p) for p in pids if p > 0) and now - newest > quiet:
-            out.append(inst)
+                    keepers.append(json.loads(f.read_text()))
+                except (OSError, ValueError):
+                    keepers.append({})  # damaged: judged by its lease alone
+        if not keepers or now - newest <= quiet:
+            continue
+        if any(isinstance(k, dict) and isinstance(k.get("pid"), int) and k["pid"] > 0 and alive(k["pid"])
+               for k in keepers):
+            continue
+        if any(isinstance(k, dict) and _dead(k.get("actor"), k.get("cluster"), cluster, state) is False
+               for k in keepers):
+            continue
+        out.append(inst)
     return out
 
 

@@ -3,22 +3,32 @@
 Ray restarts a crashed actor at once, and rayrb starts its actors with unlimited
 restarts, so a buffer lives as long as its job. An actor whose start itself crashes
 (a damaged state file, a missing chunk) would then spin. Each start reads this log:
-when the previous start never got as far as ``RestartLog.ready``, it waits before
-going on, twice as long each time (from ``FIRST_WAIT`` up to ``MAX_WAIT``), and
-the actor says why in its log. A restart after a life that got going waits nothing.
+when a start before it never got as far as ``RestartLog.ready``, it waits before
+going on, twice as long for each such start in a row (from ``FIRST_WAIT`` up to
+``MAX_WAIT``), and the actor says why in its log. A restart after a life that got
+going waits nothing.
+
+The restart count is Ray's own (its actor table counts every process Ray started
+for the actor after the first). A start that died before it reached this log (in its
+imports, say) shows as a gap in that count, and counts as a start that crashed.
+
+The log also names the process and the actor (its Ray actor id and cluster), so that
+clean-up (``rayrb.durability.leftovers``) can ask the cluster whether the actor lives.
 
 Examples:
     >>> import tempfile
     >>> d = tempfile.mkdtemp()
     >>> log = RestartLog(d)
-    >>> log.started(restarted=False), log.ready()  # a first start that got going
+    >>> log.started(0), log.ready()  # a first start that got going
     (0.0, None)
-    >>> log = RestartLog(d); log.started(restarted=True, cause="killed")  # a crash later on: no wait
+    >>> log = RestartLog(d); log.started(1, cause="killed")  # a crash later on: no wait
     0.0
-    >>> [RestartLog(d).started(restarted=True) for _ in range(3)]  # starts that crash before they are ready
+    >>> [RestartLog(d).started(n) for n in (2, 3, 4)]  # starts that crash before they are ready
     [0.5, 1.0, 2.0]
-    >>> log = RestartLog(d); log.started(restarted=True), log.ready(), log.stats()["restarts"]
-    (4.0, None, 5)
+    >>> RestartLog(d).started(7)  # two more died before they got here (a gap in Ray's count), and the last one
+    16.0
+    >>> log = RestartLog(d); log.started(8), log.ready(), log.stats()["restarts"]
+    (30.0, None, 8)
 """
 from __future__ import annotations
 
@@ -34,8 +44,9 @@ FILE = "restarts.json"
 class RestartLog:
     """Restart count and crash-loop backoff for one actor, in ``directory`` (None: process memory only)."""
 
-    def __init__(self, directory: str | os.PathLike | None):
+    def __init__(self, directory: str | os.PathLike | None, actor: str | None = None, cluster: str | None = None):
         self.path = None if directory is None else Path(directory) / FILE
+        self.actor, self.cluster = actor, cluster  # who keeps the directory, for clean-up
         self.restarts, self.failed_starts, self.starting, self.last_cause = 0, 0, False, None
         if self.path is not None:
             try:
@@ -45,16 +56,19 @@ class RestartLog:
             except (OSError, ValueError, KeyError, TypeError):
                 pass
 
-    def started(self, restarted: bool, cause: str | None = None) -> float:
-        """Record a start (``restarted``: Ray reconstructed the actor); the seconds to wait before going on."""
-        wait = 0.0
-        if not restarted:
+    def started(self, ray_restarts: int, cause: str | None = None) -> float:
+        """Record a start, Ray's ``ray_restarts``-th restart of the actor (0: its first start); the seconds to
+        wait before going on."""
+        ray_restarts, wait = int(ray_restarts), 0.0
+        if ray_restarts == 0:
             self.restarts, self.failed_starts, self.last_cause = 0, 0, None
         else:
-            self.restarts += 1
-            self.last_cause = cause or self.last_cause
-            if self.starting:  # the previous start crashed before it was ready
-                self.failed_starts += 1
+            # starts Ray made since the last one recorded here: those in between never got this far
+            unrecorded = max(0, ray_restarts - self.restarts - 1)
+            crashed = unrecorded + int(self.starting)  # the last recorded start crashed before it was ready
+            self.restarts, self.last_cause = ray_restarts, cause or self.last_cause
+            if crashed:
+                self.failed_starts += crashed
                 wait = min(MAX_WAIT, FIRST_WAIT * 2 ** (self.failed_starts - 1))
             else:
                 self.failed_starts = 0
@@ -75,7 +89,8 @@ class RestartLog:
             tmp = self.path.with_suffix(".tmp")
             tmp.write_text(json.dumps({"restarts": self.restarts, "failed_starts": self.failed_starts,
                                        "starting": self.starting, "last_cause": self.last_cause,
-                                       "pid": os.getpid()}))  # for rayrb.durability.leftovers
+                                       # for rayrb.durability.leftovers
+                                       "pid": os.getpid(), "actor": self.actor, "cluster": self.cluster}))
             os.replace(tmp, self.path)
         except OSError:  # the count is for stats; a full disk must not stop the actor
             pass

@@ -43,6 +43,8 @@ import numpy as np
 import xxhash
 
 from rayrb.core.schema import SEP, RowSpec
+from rayrb.durability.lease import FILE as LEASE_FILE
+from rayrb.durability.restarts import FILE as RESTARTS_FILE
 from rayrb.io.files import pwrite_all
 
 LAYOUT = "layout.json"
@@ -69,8 +71,8 @@ class OnlineStorage:
         layout = {"spec": spec.to_json(), "capacity": self.capacity}
         self.reopened = self.directory is not None and _layout(self.directory) == layout
         fresh = not self.reopened
-        if fresh and self.directory is not None and self.directory.exists():
-            shutil.rmtree(self.directory)  # a half-made or foreign directory: start over
+        if fresh:
+            _clear(self.directory)  # a half-made or foreign directory: start over
         d = self.directory
         self.rows = {k: _array(d, "rows/" + k.replace(SEP, "__"), (self.capacity, *f.shape), f.dtype, fresh)
                      for k, f in spec.items()}
@@ -108,8 +110,8 @@ class PriorityStore:
         layout = {"capacity": int(capacity)}
         self.reopened = self.directory is not None and _layout(self.directory) == layout
         fresh = not self.reopened
-        if fresh and self.directory is not None and self.directory.exists():
-            shutil.rmtree(self.directory)
+        if fresh:
+            _clear(self.directory)
         self.priority = _array(self.directory, "priority", (int(capacity),), np.float64, fresh)
         self.max_priority = _array(self.directory, "max_priority", (1,), np.float64, fresh)
         if fresh and self.directory is not None:
@@ -117,6 +119,20 @@ class PriorityStore:
 
     def remove(self) -> None:
         _remove(self.directory)
+
+
+def _clear(directory: Path | None) -> None:
+    """Empty a shard's directory for a fresh start, but for what its actor keeps of its own life there: the
+    restart record (a start that crashes now must still back off) and the lease (clean-up must see it live)."""
+    if directory is None or not directory.exists():
+        return
+    for p in directory.iterdir():
+        if p.name in (RESTARTS_FILE, LEASE_FILE):
+            continue
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
 
 
 def _remove(directory: Path | None) -> None:
@@ -145,7 +161,7 @@ def shard_directory(root: str | os.PathLike | None, buffer_id: str, shard: str) 
 
 
 _MAGIC = b"RRBS"
-# The coordinator's saved state: JSON {"planner", "side_rng", "version", "version_path", "answers"}
+# The coordinator's saved state: JSON {"planner", "side_rng", "ahead", "version", "answers"}
 # (docs/durability.md, "Files and formats"); 2: each answer's batches as positional lists
 # (rayrb.core.plans.group_to_json), 1 had keyed objects. A version that changes what is saved bumps it.
 STATE_SCHEMA = 2

@@ -41,6 +41,10 @@ from rayrb.io.chunks import ChunkDataset
 __all__ = ["OfflineToOnlineReplayBuffer", "BufferUnavailableError", "prefill_replay_buffer"]
 
 DEFAULT_MAX_BATCH_BYTES = 8 << 30
+# Times Ray re-sends a call whose actor died while it ran. A call that kills its actor every time (a read that
+# runs the node out of memory) then fails to its caller instead of killing the actor for ever; a call caught by
+# that many crashes of other causes in a row is as unlikely as it is harmless to fail (writes are retried by id).
+CALL_RETRIES = 10
 DEFAULT_STORAGE = os.path.join(tempfile.gettempdir(), "rayrb-state")
 
 
@@ -367,7 +371,7 @@ def _start_actors(dataset: ChunkDataset, name: str, capacity: int, m: int, k: in
     so = {"alpha": prio["alpha"], "eps": prio["eps"]}
     # A restarted offline shard re-maps its chunks; its priorities, and an online shard's rows, come back
     # from its state files. Without those files an online shard's rows would be lost, so it does not restart.
-    restart = {"max_restarts": max_restarts, "max_task_retries": -1 if max_restarts else 0}
+    restart = {"max_restarts": max_restarts, "max_task_retries": CALL_RETRIES if max_restarts else 0}
     off_opts = {**restart, **opts}
     on_opts = {**restart, **opts} if storage_dir is not None else opts
     instance = f"{name.replace('/', '_')}-{uuid.uuid4().hex[:8]}"
@@ -458,10 +462,11 @@ def _check_nccl_gpus(shards: int) -> None:
 
 def _remove_leftovers(storage_dir: Any) -> None:
     """What buffers whose owner died without shutdown() left on this node (rayrb.durability.leftovers)."""
-    from rayrb.durability.leftovers import remove, state_dirs, version_files
+    from rayrb.actors.lifecycle import leftovers
+    from rayrb.durability.leftovers import remove
 
     try:
-        remove(version_files() + (state_dirs(storage_dir) if storage_dir is not None else []))
+        remove(leftovers([storage_dir] if storage_dir is not None else []))
     except Exception:  # a clean-up: never a reason not to start
         pass
 

@@ -94,13 +94,25 @@ def test_a_coordinator_comes_back_after_the_driver_dropped_all_but_a_client(tmp_
 def test_a_start_that_keeps_crashing_backs_off(tmp_path):
     from rayrb.durability.restarts import RestartLog
 
-    waits = [RestartLog(tmp_path).started(restarted=True, cause="init failed") for _ in range(9)]
+    waits = [RestartLog(tmp_path).started(n, cause="init failed") for n in range(1, 10)]
     assert waits[0] == 0.0 and waits[1:4] == [0.5, 1.0, 2.0] and max(waits) == 30.0
     log = RestartLog(tmp_path)
     assert log.stats() == {"restarts": 9, "last_restart_cause": "init failed"}
-    log.started(restarted=True)
+    log.started(10)
     log.ready()
-    assert RestartLog(tmp_path).started(restarted=True) == 0.0  # the start before got going: no wait
+    assert RestartLog(tmp_path).started(11) == 0.0  # the start before got going: no wait
+
+
+def test_starts_that_died_before_they_were_counted_back_off_the_next(tmp_path):
+    """A process killed during its imports never reaches the restart log; Ray's count of restarts shows the gap,
+    and those starts count as crashed: the next start waits, and the count is Ray's."""
+    from rayrb.durability.restarts import RestartLog
+
+    log = RestartLog(tmp_path)
+    log.started(0)
+    log.ready()  # a life that got going
+    assert RestartLog(tmp_path).started(3) == 1.0  # restarts 1 and 2 died in their imports: two failed starts
+    assert RestartLog(tmp_path).stats()["restarts"] == 3
 
 
 @pytest.mark.parametrize("value", [-2, 1.5, "many", None])

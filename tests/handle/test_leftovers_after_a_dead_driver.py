@@ -19,7 +19,7 @@ DRIVER = textwrap.dedent("""
     rb = OfflineToOnlineReplayBuffer(TensorDict({"x": torch.zeros(10, 1)}, [10]), online_capacity=10,
                                      dataset_root=sys.argv[2], storage_dir=None)
     node, path = ray.get(rb.rpc.coord.version_file.remote())
-    print(path, flush=True)
+    print(rb.rpc.coord._actor_id.hex(), path, flush=True)
     os._exit(0)  # no shutdown(): the coordinator dies with its owner, its file stays
 """)
 
@@ -31,15 +31,13 @@ def test_the_next_buffer_removes_the_version_map_a_dead_driver_left(tmp_path, ma
     out = subprocess.run([sys.executable, "-c", DRIVER, address, str(tmp_path / "ds")], capture_output=True,
                          text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
-    path = out.stdout.strip().splitlines()[-1]
-    assert os.path.exists(path)
-    pid = int(path.rsplit("-", 2)[1])
+    actor, path = out.stdout.strip().splitlines()[-1].split()
+    assert os.path.exists(path) and actor in path  # named by its cluster and actor: Ray is asked, not the pid
+    from ray._private import state
+
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:  # Ray kills the actors of a driver that died
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            break
+    while state.actors(actor).get("State") != "DEAD":  # Ray kills the actors of a driver that died
+        assert time.monotonic() < deadline
         time.sleep(0.2)
     make_buffer(TensorDict({"x": torch.zeros(10, 1)}, [10]), online_capacity=10)
     assert not os.path.exists(path)
