@@ -47,7 +47,7 @@ from pathlib import Path
 
 QUIET = 600.0  # seconds without a change (ten lease periods) before a state directory may be left over
 CLUSTER_CHARS = 16  # of the cluster id, in a version map's name
-_VERSION = re.compile(r"^rayrb-.+-([0-9a-f]{%d})-([0-9a-f]+)\.version$" % CLUSTER_CHARS)
+_VERSION = re.compile(rf"^rayrb-.+-([0-9a-f]{{{CLUSTER_CHARS}}})-([0-9a-f]+)\.version$")
 LIVE = ("DEPENDENCIES_UNREADY", "PENDING_CREATION", "ALIVE", "RESTARTING")
 
 ActorState = Callable[[str], "str | None"]  # an actor id -> its state in Ray's actor table, None if unknown
