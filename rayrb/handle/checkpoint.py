@@ -29,8 +29,9 @@ from rayrb.core.allocation import split_evenly
 from rayrb.durability.writelog import slots
 from rayrb.io.files import file_digest
 
-FORMAT, VERSION = "rayrb.buffer", 3  # 3: the manifest carries a digest of itself
-READABLE = (2, 3)
+# 3: the manifest carries a digest of itself; 4: and the priority exponents its priorities were stored under
+FORMAT, VERSION = "rayrb.buffer", 4
+READABLE = (2, 3, 4)
 MANIFEST = "buffer.json"
 
 
@@ -52,8 +53,8 @@ def save(rb: Any, path: Path) -> None:
         files = dict(rb.rpc.get(cut["acks"]))
         meta = {"format": FORMAT, "version": VERSION, "dataset": rb.dataset_root,
                 "dataset_fingerprint": dataset_fingerprint(ChunkDataset.open(rb.dataset_root)),
-                "spec": rb.spec.to_json(), "sampler": rb.sampler_name, "sizes": cut["sizes"],
-                "coordinator": cut["state"], "files": files}
+                "spec": rb.spec.to_json(), "sampler": rb.sampler_name, "priority": rb.priority_options,
+                "sizes": cut["sizes"], "coordinator": cut["state"], "files": files}
         meta = json.loads(json.dumps(meta, default=int))  # as it will be read back
         meta["digest"] = manifest_digest(meta)
         with open(tmp / MANIFEST, "w") as f:
@@ -120,6 +121,18 @@ def check_compatible(meta: dict[str, Any], rb: Any, sizes: dict[str, list[int]])
         diffs.append(f"sampler {meta['sampler']!r} vs {rb.sampler_name!r}")
     if meta["dataset_fingerprint"] != dataset_fingerprint(ChunkDataset.open(rb.dataset_root)):
         diffs.append(f"offline dataset {meta['dataset']} vs {rb.dataset_root} (different rows)")
+    if "prioritized" in str(rb.sampler_name):  # stored priorities are (|p| + eps)^alpha: they mean nothing under others
+        saved_prio = meta.get("priority")
+        if saved_prio is None:
+            diffs.append(f"priority exponents: a version {meta['version']} checkpoint does not record its alpha and "
+                         f"eps, this buffer samples by priority with {rb.priority_options}")
+        else:
+            diffs += [f"{k} {saved_prio.get(k)!r} vs {v!r}" for k, v in rb.priority_options.items()
+                      if saved_prio.get(k) != v]
+    saved_limiter = meta["coordinator"].get("rate_limiter", {}).get("config")
+    if saved_limiter is not None and saved_limiter != _plain(rb.rate_limiter_config):
+        diffs.append(f"rate limiter {saved_limiter} vs {_plain(rb.rate_limiter_config)} (flow control stays the "
+                     "buffer's own: build the buffer with the checkpoint's rate limiter to load it)")
     saved = meta["sizes"]
     if sum(saved["online_capacity"]) != sum(sizes["online_capacity"]):
         diffs.append(f"shard layout with online capacity {sum(saved['online_capacity'])} "
@@ -127,6 +140,11 @@ def check_compatible(meta: dict[str, Any], rb: Any, sizes: dict[str, list[int]])
                      "shard counts may differ, the total capacity may not")
     if diffs:
         raise ValueError("the checkpoint does not fit this buffer: " + "; ".join(diffs))
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as JSON reads it back (tuples as lists), for comparing with a manifest."""
+    return json.loads(json.dumps(value))
 
 
 def same_layout(saved: dict[str, list[int]], sizes: dict[str, list[int]]) -> bool:

@@ -209,6 +209,8 @@ class OfflineToOnlineReplayBuffer(BufferClient):
                                                     num_offline_shards, dataset_kwargs)
         self._dataset_root, self._offline_rows = str(dataset.root), len(dataset)
         self._sampler_name = kinds[OFFLINE] if kinds[OFFLINE] == kinds[ONLINE] else kinds
+        self._priority_options = {"alpha": prio["alpha"], "eps": prio["eps"]}
+        self._rate_limiter_config = limiter.config()
         name = name or f"rayrb-{uuid.uuid4().hex[:12]}"
         try:
             coord, shards, read_device = _start_actors(dataset, name, online_capacity, num_offline_shards, num_online_shards,
@@ -291,13 +293,17 @@ class OfflineToOnlineReplayBuffer(BufferClient):
 
         Every part is checked before any actor changes (manifest digest, files' checksums, spec,
         sampler, dataset, layout, the coordinator's section); if applying still fails halfway, the
-        buffer is put back as it was (``docs/durability.md``).
+        buffer is put back as it was (``docs/durability.md``). The buffer's settings stay its own: a
+        checkpoint saved under another rate limiter, or (sampling by priority) other ``alpha`` or ``eps``,
+        is refused, naming the difference. The offline fraction's schedule and step are part of the sampling
+        state the checkpoint restores, so they become the checkpoint's; ``beta`` stays the buffer's.
 
         Args:
             path: a checkpoint directory ``dumps`` wrote.
 
         Raises:
-            ValueError: the checkpoint is damaged or does not fit this buffer (nothing changed).
+            ValueError: the checkpoint is damaged or does not fit this buffer: another row spec, sampler,
+                dataset, total online capacity, rate limiter, or priority exponents (nothing changed).
             BufferUnavailableError: applying failed halfway and putting the buffer back failed too.
         """
         from rayrb.handle.checkpoint import restore
@@ -316,6 +322,16 @@ class OfflineToOnlineReplayBuffer(BufferClient):
     def sampler_name(self) -> str | dict[str, str]:
         """The sampler kind (or one per side), as checkpoints record it."""
         return self._sampler_name
+
+    @property
+    def priority_options(self) -> dict[str, float]:
+        """Prioritized sampling's ``alpha`` and ``eps``, under which stored priorities are kept."""
+        return dict(self._priority_options)
+
+    @property
+    def rate_limiter_config(self) -> dict[str, Any]:
+        """The rate limiter's config (``rayrb.core.rate_limiter``), which checkpoints must match to load."""
+        return dict(self._rate_limiter_config)
 
     def shutdown(self) -> None:
         """Kill the buffer's actors, remove their state files and offline data it wrote itself. Idempotent.

@@ -183,6 +183,33 @@ def test_loads_refuses_another_sampler_or_dataset(make_buffer, tmp_path):
     assert prio.write_count == 0 and c.write_count == 0
 
 
+
+def test_loads_refuses_other_priority_exponents_or_another_rate_limiter_and_changes_nothing(make_buffer, tmp_path):
+    """A checkpoint holds priorities as p = (|priority| + eps)^alpha and the limiter's counters under its config:
+    loaded into a buffer with another alpha or eps, two rows of equal priority would get different odds; with
+    another rate limiter, flow control would change without a word. Both are refused, naming the difference."""
+    kw = dict(online_capacity=20, seed=0, sampler="prioritized", offline_fraction=0.5)
+    a = make_buffer(offline_rows(100), **kw, alpha=1.0)
+    a.extend(online_rows(0, 8))
+    _, info = a.sample(16, return_info=True)
+    a.update_priority(info, torch.full((16,), 9.0))
+    a.dumps(tmp_path / "ckpt")
+    other_alpha = make_buffer(offline_rows(100), **kw, alpha=0.5)
+    with pytest.raises(ValueError, match=r"alpha 1.0 vs 0.5"):
+        other_alpha.loads(tmp_path / "ckpt")
+    other_eps = make_buffer(offline_rows(100), **kw, alpha=1.0, eps=1e-3)
+    with pytest.raises(ValueError, match=r"eps 1e-08 vs 0.001"):
+        other_eps.loads(tmp_path / "ckpt")
+    limited = make_buffer(offline_rows(100), **kw, alpha=1.0, rate_limiter=SampleToInsertRatio(1.0, 10, 50.0))
+    before = limited.state_dict()
+    with pytest.raises(ValueError, match=r"rate limiter .*samples_per_insert.*None.*vs.*1.0"):
+        limited.loads(tmp_path / "ckpt")
+    assert limited.state_dict() == before and limited.write_count == 0
+    assert other_alpha.write_count == other_eps.write_count == 0
+    same = make_buffer(offline_rows(100), **kw, alpha=1.0)
+    same.loads(tmp_path / "ckpt")  # the same settings: taken
+    assert same.write_count == 8
+
 def test_checkpoint_is_written_whole_with_its_manifest_last(make_buffer, tmp_path):
     rb = make_buffer(offline_rows(), online_capacity=100, seed=0)
     rb.extend(online_rows(0, 5))
