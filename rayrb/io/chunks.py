@@ -276,12 +276,16 @@ def write_dataset(
 
     chunk_rows = positive_int("chunk_rows", chunk_rows)
     root = new_dataset_root(root, overwrite)
-    blocks = iter_row_blocks(arrays, rows, chunk_rows)
-    if pbar:
-        from tqdm.auto import tqdm
+    from rayrb.io.progress import progress
 
-        blocks = tqdm(blocks, total=-(-rows // chunk_rows), unit="chunk", desc=f"write {root.name}")
-    chunks = [write_chunk(block, root / chunk_name(i), spec) for i, block in enumerate(blocks)]
+    bar = progress(-(-rows // chunk_rows), unit="chunks", desc=f"write {root.name}", enabled=pbar)
+    chunks = []
+    try:
+        for i, block in enumerate(iter_row_blocks(arrays, rows, chunk_rows)):
+            chunks.append(write_chunk(block, root / chunk_name(i), spec))
+            bar.update(1)
+    finally:
+        bar.close()
     write_manifest(root, spec, chunks, source=source, recipe=recipe)
     return ChunkDataset.open(root)
 

@@ -347,7 +347,8 @@ def in_flight_limit(num_workers: int, cluster_cpus: float, task_cpus: float) -> 
 
 def _run(units, job, fn, dest: Path, batched, num_workers, pbar, resume, task_options) -> ChunkDataset:
     import ray
-    from tqdm.auto import tqdm
+
+    from rayrb.io.progress import progress
 
     _prepare_dest(dest, job, resume)
     (dest / MANIFEST).unlink(missing_ok=True)  # only a finished run has one
@@ -360,8 +361,8 @@ def _run(units, job, fn, dest: Path, batched, num_workers, pbar, resume, task_op
         else:
             todo.append(i)
     total_rows = sum(u[3] - u[2] for u in units)
-    bar = tqdm(total=total_rows, unit="rows", unit_scale=True, disable=not pbar, desc=f"preprocess -> {dest.name}",
-               initial=sum(infos[i]["rows"] for i in infos), mininterval=0.5)
+    bar = progress(total_rows, unit="rows", enabled=pbar, desc=f"preprocess -> {dest.name}",
+                   initial=sum(infos[i]["rows"] for i in infos))
     options = {"num_cpus": 1, "scheduling_strategy": "SPREAD", **task_options}
     task = ray.remote(_process).options(**options)
     fn_ref = ray.put(fn)
