@@ -28,7 +28,7 @@ from rayrb.actors.lifecycle import begin
 from rayrb.actors.metrics import ActorMetrics
 from rayrb.actors.version import Version
 from rayrb.actors.writing import Writing, failed
-from rayrb.core.ahead import GiveBack
+from rayrb.core.ahead import GiveBack, past_any_number
 from rayrb.core.planner import Planner
 from rayrb.core.plans import OFFLINE, ONLINE, SIDES, BatchPlan, GroupPlan, route_priorities
 from rayrb.core.validation import BETA, one_of, positive_int
@@ -107,6 +107,9 @@ class Coordinator:
             self._drawing.load_saved(saved)
             self._version.restarted(saved["version"])
             self._drawing.replies.load(saved.get("answers"))
+        else:  # the version and draw numbers go on past any a handle may hold, so it sees its draws as old
+            self._drawing.ahead.load_state_dict(None)
+            self._version.restarted(past_any_number())
         self._writing.recall(self._state.writes())  # a retry is answered, and only missing pieces sent
         self._save()
 
@@ -123,6 +126,7 @@ class Coordinator:
 
     def close(self) -> None:
         """Remove the version file and the state files: the buffer is being shut down."""
+        self._lives.end()
         self._version.file.remove()
         if self._state is not None:
             self._state.remove()

@@ -167,11 +167,11 @@ class Drawing:
                 "ahead": self.ahead.state_dict()}
 
     def load_saved(self, saved: Mapping[str, Any]) -> None:
-        """Take ``saved()``'s state (a state saved before the log of draws was kept starts that log empty)."""
+        """Take ``saved()``'s state (a state saved before the log of draws was kept starts that log empty, numbered
+        past any number handed out before)."""
         self.planner.load_state_dict(saved["planner"])
         self.side_rng.bit_generator.state = saved["side_rng"]
-        if "ahead" in saved:
-            self.ahead.load_state_dict(saved["ahead"])
+        self.ahead.load_state_dict(saved.get("ahead"))
 
     # side views -------------------------------------------------------------------
     def plan_side(self, side: str, batch_size: int, sizes: np.ndarray) -> tuple[BatchPlan, list[np.ndarray]]:

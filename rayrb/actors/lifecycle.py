@@ -39,32 +39,41 @@ def begin(directory: str | None, what: str) -> RestartLog:
     """
     actor, cluster, restarts, cause = whoami()
     log = RestartLog(directory, actor=actor, cluster=cluster)
-    wait = log.started(restarts, cause if restarts else None)
+    wait = log.started(restarts, cause)
+    if log.restarts and not restarts:  # Ray's table did not say; the record here did: a restart all the same
+        logger.warning("rayrb: %s restarts (its record says so) though Ray's actor table did not answer", what)
     if wait:
         logger.warning("rayrb: %s crashed before it finished starting %d time(s) in a row (last cause: %s); "
                        "waiting %.1f s before starting again", what, log.failed_starts, log.last_cause, wait)
         time.sleep(wait)
     if directory is not None:
-        Lease(directory).start()
+        log.lease = Lease(directory)
+        log.lease.start()
     return log
 
 
-def whoami() -> tuple[str | None, str | None, int, str | None]:
-    """``(actor id, cluster id, restarts, last death cause)`` of the actor this runs in, from Ray's actor table;
-    ``(None, None, 0, None)`` outside an actor (tests of the parts) or where Ray does not say."""
+def whoami() -> tuple[str | None, str | None, int | None, str | None]:
+    """``(actor id, cluster id, restarts, last death cause)`` of the actor this runs in, from Ray's actor table:
+    ``(None, None, 0, None)`` outside an actor (tests of the parts); restarts None where the table does not
+    answer (the caller then goes by its own record: ``RestartLog.started``)."""
     try:
         import ray
-        from ray._private import state
 
         if not ray.is_initialized():
             return None, None, 0, None
         actor = ray.get_runtime_context().get_actor_id()
-        if actor is None:
-            return None, None, 0, None
-        info = state.actors(actor)  # a developer API: without it the actor starts as a first start
     except Exception:
         return None, None, 0, None
-    return actor, cluster_id(), int(info.get("NumRestarts", 0) or 0), _cause(info.get("DeathCause"))
+    if actor is None:
+        return None, None, 0, None
+    try:
+        from ray._private import state
+
+        info = state.actors(actor)  # a developer API, and the GCS may not answer (a node just failed)
+        restarts = int(info["NumRestarts"])
+    except Exception:
+        return actor, cluster_id(), None, None
+    return actor, cluster_id(), restarts, _cause(info.get("DeathCause")) if restarts else None
 
 
 def cluster_id() -> str | None:

@@ -30,7 +30,7 @@ from rayrb.core.plans import Epoch
 from rayrb.core.samplers import make_sampler
 from rayrb.core.schema import RowSpec
 from rayrb.core.validation import ALPHA, EPS, positive_int
-from rayrb.durability.storage import OnlineStorage, PriorityStore
+from rayrb.durability.storage import OnlineStorage, PriorityStore, remove_directory
 from rayrb.durability.writelog import held_runs
 from rayrb.io.chunks import ChunkDataset, ReadOnlyError
 from rayrb.io.files import process_memory
@@ -45,7 +45,7 @@ class _Shard:
     def __init__(self, shard_id: str, sampler: str, capacity: int = 0,
                  sampler_options: Mapping[str, float] | None = None, device: str | None = None,
                  state_dir: str | None = None):
-        self.shard_id = shard_id
+        self.shard_id, self._state_dir = shard_id, state_dir
         self._lives = begin(state_dir, f"shard {shard_id}")
         self._device = device  # None: rows in host memory maps; else a DeviceTable on this torch device
         self._table = None
@@ -245,8 +245,10 @@ class _Shard:
         return self.shard_id
 
     def close(self) -> None:
-        """Remove this shard's state files: the buffer is being shut down for good."""
+        """Remove this shard's state files, restart record and lease: the buffer is being shut down for good."""
+        self._lives.end()
         self._store.remove()
+        remove_directory(self._state_dir)
 
 
 class OfflineShard(_Shard):

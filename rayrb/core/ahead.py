@@ -32,6 +32,7 @@ Examples:
 from __future__ import annotations
 
 import enum
+import time
 from collections import OrderedDict
 from typing import Any, NamedTuple
 
@@ -39,6 +40,12 @@ from typing import Any, NamedTuple
 # and an iterator draws no deeper than this.
 MAX_AHEAD = 256
 MAX_HANDLES = 1024  # handles tracked at once; the oldest is forgotten past this
+
+
+def past_any_number() -> int:
+    """A number larger than any count a coordinator that lost its saved state can have handed out: microseconds
+    since the epoch. Draw numbers and the version go on from it, so handles that hold older ones see them as old."""
+    return time.time_ns() // 1000
 
 
 class GiveBack(enum.Enum):
@@ -151,11 +158,15 @@ class AheadLog:
         return {"next": self._next,
                 "entries": [[h, [[e[0], e[2], e[3]] for e in entries]] for h, entries in self._entries.items()]}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Take ``state_dict``'s log: draws are numbered on from it, and each of them stands."""
-        self._next = int(state["next"])
-        self._entries = OrderedDict((h, [[int(n), None, int(r), int(o)] for n, r, o in entries])
-                                    for h, entries in state["entries"])
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """Take ``state_dict``'s log: draws are numbered on from it, and each of them stands. Without one (the log
+        was lost, or saved by a release that did not keep it) draws are numbered from ``past_any_number()``."""
+        if state is None:
+            self._next, self._entries = past_any_number(), OrderedDict()
+        else:
+            self._next = int(state["next"])
+            self._entries = OrderedDict((h, [[int(n), None, int(r), int(o)] for n, r, o in entries])
+                                        for h, entries in state["entries"])
         self.latest = None
 
     def first_unserved(self) -> tuple | None:

@@ -324,13 +324,24 @@ def _integers(name: str, values: Any) -> np.ndarray:
     >>> _integers("index", [3.0, 45.5])
     Traceback (most recent call last):
     ValueError: index must hold integers, got 45.5 (float64)
+    >>> _integers("index", np.array([2**64 - 4], np.uint64))
+    Traceback (most recent call last):
+    ValueError: index must hold int64 integers, got 18446744073709551612
+    >>> _integers("index", np.array([3, "a"], object))
+    Traceback (most recent call last):
+    ValueError: index must hold integers, got 3 (object)
     """
     a = np.asarray(values).reshape(-1)
-    if a.dtype.kind in "iu":
-        return a.astype(np.int64, copy=False)
-    bad = a[~np.isfinite(a) | (a != np.round(a))] if a.dtype.kind == "f" else a  # bools, strings: none is an index
+    if a.dtype.kind == "f":
+        bad = a[~np.isfinite(a) | (a != np.round(a))]
+    else:
+        bad = a[:0] if a.dtype.kind in "iu" else a  # bools, strings, objects: none is an index
     if bad.size:
-        raise ValueError(f"{name} must hold integers, got {bad[0].item()!r} ({a.dtype})")
+        raise ValueError(f"{name} must hold integers, got {_show(bad[0])} ({a.dtype})")
+    if a.size:
+        low, high = a.min().item(), a.max().item()  # Python numbers: compared exactly
+        if not -(2**63) <= low <= high < 2**63:  # int64 would wrap them around
+            raise ValueError(f"{name} must hold int64 integers, got {high if high >= 2**63 else low!r}")
     return a.astype(np.int64)
 
 
@@ -339,11 +350,17 @@ def _flags(name: str, values: Any) -> np.ndarray:
 
     >>> _flags("offline", [1, 0, 3])
     Traceback (most recent call last):
-    ValueError: offline must hold booleans (or 0 and 1), got 3
+    ValueError: offline must hold booleans (or 0 and 1), got 3 (int64)
     """
     a = np.asarray(values).reshape(-1)
     if a.dtype.kind != "b":
         bad = a[(a != 0) & (a != 1)] if a.dtype.kind in "iuf" else a
         if bad.size:
-            raise ValueError(f"{name} must hold booleans (or 0 and 1), got {bad[0].item()!r}")
+            raise ValueError(f"{name} must hold booleans (or 0 and 1), got {_show(bad[0])} ({a.dtype})")
     return a.astype(bool)
+
+
+
+def _show(value: Any) -> str:
+    """One bad element, as plain Python shows it (an object array's elements have no ``item``)."""
+    return repr(value.item() if isinstance(value, np.generic) else value)[:100]

@@ -26,6 +26,8 @@ import math
 from numbers import Integral, Real
 from typing import Any
 
+import numpy as np
+
 # Prioritized replay's defaults (TorchRL's PrioritizedSampler takes alpha and beta; eps is its floor).
 ALPHA, BETA, EPS = 0.6, 0.4, 1e-8
 
@@ -92,11 +94,13 @@ def priority_options(alpha: Any = ALPHA, beta: Any = BETA, eps: Any = EPS) -> di
 def boolean(name: str, value: Any) -> bool:
     """``value`` as a ``bool``: ``True`` or ``False`` (numpy's too), never a truthy string or number.
 
+    >>> boolean("prefill", np.True_)
+    True
     >>> boolean("prefill", "false")
     Traceback (most recent call last):
     TypeError: prefill must be True or False, got 'false'
     """
-    if not isinstance(value, bool) and type(value).__name__ != "bool_":
+    if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be True or False, got {value!r}")
     return bool(value)
 

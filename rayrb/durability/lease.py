@@ -37,14 +37,18 @@ class Lease:
         self._thread: threading.Thread | None = None
 
     def renew(self) -> None:
-        """Touch the lease; never makes the directory (``shutdown()`` may have just removed it for good)."""
+        """Move the lease's time on; never makes the file or its directory (``shutdown()`` may be removing both
+        for good: a lease made again inside a directory being removed would keep it from clean-up)."""
         try:
-            self.path.touch()
+            os.utime(self.path)
         except OSError:  # a full or gone disk, a removed directory: the actor goes on
             pass
 
     def start(self) -> None:
-        self.renew()
+        try:
+            self.path.touch()
+        except OSError:
+            pass
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="rayrb-lease", daemon=True)
             self._thread.start()

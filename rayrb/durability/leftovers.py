@@ -45,6 +45,9 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from rayrb.durability.lease import FILE as LEASE
+from rayrb.durability.restarts import FILE as RESTARTS
+
 QUIET = 600.0  # seconds without a change (ten lease periods) before a state directory may be left over
 CLUSTER_CHARS = 16  # of the cluster id, in a version map's name
 _VERSION = re.compile(rf"^rayrb-.+-([0-9a-f]{{{CLUSTER_CHARS}}})-([0-9a-f]+)\.version$")
@@ -109,18 +112,19 @@ def state_dirs(root: str | os.PathLike, quiet: float = QUIET, now: float | None 
     except OSError:
         return out
     for inst in instances:
-        keepers, newest = [], 0.0
+        keepers, leases, newest = [], 0, 0.0
         for f in inst.rglob("*"):
             try:
                 newest = max(newest, f.stat().st_mtime)
             except OSError:
                 continue
-            if f.name == "restarts.json":
+            leases += f.name == LEASE
+            if f.name == RESTARTS:
                 try:
                     keepers.append(json.loads(f.read_text()))
                 except (OSError, ValueError):
                     keepers.append({})  # damaged: judged by its lease alone
-        if not keepers or now - newest <= quiet:
+        if not (keepers or leases) or now - newest <= quiet:  # not a buffer's (no record, no lease), or live
             continue
         if any(isinstance(k, dict) and isinstance(k.get("pid"), int) and k["pid"] > 0 and alive(k["pid"])
                for k in keepers):

@@ -29,12 +29,15 @@ Examples:
     16.0
     >>> log = RestartLog(d); log.started(8), log.ready(), log.stats()["restarts"]
     (30.0, None, 8)
+    >>> RestartLog(d).started(None), RestartLog(tempfile.mkdtemp()).started(20)  # Ray cannot say; no record here
+    (0.0, 0.0)
 """
 from __future__ import annotations
 
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 FIRST_WAIT = 0.5
 MAX_WAIT = 30.0
@@ -48,23 +51,28 @@ class RestartLog:
         self.path = None if directory is None else Path(directory) / FILE
         self.actor, self.cluster = actor, cluster  # who keeps the directory, for clean-up
         self.restarts, self.failed_starts, self.starting, self.last_cause = 0, 0, False, None
+        self.found = False  # a record of an earlier start of this actor is here: this start is a restart
+        self.lease: Any = None  # the directory's lease, kept while the actor lives (rayrb.actors.lifecycle.begin)
         if self.path is not None:
             try:
                 saved = json.loads(self.path.read_text())
                 self.restarts, self.failed_starts = int(saved["restarts"]), int(saved["failed_starts"])
                 self.starting, self.last_cause = bool(saved["starting"]), saved.get("last_cause")
+                self.found = actor is None or saved.get("actor") in (None, actor)
             except (OSError, ValueError, KeyError, TypeError):
                 pass
 
-    def started(self, ray_restarts: int, cause: str | None = None) -> float:
-        """Record a start, Ray's ``ray_restarts``-th restart of the actor (0: its first start); the seconds to
-        wait before going on."""
+    def started(self, ray_restarts: int | None, cause: str | None = None) -> float:
+        """Record a start, Ray's ``ray_restarts``-th restart of the actor (0: its first start; None: Ray could
+        not say, so the record here decides); the seconds to wait before going on."""
+        if ray_restarts is None or (ray_restarts == 0 and self.found):  # a record here: not a first start
+            ray_restarts = self.restarts + 1 if self.found else 0
         ray_restarts, wait = int(ray_restarts), 0.0
         if ray_restarts == 0:
             self.restarts, self.failed_starts, self.last_cause = 0, 0, None
         else:
-            # starts Ray made since the last one recorded here: those in between never got this far
-            unrecorded = max(0, ray_restarts - self.restarts - 1)
+            # starts Ray made since the last one recorded here never got this far (none known without a record)
+            unrecorded = max(0, ray_restarts - self.restarts - 1) if self.found else 0
             crashed = unrecorded + int(self.starting)  # the last recorded start crashed before it was ready
             self.restarts, self.last_cause = ray_restarts, cause or self.last_cause
             if crashed:
@@ -94,6 +102,11 @@ class RestartLog:
             os.replace(tmp, self.path)
         except OSError:  # the count is for stats; a full disk must not stop the actor
             pass
+
+    def end(self) -> None:
+        """The actor is being shut down for good: stop renewing the lease (its directory is about to go)."""
+        if self.lease is not None:
+            self.lease.stop()
 
     def stats(self) -> dict[str, object]:
         return {"restarts": self.restarts, "last_restart_cause": self.last_cause}

@@ -135,6 +135,11 @@ def _clear(directory: Path | None) -> None:
             p.unlink()
 
 
+def remove_directory(directory: str | os.PathLike | None) -> None:
+    """Delete an actor's state directory, and its buffer's once no actor is left in it (at shutdown)."""
+    _remove(None if directory is None else Path(directory))
+
+
 def _remove(directory: Path | None) -> None:
     """Delete a shard's directory, and its buffer's directory once no shard is left in it."""
     if directory is None:

@@ -126,6 +126,12 @@ class Rpc:
             for j, r in zip(behind, self.get(again, timeout=left)):
                 results[j] = r
 
+    def answered_at(self, version: int) -> None:
+        """An answer of the coordinator's carried ``version``. The map is written before any answer leaves, so a
+        map behind it is no longer the coordinator's (restarted on another node): look it up again."""
+        if self._version_map is not None and self._version_map is not False and int(self._version_map[0]) < version:
+            self._version_map = None
+
     def version(self) -> int | None:
         """The coordinator's version read from its memory map, when it runs on this node (else None)."""
         if self._version_map is None:

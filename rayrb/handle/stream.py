@@ -228,6 +228,7 @@ class Stream:
             group = decode_group(group)
         asked.group = group
         if not isinstance(group, HeldBack):
+            self.rpc.answered_at(group.version)
             asked.reads = self.rpc.submit(group, self._direct)
 
     def _take(self) -> HeldBack | None:

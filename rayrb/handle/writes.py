@@ -7,6 +7,7 @@ shard holds its piece (``docs/durability.md``).
 from __future__ import annotations
 
 import functools
+import time
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -77,26 +78,34 @@ class Writes:
         write_id = write_id if write_id is not None else uuid.uuid4().hex
         digest = rows_digest(arrays)  # the rows the id names: a retry sends these, other rows are refused
         ref = ray.put(arrays)  # one object; each shard copies its own contiguous piece out of it
+        accepted = False  # the coordinator took the write: from here a failure may leave some of it applied
         try:
             for attempt in range(MAX_ASKS):
-                indices, acks = self.rpc.call("extend", [ref], n, write_id=write_id, prefill=prefill,
-                                              node=_node_id(), digest=digest)
                 try:
+                    indices, acks = self.rpc.call("extend", [ref], n, write_id=write_id, prefill=prefill,
+                                                  node=_node_id(), digest=digest)
+                    accepted = True
                     self.rpc.get(acks)
                     break
                 except BufferUnavailableError as e:
-                    # The coordinator died holding the shards' acknowledgements: ask it again under the same
-                    # write id; restarted, it answers from its journal and sends only what did not land.
-                    if not _owner_died(e) or attempt == MAX_ASKS - 1:
+                    # The coordinator died with the call (Ray's re-sends of it ran out) or holding the shards'
+                    # acknowledgements: ask it again under the same write id; restarted, it answers from its
+                    # journal and sends only what did not land.
+                    if self.rpc.closed:
                         raise
+                    accepted = True
+                    if not _coordinator_died(e) or attempt == MAX_ASKS - 1:
+                        raise _named(e, write_id) from e
+                    time.sleep(min(1.0, 0.01 * 2 ** attempt))
         except TimeoutError as e:  # the write may still land: name it, so that a retry lands it once
             raise WriteTimeoutError(f"{e}; the write may still be applied: retry it with write_id={write_id!r} "
                                     "to apply it once", write_id) from e
-        except Exception:  # any failure: the shards' own counts, so the next write goes where rows really are
-            try:
-                self.rpc.get(self.rpc.coord.resync.remote())
-            except Exception:
-                pass
+        except Exception as e:  # the shards' own counts, so the next write goes where rows really are
+            if accepted or not isinstance(e, (ValueError, TypeError, IndexError)):  # not a refusal: resync
+                try:
+                    self.rpc.get(self.rpc.coord.resync.remote())
+                except Exception:
+                    pass
             raise
         return torch.from_numpy(np.array(indices))  # a writable copy of the (read-only) reply
 
@@ -144,10 +153,19 @@ class Writes:
 MAX_ASKS = 100  # times extend() asks again a coordinator that keeps dying before its acknowledgements are read
 
 
-def _owner_died(e: BaseException) -> bool:
-    from ray.exceptions import OwnerDiedError
+def _coordinator_died(e: BaseException) -> bool:
+    """Whether ``e`` says the coordinator died: during the call itself, or holding the acknowledgements it owns."""
+    from ray.exceptions import OwnerDiedError, RayActorError
 
-    return isinstance(e.__cause__, OwnerDiedError)
+    return isinstance(e.__cause__, (OwnerDiedError, RayActorError))
+
+
+def _named(e: BufferUnavailableError, write_id: str) -> BufferUnavailableError:
+    """``e``, saying that the write may have been applied and naming it, so that a retry applies it once."""
+    err = BufferUnavailableError(f"{e}; the write may have been applied: once the buffer answers again, retry it "
+                                 f"with write_id={write_id!r} to apply it once")
+    err.write_id = write_id
+    return err
 
 
 @functools.cache

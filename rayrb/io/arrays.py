@@ -70,18 +70,22 @@ def to_numpy_dict(data: Any) -> dict[str, np.ndarray]:
 
 
 def rows_digest(arrays: Mapping[str, np.ndarray]) -> str:
-    """A digest of a flat dict of arrays: keys, dtypes, shapes and bytes (xxh3-128, hex).
+    """A digest of a flat dict of arrays: keys, dtypes, shapes and values (xxh3-128, hex). The same values in
+    another byte order digest the same (the row spec takes either, and a shard stores values).
 
     >>> a = {"x": np.arange(4, dtype=np.int64)}
-    >>> rows_digest(a) == rows_digest({"x": np.arange(4)}), rows_digest(a) == rows_digest({"x": np.arange(1, 5)})
+    >>> rows_digest(a) == rows_digest({"x": np.arange(4).astype(">i8")}), rows_digest(a) == rows_digest({"x": np.arange(1, 5)})
     (True, False)
     """
     import xxhash
 
     h = xxhash.xxh3_128()
     for key in sorted(arrays):
-        v = np.ascontiguousarray(arrays[key])
-        h.update(f"{key}\0{v.dtype.str}\0{v.shape}\0".encode())
+        v = np.asarray(arrays[key])
+        if not v.dtype.isnative:
+            v = v.astype(v.dtype.newbyteorder("="))
+        v = np.ascontiguousarray(v)
+        h.update(f"{key}\0{v.dtype.name}\0{v.shape}\0".encode())
         h.update(v.data)  # the buffer itself, no copy
     return h.hexdigest()
 

@@ -120,3 +120,18 @@ def test_max_restarts_is_checked(tmp_path, value):
     with pytest.raises((ValueError, TypeError), match="max_restarts"):
         OfflineToOnlineReplayBuffer(rows(np.arange(10)), online_capacity=10, max_restarts=value,
                                     dataset_root=tmp_path / "ds")
+
+
+def test_a_restart_is_a_restart_when_rays_actor_table_does_not_answer(tmp_path, monkeypatch):
+    """Its record in the buffer's own directory says so: a coordinator that took itself for a first start would
+    clear its saved stream and journal, and plan writes over acknowledged rows."""
+    from rayrb.actors import lifecycle
+
+    monkeypatch.setattr(lifecycle, "whoami", lambda: ("ab" * 16, "c" * 56, 0, None))
+    lifecycle.begin(str(tmp_path), "the coordinator").ready()  # the first start
+    monkeypatch.setattr(lifecycle, "whoami", lambda: ("ab" * 16, "c" * 56, None, None))  # the table fails
+    again = lifecycle.begin(str(tmp_path), "the coordinator")
+    assert again.restarts == 1 and again.stats()["restarts"] == 1
+    monkeypatch.setattr(lifecycle, "whoami", lambda: ("ab" * 16, "c" * 56, None, None))
+    fresh = lifecycle.begin(str(tmp_path / "new"), "a shard")  # no record: a first start
+    assert fresh.restarts == 0

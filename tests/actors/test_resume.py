@@ -233,8 +233,10 @@ def test_two_writers_under_one_write_id_with_the_same_row_count_are_told_apart_b
 
     rb = make_buffer(rows(0, 50), **KW)
     first = rb.extend(rows(1000, 40), write_id="collector-0/step-7")
+    version = rb.rpc.version()
     with pytest.raises(WriteIdError, match=r"'collector-0/step-7'.*other rows"):
         rb.extend(rows(2000, 40), write_id="collector-0/step-7")  # another writer, the same id and row count
+    assert rb.rpc.version() == version  # refused: nothing changed, not even the version other handles follow
     assert torch.equal(rb.extend(rows(1000, 40), write_id="collector-0/step-7"), first)  # the retry
     assert online_ids(rb) == list(range(1000, 1040)) and rb.write_count == 40
     kill_coordinator(rb)
@@ -242,3 +244,37 @@ def test_two_writers_under_one_write_id_with_the_same_row_count_are_told_apart_b
         rb.extend(rows(2000, 40), write_id="collector-0/step-7")
     assert torch.equal(rb.extend(rows(1000, 40), write_id="collector-0/step-7"), first)
     assert online_ids(rb) == list(range(1000, 1040)) and rb.write_count == 40
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_an_extend_whose_coordinator_died_with_the_call_asks_again_under_its_id(make_buffer, monkeypatch):
+    """Ray re-sends a call a bounded number of times; when the coordinator died with it that often, the write may
+    have landed. The handle asks again under the same write id (answered from the journal: landed once), and
+    where it must give up, its error names the write id for a retry."""
+    from ray.exceptions import RayActorError
+
+    from rayrb.errors import BufferUnavailableError
+
+    rb = make_buffer(rows(0, 50), **KW)
+    real, failures = rb.rpc.call, []
+
+    def dies_after_applying(method, *args, **kwargs):
+        out = real(method, *args, **kwargs)
+        if method == "extend" and len(failures) < 2:  # applied, but the answer never came back, twice
+            failures.append(method)
+            raise BufferUnavailableError("an actor of this buffer is dead") from RayActorError()
+        return out
+
+    monkeypatch.setattr(rb.rpc, "call", dies_after_applying)
+    indices = rb.extend(rows(1000, 30), write_id="w")
+    assert len(failures) == 2 and rb.write_count == 30 and online_ids(rb) == list(range(1000, 1030))
+    assert torch.equal(rb.extend(rows(1000, 30), write_id="w"), indices)
+
+    def always_dies(method, *args, **kwargs):
+        raise BufferUnavailableError("an actor of this buffer is dead") from RayActorError()
+
+    monkeypatch.setattr(rb.rpc, "call", always_dies)
+    monkeypatch.setattr("rayrb.handle.writes.MAX_ASKS", 3)
+    with pytest.raises(BufferUnavailableError, match="write_id='w2'") as caught:
+        rb.extend(rows(2000, 5), write_id="w2")
+    assert caught.value.write_id == "w2"

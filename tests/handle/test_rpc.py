@@ -77,3 +77,19 @@ def test_a_held_back_call_reports_and_times_out_on_the_wall_time_round_trips_inc
     with pytest.raises(HeldBackTimeout, match="waited 0.5s for the rate limiter"):
         rpc.call("extend")
     assert 0.5 <= time.monotonic() - t0 < 1.0  # counting only the sleeps, it waited about 5 s
+
+
+def test_a_version_map_behind_an_answer_is_dropped_and_looked_up_again():
+    """The coordinator writes its map before any answer leaves: an answer ahead of the map means the map is no
+    longer the coordinator's (restarted on another node), and the handle stops reading it."""
+    import numpy as np
+
+    rpc = Rpc(None, [], 0, name="b", timeout=1.0)
+    rpc._version_map = np.array([5], np.int64)
+    rpc.answered_at(5)
+    assert rpc._version_map is not None  # as current as the answer
+    rpc.answered_at(6)
+    assert rpc._version_map is None  # asked for again at the next version()
+    rpc._version_map = False  # another node: no map, nothing to drop
+    rpc.answered_at(7)
+    assert rpc._version_map is False
