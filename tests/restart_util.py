@@ -23,6 +23,12 @@ def online_ids(rb) -> list[int]:
     return sorted(out)
 
 
+def read_group(rb, group) -> list:
+    """Each shard's ``(rows, info)`` for a whole planned group, read by the shards (as a handle on another node)."""
+    return [rb.rpc.fetch_read((side, i, args), rb.rpc.read(side, i, args))
+            for (side, i), args in zip(group.reads, group.args)]
+
+
 def kill_and_wait(actor, timeout: float = 60) -> None:
     """Kill the actor's process as a crash would, and wait until a new process answers.
 

@@ -27,7 +27,7 @@ import numpy as np
 from rayrb.actors.lifecycle import begin
 from rayrb.actors.metrics import ActorMetrics
 from rayrb.core.plans import Epoch
-from rayrb.core.samplers import make_sampler
+from rayrb.core.samplers import make_sampler, read_indices
 from rayrb.core.schema import RowSpec
 from rayrb.core.validation import ALPHA, EPS, positive_int
 from rayrb.durability.storage import OnlineStorage, PriorityStore, remove_directory
@@ -125,10 +125,8 @@ class _Shard:
 
     def _indices(self, counts: list[int], seeds: list[int], epochs: list[Epoch | None] | None,
                  written: int | None = None) -> np.ndarray:
-        epochs = epochs or [None] * len(counts)
         size = self.size() if written is None else min(self.size(), self._size_at(int(written)))
-        return np.concatenate([self._sampler.sample(int(c), size, np.random.default_rng(s), epoch=e)
-                               for c, s, e in zip(counts, seeds, epochs)]) if counts else np.empty(0, np.int64)
+        return read_indices(self._sampler, counts, seeds, epochs, size)
 
     def _size_at(self, written: int) -> int:
         """Rows held when ``written`` rows had been written (an offline shard's never change)."""
@@ -366,10 +364,16 @@ class OnlineShard(_Shard):
         slots = pos[fresh]
         if self._table is not None:  # the device copy serves reads: written first, as it may refuse the rows
             self._table.write(slots, {k: rows[k][fresh] for k in self._data})
+        # Readers in other processes on this node copy rows straight out of the memory maps
+        # (rayrb.handle.local): a slot's generation is negative while its row is being written, and they
+        # compare it before and after their copy, so a row half written is never served.
+        before = self._gen[slots].copy()
+        self._gen[slots] = -gen[fresh]
         try:
             for k, dst in self._data.items():
                 dst[slots] = rows[k][fresh]  # copies out of the object store; the memory maps keep what is acknowledged
         except BaseException:
+            self._gen[slots] = before  # the rows there were not all replaced: as they were, but readers retry
             if self._table is not None:  # back to what the memory maps hold
                 self._table.write(slots, {k: v[slots] for k, v in self._data.items()})
             raise
@@ -422,6 +426,7 @@ class OnlineShard(_Shard):
             raise ValueError(f"shard {self.shard_id}: saved rows are not {self._capacity} slots")
 
         def apply() -> None:
+            self._gen[...] = -1  # every row is being replaced: readers on this node leave it to the shard
             for k in self._data:
                 self._data[k][...] = rows[k]
             self._gen[...] = gen

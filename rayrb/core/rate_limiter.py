@@ -179,11 +179,13 @@ class RateLimiter:
         spi = self.samples_per_insert
         return None if spi is None else self._state["inserts"] * spi - self._state["samples"]
 
-    def _sample_allowed(self, online_size: int) -> bool:
-        """Reverb's ``CanSample(1)``: whether the first online row of a batch may go."""
+    def _sample_allowed(self, online_size: int, diff: float | None = None) -> bool:
+        """Reverb's ``CanSample(1)``: whether the first online row of a batch may go (at ``diff``, by default
+        the limiter's own)."""
         if online_size < self.min_size_to_sample:
             return False
-        return self.diff is None or self.diff - 1 >= self.min_diff
+        diff = self.diff if diff is None else diff
+        return diff is None or diff - 1 >= self.min_diff
 
     def can_sample(self, n_online_rows: int, online_size: int) -> bool:
         n, size = non_negative_int("n_online_rows", n_online_rows), non_negative_int("online_size", online_size)
@@ -198,7 +200,7 @@ class RateLimiter:
             diff += non_negative_int("unserved", unserved)
         if n == 0 or diff is None or diff + n * self.samples_per_insert <= self.max_diff:
             return True
-        return not self._sample_allowed(size)
+        return not self._sample_allowed(size, diff)  # could a sample go, had only the rows served been drawn
 
     def decide(self, n_online_rows: int, online_size: int) -> Decision:
         """For a planned batch: ``"as_planned"``, ``"all_offline"`` (below min size) or ``"wait"``."""

@@ -22,6 +22,8 @@ Examples:
 """
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -105,8 +107,9 @@ class RowSpec:
     def __repr__(self) -> str:
         return "RowSpec(" + ", ".join(f"{k}: {f}" for k, f in self._fields.items()) + ")"
 
-    @property
+    @functools.cached_property
     def row_bytes(self) -> int:
+        """Bytes of one row (asked for every batch: computed once)."""
         return sum(int(np.prod(f.shape, dtype=np.int64)) * np.dtype(f.dtype).itemsize for f in self._fields.values())
 
     def empty(self, rows: int) -> dict[str, np.ndarray]:

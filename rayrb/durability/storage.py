@@ -50,15 +50,17 @@ from rayrb.io.files import pwrite_all
 LAYOUT = "layout.json"
 
 
-def _array(directory: Path | None, name: str, shape: tuple, dtype: Any, fresh: bool) -> np.ndarray:
+def _array(directory: Path | None, name: str, shape: tuple, dtype: Any, fresh: bool, mode: str | None = None
+           ) -> np.ndarray:
     if directory is None:
         return np.zeros(shape, dtype)
     path = directory / f"{name}.memmap"
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if mode is None:
+        path.parent.mkdir(parents=True, exist_ok=True)
     n = int(np.prod(shape, dtype=np.int64))
     if n == 0:
         return np.zeros(shape, dtype)
-    return np.memmap(path, dtype=dtype, mode="w+" if fresh else "r+", shape=shape)
+    return np.memmap(path, dtype=dtype, mode=mode or ("w+" if fresh else "r+"), shape=shape)
 
 
 class OnlineStorage:
@@ -100,6 +102,43 @@ class OnlineStorage:
     def remove(self) -> None:
         """Delete the files (the buffer is being shut down)."""
         _remove(self.directory)
+
+
+def read_only(spec: RowSpec, capacity: int, directory: str | os.PathLike) -> dict[str, Any] | None:
+    """An online shard's files mapped read-only, for a reader in another process on the shard's node
+    (``rayrb.handle.local``): ``{"rows", "generation", "written", "identity"}``, or None where the directory
+    does not hold a shard of this spec and capacity (gone, half-made, another layout).
+
+    ``identity`` is that of ``layout.json``, which a shard that makes its files afresh writes anew: a reader
+    compares it with ``identity(layout_path(directory))`` to know it still maps the shard's current files.
+    """
+    d = Path(directory)
+    before = identity(layout_path(d))
+    if before is None or _layout(d) != {"spec": spec.to_json(), "capacity": int(capacity)}:
+        return None
+    try:  # plain arrays over the maps: np.memmap's own indexing costs more than the rows of a small read
+        rows = {k: np.asarray(_array(d, "rows/" + k.replace(SEP, "__"), (int(capacity), *f.shape), f.dtype, False,
+                                     mode="r")) for k, f in spec.items()}
+        out = {"rows": rows,
+               "generation": np.asarray(_array(d, "generation", (int(capacity),), np.int64, False, mode="r")),
+               "written": np.asarray(_array(d, "written", (1,), np.int64, False, mode="r")), "identity": before}
+    except (OSError, ValueError):  # a file missing or short: being made afresh
+        return None
+    return out if identity(layout_path(d)) == before else None
+
+
+def layout_path(directory: str | os.PathLike) -> str:
+    """The file whose ``identity`` tells a shard directory's files apart from those made afresh since."""
+    return os.path.join(os.fspath(directory), LAYOUT)
+
+
+def identity(layout: str) -> tuple[int, int, int] | None:
+    """``(device, inode, change time)`` of a shard directory's ``layout.json`` (``layout_path``), or None."""
+    try:
+        st = os.stat(layout)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_ctime_ns
 
 
 class PriorityStore:

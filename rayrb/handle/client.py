@@ -46,12 +46,16 @@ class BufferClient(Writes, LearnerPaths, Steering):
     def __init__(self, coord: Any, shards: list, spec: RowSpec, *, name: str, batch_size: int | None,
                  transform: Any, timeout: float | None, max_batch_bytes: int, prefetch: int = PREFETCH,
                  storage_device: str = "cpu", num_offline: int = 1, transport: str = "object_store",
-                 read_device: str | None = "cpu"):
+                 read_device: str | None = "cpu", layout: list | None = None, local_reads: bool = True,
+                 limited: bool = False):
         self.rpc = Rpc(coord, shards, num_offline, name=name, timeout=timeout)
         self._spec, self._name, self._batch_size, self._transform = spec, name, batch_size, transform
         self._max_batch_bytes, self._storage_device = max_batch_bytes, storage_device
         self._transport, self._read_device = transport, read_device
         self._prefetch = non_negative_int("prefetch", prefetch)
+        # where each shard's files are (rayrb.handle.local), whether to read them here, whether a limiter counts
+        self._layout, self._local_enabled, self._limited = layout, local_reads, limited
+        self._local: Any = None  # the LocalReads, made at first use (never pickled)
         self._stream: Stream | None = None  # the sample() loop's, made at the first sample()
         self._routes: Any = None  # rayrb.actors.transport.Routes to the learners connected here
         self._learners: list[Any] = []
@@ -95,10 +99,22 @@ class BufferClient(Writes, LearnerPaths, Steering):
         return (td, info) if return_info else td
 
     # sampling -----------------------------------------------------------------
+    @property
+    def local_reads(self) -> Any:
+        """The shard reads this process makes itself (``rayrb.handle.local.LocalReads``), or None when turned
+        off (``local_reads=False``) or the layout is unknown."""
+        if self._local is None and self._local_enabled and self._layout and self._storage_device == "cpu":
+            from rayrb.handle.local import LocalReads
+
+            rpc = self.rpc
+            self._local = LocalReads(self._layout, self._spec, len(rpc.by_side[OFFLINE]), _node_id(),
+                                     lambda j: rpc.get(rpc.shards[j].place.remote())["node"])
+        return self._local
+
     def _loop(self, batch_size: int) -> Stream:
         if self._stream is None:
-            self._stream = Stream(self.rpc, batch_size, depth=self._prefetch, row_bytes=self._spec.row_bytes,
-                                  follow_version=True)
+            self._stream = Stream(self.rpc, batch_size, depth=self._prefetch, spec=self._spec, follow_version=True,
+                                  local=self.local_reads, limited=self._limited)
         return self._stream
 
     def sample(self, batch_size: int | None = None, return_info: bool = False):
@@ -123,7 +139,7 @@ class BufferClient(Writes, LearnerPaths, Steering):
         """
         batch_size = self.batch(batch_size)
         held = self._loop(batch_size).next(batch_size)
-        return self.finish(held.batch if return_info else held.batch[0], return_info)
+        return self.finish((held.batch, held.info()) if return_info else held.batch, return_info)
 
     def __iter__(self):
         """Batches of ``batch_size``, as TorchRL's datasets iterate: until the offline side's epoch without
@@ -131,7 +147,7 @@ class BufferClient(Writes, LearnerPaths, Steering):
         batch_size = self.batch(None)
         while True:
             held = self._loop(batch_size).next(batch_size)
-            yield self.finish(held.batch[0], False)
+            yield self.finish(held.batch, False)
             if held.last:
                 return
 
@@ -197,8 +213,9 @@ class BufferClient(Writes, LearnerPaths, Steering):
             ``{"coordinator": {...}, "shards": [...]}``, plus ``"handle"`` (this handle's drawing ahead).
         """
         out = self.rpc.get(self.rpc.coord.stats.remote())
-        if self._stream is not None:
-            out["handle"] = dict(self._stream.stats)
+        if self._stream is not None or self._local is not None:
+            out["handle"] = {**(self._stream.stats if self._stream is not None else {}),
+                             **({f"{k}_reads": v for k, v in self._local.stats.items()} if self._local else {})}
         return out
 
     @property
@@ -241,7 +258,8 @@ class BufferClient(Writes, LearnerPaths, Steering):
                 "batch_size": self._batch_size, "transform": self._transform, "timeout": self.rpc.timeout,
                 "max_batch_bytes": self._max_batch_bytes, "prefetch": self._prefetch,
                 "storage_device": self._storage_device, "num_offline": len(self.rpc.by_side[OFFLINE]),
-                "transport": self._transport, "read_device": self._read_device}
+                "transport": self._transport, "read_device": self._read_device, "layout": self._layout,
+                "local_reads": self._local_enabled, "limited": self._limited}
 
 
 def _gives_back(method):
@@ -259,6 +277,16 @@ for _name in GIVES_BACK_BEFORE:
 
 def _client(args: dict[str, Any]) -> BufferClient:
     return BufferClient(**args)
+
+
+def _node_id() -> str | None:
+    """This process's node, whose shards' files it may read (None where Ray does not say)."""
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+    except Exception:
+        return None
 
 
 def _to_device(td: Any, device: Any):

@@ -27,6 +27,7 @@ from rayrb.core.validation import (
     ALPHA,
     BETA,
     EPS,
+    boolean,
     callable_or_none,
     fraction,
     non_negative_int,
@@ -117,6 +118,8 @@ class OfflineToOnlineReplayBuffer(BufferClient):
             far as it allows).
         max_restarts (int): restarts of each actor over the buffer's life; ``-1`` (default): without end.
             A start that keeps crashing backs off (up to 30 s). ``stats()`` counts each actor's restarts.
+        local_reads (bool): handles on a shard's node gather its rows themselves, from the files the shard
+            maps, without an actor call (``rayrb.handle.local``; default True). The stream is the same either way.
         **dataset_kwargs: forwarded to ``load_dataset`` for dataset ids.
 
     Sampled batches are rebuilt from numpy arrays without copying where possible:
@@ -170,6 +173,7 @@ class OfflineToOnlineReplayBuffer(BufferClient):
         prefetch: int = PREFETCH,
         storage_device: str = "cpu",
         max_restarts: int = -1,
+        local_reads: bool = True,
         **dataset_kwargs: Any,
     ):
         self.rpc, self._owned_dirs = None, []  # until the actors run, nothing is usable or owned
@@ -199,7 +203,8 @@ class OfflineToOnlineReplayBuffer(BufferClient):
 
         limiter = make_rate_limiter(rate_limiter)
         limiter.validate(online_capacity=online_capacity)  # a configuration that can deadlock is refused here
-        settings = {"timeout": check_timeout(timeout), "transform": callable_or_none("transform", transform),
+        settings = {"local_reads": boolean("local_reads", local_reads), "limited": limiter.samples_per_insert is not None,
+                    "timeout": check_timeout(timeout), "transform": callable_or_none("transform", transform),
                     "max_batch_bytes": positive_int("max_batch_bytes", max_batch_bytes),
                     "prefetch": non_negative_int("prefetch", prefetch), "transport": transport,
                     "storage_device": storage_device}
@@ -213,7 +218,7 @@ class OfflineToOnlineReplayBuffer(BufferClient):
         self._rate_limiter_config = limiter.config()
         name = name or f"rayrb-{uuid.uuid4().hex[:12]}"
         try:
-            coord, shards, read_device = _start_actors(dataset, name, online_capacity, num_offline_shards, num_online_shards,
+            coord, shards, read_device, layout = _start_actors(dataset, name, online_capacity, num_offline_shards, num_online_shards,
                                           schedule=schedule, kinds=kinds, epoch_end=epoch_end, seed=seed,
                                           actor_options=actor_options or {}, transport=transport, prio=prio,
                                           online_nodes=online_nodes,
@@ -225,7 +230,7 @@ class OfflineToOnlineReplayBuffer(BufferClient):
             raise
         _remove_leftovers(storage_dir)
         BufferClient.__init__(self, coord, shards, dataset.spec, name=name, batch_size=batch_size,
-                              num_offline=num_offline_shards, read_device=read_device, **settings)
+                              num_offline=num_offline_shards, read_device=read_device, layout=layout, **settings)
         try:  # surface construction errors (a missing chunk, a bad spec) here, not at the first sample
             # Starting processes takes seconds: the per-call timeout is not for this.
             timeout = self.rpc.timeout
@@ -239,12 +244,14 @@ class OfflineToOnlineReplayBuffer(BufferClient):
             self.shutdown()
             raise
 
-    def client(self, *, timeout: float | None | str = "same", prefetch: int | str = "same") -> BufferClient:
+    def client(self, *, timeout: float | None | str = "same", prefetch: int | str = "same",
+               local_reads: bool | str = "same") -> BufferClient:
         """A handle for collectors and learners: it writes and samples, but cannot shut the buffer down.
 
         Args:
             timeout: bounds this handle's waits (default: the buffer's).
             prefetch: how far its plain ``sample()`` loop may draw ahead (default: the buffer's).
+            local_reads: whether it gathers the rows of shards on its node itself (default: the buffer's).
 
         Returns:
             A picklable ``BufferClient``.
@@ -254,6 +261,8 @@ class OfflineToOnlineReplayBuffer(BufferClient):
             args["timeout"] = check_timeout(timeout)
         if prefetch != "same":
             args["prefetch"] = non_negative_int("prefetch", prefetch)
+        if local_reads != "same":
+            args["local_reads"] = boolean("local_reads", local_reads)
         return BufferClient(**args)
 
     def preprocess(self, fn: Callable, dest: str | os.PathLike, **kwargs: Any) -> ChunkDataset:
@@ -370,8 +379,9 @@ def _start_actors(dataset: ChunkDataset, name: str, capacity: int, m: int, k: in
                   prio: dict[str, float], storage_dir: str | None, rate_limiter: dict,
                   storage_device: str = "cpu", online_nodes: list[str | None] | None = None,
                   max_restarts: int = -1
-                  ) -> tuple[Any, list, str | None]:
-    """Start ``m`` offline shards, ``k`` online shards and the coordinator; kill them all if one fails to start."""
+                  ) -> tuple[Any, list, str | None, list[dict]]:
+    """Start ``m`` offline shards, ``k`` online shards and the coordinator; kill them all if one fails to start.
+    Returns them, the device reads go to, and each shard's place on disk (``rayrb.handle.local``)."""
     import ray
 
     from rayrb.actors.coordinator import Coordinator
@@ -417,7 +427,12 @@ def _start_actors(dataset: ChunkDataset, name: str, capacity: int, m: int, k: in
         for actor in started:
             ray.kill(actor)
         raise
-    return coord, started, device
+    # where each shard's rows lie, for handles on its node that read them themselves (rayrb.handle.local)
+    layout = [{"side": OFFLINE, "sampler": kinds[OFFLINE], "root": str(dataset.root), "start": a, "stop": b}
+              for a, b in ranges]
+    layout += [{"side": ONLINE, "sampler": kinds[ONLINE], "capacity": c,
+                "dir": shard_directory(storage_dir, instance, f"on-{i}")} for i, c in enumerate(capacities)]
+    return coord, started, device, layout
 
 
 def _offline_chunks(offline_dataset: Any, batch_size: int | None, own_sampler: bool, kinds: dict[str, str],

@@ -17,7 +17,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from rayrb.core.plans import OFFLINE, ONLINE, GroupPlan
+from rayrb.core.plans import OFFLINE, ONLINE
 from rayrb.errors import BufferUnavailableError, HeldBack, HeldBackTimeout
 
 DIRECT_TRANSPORT: str | None = "cuda_ipc"  # GPU shards to a GPU actor reading directly (None: object store)
@@ -92,12 +92,10 @@ class Rpc:
         return getattr(self.coord, method).remote(*args, **kwargs)
 
     # reads ------------------------------------------------------------------------
-    def submit(self, group: GroupPlan, direct: dict[str, list] | None = None) -> list[Any]:
-        """One read per shard of ``group``: numpy rows through the object store, or, with ``direct`` (the
-        shards by side, on this actor's GPU), CUDA tensors over Ray Direct Transport."""
-        return [self._read(side, i, args, direct) for (side, i), args in zip(group.reads, group.args)]
-
-    def _read(self, side: str, i: int, args: tuple, direct: dict[str, list] | None) -> Any:
+    def read(self, side: str, i: int, args: tuple, direct: dict[str, list] | None = None) -> Any:
+        """Shard ``i`` of ``side``'s read ``args = (counts, seeds, epochs, written)``: numpy rows through the
+        object store, or, with ``direct`` (the shards by side, on this actor's GPU), CUDA tensors over Ray
+        Direct Transport."""
         counts, seeds, epochs, written = args
         if direct is None:
             return self.by_side[side][i].sample_many.remote(counts, seeds, epochs, written)
@@ -106,25 +104,19 @@ class Rpc:
             method = method.options(tensor_transport=DIRECT_TRANSPORT)
         return method.remote(counts, seeds, epochs, written=written)
 
-    def fetch(self, group: GroupPlan, refs: list[Any], direct: dict[str, list] | None = None) -> list[Any]:
-        """The reads' results, sending again those that reached an online shard before its planned writes.
-
-        The whole wait, remote calls included, is bounded by ``timeout``.
-        """
+    def fetch_read(self, read: tuple, ref: Any, direct: dict[str, list] | None = None) -> Any:
+        """The result of ``read = (side, i, args)`` submitted as ``ref``, sending it again while it reaches its
+        online shard before the writes it was planned over have landed there; bounded by ``timeout``."""
         t0 = time.monotonic()
-        results = self.get(refs)
-        while True:
-            behind = [j for j, r in enumerate(results) if r is None or (direct is not None and "behind" in r)]
-            if not behind:
-                return results
+        result = self.get(ref)
+        while result is None or (direct is not None and "behind" in result):
             if self.timeout is not None and time.monotonic() - t0 > self.timeout:
-                raise TimeoutError(f"buffer {self.name!r}: online shards {[group.reads[j] for j in behind]} did "
-                                   f"not apply the writes this group was planned with within timeout={self.timeout}s")
+                raise TimeoutError(f"buffer {self.name!r}: online shard {read[:2]} did not apply the writes this "
+                                   f"read was planned with within timeout={self.timeout}s")
             time.sleep(0.001)
-            again = [self._read(*group.reads[j], group.args[j], direct) for j in behind]
             left = None if self.timeout is None else max(0.0, self.timeout - (time.monotonic() - t0))
-            for j, r in zip(behind, self.get(again, timeout=left)):
-                results[j] = r
+            result = self.get(self.read(*read, direct=direct), timeout=left)
+        return result
 
     def answered_at(self, version: int) -> None:
         """An answer of the coordinator's carried ``version``. The map is written before any answer leaves, so a

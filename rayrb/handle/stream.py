@@ -1,34 +1,42 @@
-"""One handle's batches, drawn ahead and given back: the one engine behind ``sample()``, ``iter_batches()``
-and GPU direct reads.
+"""One handle's batches, planned ahead, read where the rows lie, given back: the one engine behind ``sample()``,
+``iter_batches()`` and GPU direct reads.
 
-A batch costs two steps: the coordinator plans it, then the shards read it. A
-``Stream`` asks the coordinator for a *group* of consecutive batches in one
-call, submits one read per shard for the whole group itself, and hands the batches
-over one by one while the next group is planned and read. The stream is exactly
-that of single calls with the same seed.
+A batch costs two steps: the coordinator plans it, then its rows are read. The two
+go at different depths:
 
-**Giving back.** Batches drawn and not handed over are given back
-(``Stream.give_back``) before anything that must see the stream where the
-caller left it: the handle's writes, priority updates, settings, saves and other
-ways of sampling, and closing an iterator. The coordinator rewinds its planner to
-before the first of them, so the stream goes on as if they had never been drawn.
-If another caller drew in between, the draws stand: batches without replacement are
-kept and served (each row of an epoch once), batches with replacement dropped.
+* **Plan deep.** A ``Stream`` asks the coordinator for a *group* of consecutive
+  batches in one call, as many as ``PLAN_ROWS`` rows (at most ``MAX_PLAN`` batches),
+  whatever ``prefetch`` is: a plan is a few bytes per batch, and one call costs the
+  coordinator about as much for a hundred batches as for one. The stream is exactly
+  that of single calls with the same seed.
+* **Read shallow.** Rows a handle can read itself (``rayrb.handle.local``: the shard's
+  files on this node) are gathered in this process when the batch is served, with no
+  call at all. The other parts are read by their shards, one call per shard for a run
+  of consecutive batches, submitted at most ``prefetch`` batches ahead (and, for the
+  ``sample()`` loop, ``max_bytes`` of rows): ``prefetch`` bounds the rows held ahead,
+  never the plans.
+
+**Giving back.** Batches planned and not handed over are given back
+(``Stream.give_back``) before anything that must see the stream where the caller
+left it: the handle's writes, priority updates, settings, saves and other ways of
+sampling, and closing an iterator. The coordinator rewinds its planner to before the
+first of them, so the stream goes on as if they had never been drawn. If another
+caller drew in between, the draws stand: batches without replacement are kept and
+served (each row of an epoch once), batches with replacement dropped.
 
 **Following the version** (the plain ``sample()`` loop). Other handles write and
 steer too. The coordinator keeps a version (writes, priority updates, restores,
 settings); before each ``sample()`` the stream reads it (from a memory map on the
 coordinator's node, else from the answer to its previous report) and gives back
-batches drawn at an older one, so allocation never uses sizes staler than the
+batches planned at an older one, so allocation never uses sizes staler than the
 previous call.
 
-**How far ahead.** An iterator keeps exactly up to ``prefetch`` batches in flight: once
-a quarter of them is left it asks for the rest in one group. The ``sample()`` loop follows the
-number of batches served between its last two give-backs: a loop that writes before
-every ``sample()`` draws nothing ahead, one that only samples draws up to ``depth``
-(and ``max_bytes`` of rows). Under a rate limiter the coordinator plans ahead only
-as far as the limiter allows at that moment; writes are judged against the rows
-served, so the limiter's window is the one single calls would see.
+**How far ahead the loop plans** follows the number of batches served between its
+last two give-backs: a loop that writes before every ``sample()`` plans nothing
+ahead, one that only samples plans deep. Under a rate limiter the coordinator plans
+ahead only as far as the limiter allows at that moment; writes are judged against the
+rows served, which a loop under a limiter (or one without the version map) reports
+after every batch, so the limiter's window is the one single calls would see.
 """
 from __future__ import annotations
 
@@ -43,57 +51,99 @@ from typing import Any
 import numpy as np
 
 from rayrb.core.ahead import MAX_AHEAD, GiveBack
-from rayrb.core.plans import assemble, decode_group, split_group
+from rayrb.core.plans import decode_group, provenance, reads_by_plan
 from rayrb.errors import BufferUnavailableError, HeldBack
 
-MAX_BYTES = 64 << 20  # rows a sample() loop holds drawn ahead
-MAX_DEPTH = 100  # batches a sample() loop holds drawn ahead; the coordinator gives back two groups of this
+MAX_BYTES = 64 << 20  # rows a sample() loop holds read ahead
+MAX_DEPTH = 100  # batches a sample() loop reads ahead
+PLAN_ROWS = 1 << 20  # rows one plan call covers: its cost a small share of the batches' own
+MAX_PLAN = MAX_AHEAD // 2 - 8  # batches one plan call covers: two calls stay within what the coordinator gives back
 
 
 class Held:
-    """A fetched batch: rows and info, whether it ends an epoch, the version it was planned at, its number."""
+    """A batch handed over: its rows (for direct reads, ``(TensorDict, info)``), whether it ends an epoch, the
+    version it was planned at, its number; ``info()`` builds its provenance when asked for."""
 
-    __slots__ = ("batch", "last", "version", "number")
+    __slots__ = ("batch", "last", "version", "number", "_plan", "_infos")
 
-    def __init__(self, batch: Any, last: bool, version: int, number: int):
+    def __init__(self, batch: Any, last: bool, version: int, number: int, plan: Any = None, infos: Any = None):
         self.batch, self.last, self.version, self.number = batch, last, version, number
+        self._plan, self._infos = plan, infos
+
+    def info(self) -> dict[str, np.ndarray]:
+        """Per-row provenance (``rayrb.core.plans.provenance``): built only when a caller wants it."""
+        info = provenance(self._plan, self._infos)
+        if "weight" in info:
+            info["weight"] = info["weight"].astype(np.float32)
+        return info
 
 
 class _Asked:
-    """A group asked for: the plan call's ref, then the plan, then its reads' refs."""
+    """A plan call: its ref and how many batches it asked for."""
 
-    __slots__ = ("ref", "group", "reads", "k")
+    __slots__ = ("ref", "k")
 
     def __init__(self, ref: Any, k: int):
-        self.ref, self.k, self.group, self.reads = ref, k, None, None
+        self.ref, self.k = ref, k
 
 
-def copy_batch(out: Any) -> Any:
-    """A batch copied out of its group's object, so that handing it over does not pin the whole group."""
-    if isinstance(out, tuple):
-        return tuple(copy_batch(o) for o in out)
-    return {k: np.array(v) for k, v in out.items()}
+class _Remote:
+    """One shard read covering parts of consecutive batches: its call, then its ``(rows, info)``."""
+
+    __slots__ = ("read", "ref", "result", "batches")
+
+    def __init__(self, read: tuple, ref: Any, batches: int):
+        self.read, self.ref, self.result, self.batches = read, ref, None, batches
+
+
+class _Planned:
+    """A batch planned and not handed over: its plan, version, number, group, and per part its read
+    ``(side, shard, args)`` and, once submitted, the shard read carrying it ``(_Remote, offset)``."""
+
+    __slots__ = ("plan", "version", "number", "group", "reads", "sources", "remote")
+
+    def __init__(self, plan: Any, version: int, number: int, group: int, reads: list):
+        self.plan, self.version, self.number, self.group, self.reads = plan, version, number, group, reads
+        self.sources: list[Any] | None = None
+        self.remote = False  # a shard read carries one of its parts
+
+
+def plan_size(batch_size: int) -> int:
+    """Batches one plan call covers at this batch size (``PLAN_ROWS`` rows, 2 to ``MAX_PLAN`` batches).
+
+    >>> plan_size(256), plan_size(4096), plan_size(65536), plan_size(10**7)
+    (120, 120, 16, 2)
+    """
+    return max(2, min(MAX_PLAN, PLAN_ROWS // max(1, batch_size)))
 
 
 class Stream:
     """Batches of one handle in stream order (see the module).
 
-    ``depth`` bounds the batches drawn ahead. ``prefetch`` (an iterator) keeps that many
-    in flight, refilled in one group once a quarter is left; otherwise the depth adapts to the caller (the
-    ``sample()`` loop), and ``follow_version`` gives back batches drawn before a change.
-    ``direct`` (shard handles by side) reads GPU shards into this actor's GPU.
+    ``depth`` bounds the batches read ahead (0: the loop plans nothing ahead either: single calls).
+    An iterator (``prefetch``) keeps plans ahead and refills its reads once a quarter of ``depth`` is
+    left; the ``sample()`` loop's plans follow the caller, and ``follow_version`` gives back batches planned
+    before a change. ``local`` reads the parts this process can (``rayrb.handle.local``); ``direct`` (shard
+    handles by side) reads GPU shards into this actor's GPU. ``limited``: the buffer has a rate limiter, whose
+    window needs each batch's report.
     """
 
-    def __init__(self, rpc: Any, batch_size: int, *, depth: int, row_bytes: int, prefetch: bool = False,
-                 follow_version: bool = False, info: bool = True, direct: dict[str, list] | None = None,
-                 max_bytes: int = MAX_BYTES, limit: int | None = None):
+    def __init__(self, rpc: Any, batch_size: int, *, depth: int, spec: Any, prefetch: bool = False,
+                 follow_version: bool = False, direct: dict[str, list] | None = None,
+                 max_bytes: int = MAX_BYTES, limit: int | None = None, local: Any = None, limited: bool = False):
         self.rpc, self.batch_size, self.depth = rpc, batch_size, depth
-        self._row_bytes, self._max_bytes = max(1, row_bytes), max_bytes
-        self._prefetch, self._follow, self._info, self._direct = prefetch, follow_version, info, direct
+        self._row_bytes, self._max_bytes = max(1, spec.row_bytes), max_bytes
+        self._shapes = {k: (tuple(f.shape), np.dtype(f.dtype)) for k, f in spec.items()}
+        self._prefetch, self._follow, self._direct = prefetch, follow_version, direct
+        self._local = None if direct is not None else local
+        self._limited = limited
         self._left = limit  # batches still to hand over (an iterator's num_batches)
         self.id = uuid.uuid4().hex  # names this stream's draws at the coordinator
-        self._ready: deque[Held] = deque()  # fetched, in stream order
-        self._pending: deque[_Asked] = deque()  # groups asked for, in order
+        self._asked: deque[_Asked] = deque()  # plan calls not answered yet, in order
+        self._planned: deque[_Planned] = deque()  # batches planned and not handed over, in order
+        self._covered = 0  # of those, the first ones whose shard reads are submitted
+        self._in_flight = 0  # of those, the ones with a shard read (the rest are read here when served)
+        self._groups = 0  # plan answers taken, to tell groups apart (their reads cannot be joined)
         self._served = 0  # since the last give-back
         self._run: int | None = None  # served between the last two give-backs
         self._last_served = self._reported = -1  # numbers of the last draw handed over, and told
@@ -101,7 +151,7 @@ class Stream:
         self._lock = threading.Lock()
         self.closed = False
         self.max_in_flight = 0
-        self.stats = {"groups": 0, "given_back": 0, "dropped": 0, "kept": 0, "stale": 0}
+        self.stats = {"groups": 0, "reads": 0, "given_back": 0, "dropped": 0, "kept": 0, "stale": 0}
         _LIVE.add(self)
 
     @property
@@ -115,13 +165,15 @@ class Stream:
         return self._direct
 
     @property
-    def in_flight(self) -> int:
-        return sum(self._size(a) for a in self._pending) + len(self._ready)
+    def ahead(self) -> int:
+        """Batches planned (or asked for) and not handed over: what a give-back returns."""
+        return len(self._planned) + sum(a.k for a in self._asked)
 
-    def _size(self, asked: _Asked) -> int:
-        if asked.group is None:
-            return asked.k
-        return 0 if isinstance(asked.group, HeldBack) else len(asked.group.plans)
+    @property
+    def in_flight(self) -> int:
+        """Batches with shard reads submitted and not handed over: rows held, or on their way, ahead (rows read
+        here are gathered when their batch is served, never ahead)."""
+        return self._in_flight
 
     # serving ----------------------------------------------------------------------
     def next(self, batch_size: int | None = None) -> Held:
@@ -131,62 +183,53 @@ class Stream:
                 self._resize(batch_size)
             if self._follow:
                 self._check_version()
-            held = self._next()
+            first = self._first()
+            if not self._covered:  # the batch served now and the window beyond it: one read per shard for them all
+                self._cover(min(len(self._planned), self._window() + 1))
+            held = self._read(first)  # a failed read (a timeout) leaves the batch first in line
+            self._planned.popleft()
+            if self._covered:
+                self._covered -= 1
+                self._in_flight -= first.remote
             self._served += 1
-            self._last_served = max(self._last_served, held.number)
+            self._last_served = max(self._last_served, first.number)
             if self._left is not None:
                 self._left -= 1
-            if self._follow and self.depth and held.number >= 0:  # answered at the next call: what changed
-                self._served_ref = self.rpc.tell("served", self.id, held.number)
-            self._fill()  # ask for more before handing the batch over, so sampling overlaps the caller's work
-            self._advance()
+            if self._follow and self.depth and first.number >= 0 and (self._limited or self.rpc.version() is None):
+                # answered at the next call: what changed (another node), or served rows the limiter counts
+                self._served_ref = self.rpc.tell("served", self.id, first.number)
+            self._fill()  # plan and read ahead before handing the batch over, so that overlaps the caller's work
             return held
 
-    def _next(self) -> Held:
+    def _first(self) -> _Planned:
+        """The first batch planned, asking (and waiting out the rate limiter) if none is."""
         since, waited = time.monotonic(), 0.0
-        while not self._ready:
-            if not self._pending:
-                self._ask(self._first_group(), waited)
-            held = self._take()
-            if isinstance(held, HeldBack):  # the rate limiter holds sampling back: ask again shortly
+        while not self._planned:
+            if not self._asked:
+                self._ask(self._first_plan(), waited)
+            held = self._resolve()
+            if held is not None:  # the rate limiter holds sampling back: ask again shortly
                 waited = self.rpc.backoff(since, held)
-        return self._ready.popleft()
+        return self._planned[0]
 
-    def _first_group(self) -> int:
-        if self._prefetch:
-            return max(1, min(self.depth, self._left if self._left is not None else self.depth))
-        return max(1, min(1 + self._cap(), self._expected(now=True)))
+    def _first_plan(self) -> int:
+        if not self.depth:
+            return 1
+        k = self._plan_target(now=True)
+        return max(1, min(k, self._left) if self._left is not None else k)
 
-    def _fill(self) -> None:
-        """Ask for the next groups: an iterator keeps ``depth`` in flight, the loop its expected run.
-
-        An iterator refills once a quarter of its depth is left, with one group for the rest: the coordinator's
-        cost is per call, so fewer, larger groups serve more batches, and a quarter of the depth still covers a
-        plan and its reads (milliseconds) at any rate a learner consumes batches."""
-        if self._prefetch:
-            if self.in_flight > (max(1, self.depth // 4) if self.depth > 1 else 0):
-                return
-            k = self.depth - self.in_flight
-            if self._left is not None:
-                k = min(k, self._left - self.in_flight)
-            if k > 0:
-                self._ask(k, 0.0)
-        else:
-            target = min(self._cap(), self._expected(now=False))
-            if not self._pending and len(self._ready) <= target // 2 and target > len(self._ready):
-                self._ask(target - len(self._ready), 0.0)  # the next group is drawn while these are served
-        self.max_in_flight = max(self.max_in_flight, self.in_flight)
-
-    def _cap(self) -> int:
-        """Batches the loop may hold beyond the one being served: ``depth``, and ``max_bytes`` of rows."""
-        batch_bytes = max(1, self.batch_size * self._row_bytes)
-        return min(self.depth, MAX_DEPTH, max(0, self._max_bytes // batch_bytes - 1))
+    def _plan_target(self, now: bool) -> int:
+        """Batches to keep planned ahead: deep for an iterator; for the loop, its expected run."""
+        if not self.depth:
+            return 0
+        deep = plan_size(self.batch_size)
+        return deep if self._prefetch else int(min(deep, self._expected(now)))
 
     def _expected(self, now: bool) -> int | float:
         """``sample()`` calls expected before the next give-back, the one being asked for ``now`` included.
 
         That is what is left of the last run between give-backs. Past its end a give-back
-        may come any time, so nothing is drawn before it is asked for, unless this run
+        may come any time, so nothing is planned before it is asked for, unless this run
         is already twice as long as the last.
         """
         if self._run is None:
@@ -196,6 +239,33 @@ class Stream:
             return left
         return float("inf") if self._served >= 2 * max(1, self._run) else int(now)
 
+    def _fill(self) -> None:
+        """Ask for the next plans once half of the target is left, and submit shard reads up to the window."""
+        if self.depth:
+            target = self._plan_target(now=False)
+            left = None if self._left is None else self._left - self.ahead
+            want = target - self.ahead if left is None else min(target - self.ahead, left)
+            if not self._asked and want > 0 and self.ahead <= target // 2:
+                self._ask(want, 0.0)
+        self._read_ahead()
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+
+    def _window(self) -> int:
+        """Batches whose shard reads may be submitted ahead: ``depth``, and the loop's ``max_bytes`` of rows."""
+        if self._prefetch:
+            return self.depth
+        batch_bytes = max(1, self.batch_size * self._row_bytes)
+        return min(self.depth, MAX_DEPTH, max(0, self._max_bytes // batch_bytes - 1))
+
+    def _read_ahead(self) -> None:
+        """Submit the shard reads of the batches planned next, once a quarter of the window is left."""
+        window = self._window()
+        if self._asked and self._covered >= len(self._planned) and window and not self._all_local():
+            self._resolve_answered()  # asking Ray costs ~0.1 ms: only when there are shard reads to submit
+        if self._covered > (max(1, window // 4) if window > 1 else 0) or self._covered >= len(self._planned):
+            return
+        self._cover(min(len(self._planned), max(window, self._covered)))
+
     def _ask(self, k: int, waited: float) -> None:
         served = None
         if self._last_served > self._reported:  # the served report rides along
@@ -203,96 +273,168 @@ class Stream:
         # without drawing ahead nothing is held to give back: the coordinator keeps no log for this stream
         stream = self.id if self.depth else None
         request = (self.batch_size, max(1, k), stream, served, uuid.uuid4().hex, waited)
-        self._pending.append(_Asked(self.rpc.tell("plan_packed", request), max(1, k)))
+        self._asked.append(_Asked(self.rpc.tell("plan_packed", request), max(1, k)))
         self.stats["groups"] += 1
 
-    def _advance(self) -> None:
-        """Submit the reads of every group whose plan has come back (never waits)."""
+    def _resolve_answered(self) -> None:
+        """Take the plan answers that have come back (never waits)."""
         import ray
 
-        waiting = [a for a in self._pending if a.group is None and a.ref is not None]
-        if not waiting:
-            return
-        ready, _ = ray.wait([a.ref for a in waiting], num_returns=len(waiting), timeout=0)
-        ready = set(ready)
-        for a in waiting:
-            if a.ref not in ready:
-                break  # in order: a later plan's reads wait for the earlier ones
+        while self._asked:
+            ready, _ = ray.wait([self._asked[0].ref], timeout=0)
+            if not ready:
+                return
             try:
-                self._planned(a, self.rpc.get(a.ref))
+                if self._resolve() is not None:
+                    return  # held back: the next batch asks again
             except Exception:
-                break  # the error surfaces when this group is taken
+                return  # the error surfaces when the batch is asked for
 
-    def _planned(self, asked: _Asked, group: Any) -> None:
-        if isinstance(group, str):  # plan_packed's answer
-            group = decode_group(group)
-        asked.group = group
-        if not isinstance(group, HeldBack):
-            self.rpc.answered_at(group.version)
-            asked.reads = self.rpc.submit(group, self._direct)
-
-    def _take(self) -> HeldBack | None:
-        """Fetch the first group asked for into the ready batches; a HeldBack if the limiter held it back.
+    def _resolve(self) -> HeldBack | None:
+        """Turn the first plan call's answer into planned batches; the ``HeldBack`` if the limiter held it back.
 
         A refused draw (which drew nothing) is dropped with its error; a wait that times
-        out leaves the group first in line, since the coordinator may still draw it.
+        out leaves the call first in line, since the coordinator may still draw it.
         """
-        asked = self._pending.popleft()
+        asked = self._asked[0]
         try:
-            if asked.group is None:
-                self._planned(asked, self.rpc.get(asked.ref))
-            if isinstance(asked.group, HeldBack):
-                return asked.group
-            results = self.rpc.fetch(asked.group, asked.reads, self._direct)
+            group = self.rpc.get(asked.ref)
         except (TimeoutError, KeyboardInterrupt):
-            self._pending.appendleft(asked)
             raise
-        self._unpack(asked.group, results)
+        except BaseException:
+            self._asked.popleft()
+            raise
+        self._asked.popleft()
+        if isinstance(group, str):  # plan_packed's answer
+            group = decode_group(group)
+        if isinstance(group, HeldBack):
+            return group
+        self.rpc.answered_at(group.version)
+        self._groups += 1
+        numbered = group.first >= 0
+        for j, (plan, reads) in enumerate(zip(group.plans, reads_by_plan(group))):
+            self._planned.append(_Planned(plan, group.version, group.first + j if numbered else -1, self._groups,
+                                          reads))
         return None
 
-    def _unpack(self, group: Any, results: list) -> None:
-        numbered = group.first >= 0
-        if self._direct is not None:
-            from rayrb.actors.transport import receive, split_flat
+    # reading ----------------------------------------------------------------------
+    def _cover(self, upto: int) -> None:
+        """Submit the shard reads of planned batches ``[covered, upto)`` that this process does not read itself:
+        per shard, one read for each run of consecutive batches of one group."""
+        batches = [self._planned[j] for j in range(self._covered, upto)]
+        runs: dict[tuple, list[tuple[_Planned, int]]] = {}
+        for b in batches:
+            b.sources = [None] * len(b.reads)
+            for i, (side, shard, args) in enumerate(b.reads):
+                if self._local is not None and self._local.reader(side, shard) is not None:
+                    continue  # gathered here when served
+                runs.setdefault((side, shard, b.group), []).append((b, i))
+        for (side, shard, _), parts in runs.items():
+            counts, seeds, epochs = [], [], []
+            for b, i in parts:
+                c, s, e, _written = b.reads[i][2]
+                counts += c
+                seeds += s
+                epochs += e
+            read = (side, shard, (counts, seeds, epochs, parts[0][0].reads[parts[0][1]][2][3]))
+            remote = _Remote(read, self.rpc.read(*read, direct=self._direct), len(parts))
+            offset = 0
+            for b, i in parts:
+                b.sources[i] = (remote, offset)
+                b.remote = True
+                offset += b.reads[i][2][0][0]
+            self.stats["reads"] += 1
+        self._in_flight += sum(b.remote for b in batches)
+        self._covered = upto
 
-            for j, (plan, parts) in enumerate(split_group(group, [split_flat(r) for r in results])):
-                self._ready.append(Held(receive(plan, *parts), bool(plan.last_of_epoch), group.version,
-                                        group.first + j if numbered else -1))
-            return
-        for j, (plan, parts) in enumerate(split_group(group, results)):
-            out = assemble(plan, parts, self._info)
-            if len(group.plans) > 1 and len(parts) == 1:  # a view would pin the whole group's object
-                out = copy_batch(out)
-            self._ready.append(Held(out, bool(plan.last_of_epoch), group.version, group.first + j if numbered else -1))
+    def _all_local(self) -> bool:
+        """Whether every part is read here: no shard read to submit ahead."""
+        return self._local is not None and self._local.all_local()
+
+    def _remote_part(self, b: _Planned, i: int) -> Any:
+        """Part ``i`` of batch ``b`` from its shard: ``(rows, info)`` (numpy, or tensors for direct reads)."""
+        side, shard, args = b.reads[i]
+        source = b.sources[i] if b.sources is not None else None
+        if source is None:  # not submitted ahead, or a read here that could not go: the shard reads it now
+            source = (_Remote((side, shard, args), self.rpc.read(side, shard, args, direct=self._direct), 1), 0)
+            self.stats["reads"] += 1
+        remote, offset = source
+        if remote.result is None:
+            remote.result = self.rpc.fetch_read(remote.read, remote.ref, self._direct)
+            if self._direct is not None:
+                from rayrb.actors.transport import split_flat
+
+                remote.result = split_flat(remote.result)
+        if remote.batches == 1 and offset == 0:
+            return remote.result
+        count = args[0][0]
+        rows, info = remote.result
+        return {k: v[offset:offset + count] for k, v in rows.items()}, {k: v[offset:offset + count]
+                                                                      for k, v in info.items()}
+
+    def _read(self, b: _Planned) -> Held:
+        """Batch ``b``: each part read here into the batch's own arrays, or copied there from its shard read
+        (one copy of every row, and nothing that pins a shard read's object); provenance left for ``info()``."""
+        last = bool(b.plan.last_of_epoch)
+        if self._direct is not None:
+            from rayrb.actors.transport import receive
+
+            return Held(receive(b.plan, *(self._remote_part(b, i) for i in range(len(b.reads)))), last,
+                        b.version, b.number)
+        rows: dict[str, np.ndarray] = {}
+        infos, offset = [], 0
+        for i, (side, shard, args) in enumerate(b.reads):
+            count = args[0][0]
+            if not rows:
+                rows = self._spec_rows(b.plan.batch_size)
+            out = {k: v[offset:offset + count] for k, v in rows.items()}
+            info = None
+            if self._local is not None and (b.sources is None or b.sources[i] is None):
+                info = self._local.read_into(side, shard, args, out)
+            if info is None:
+                part_rows, info = self._remote_part(b, i)
+                for k, v in out.items():
+                    v[...] = part_rows[k]
+            infos.append(info)
+            offset += count
+        return Held(rows, last, b.version, b.number, b.plan, infos)
+
+    def _spec_rows(self, batch_size: int) -> dict[str, np.ndarray]:
+        return {k: np.empty((batch_size, *shape), dtype) for k, (shape, dtype) in self._shapes.items()}
 
     def _check_version(self) -> None:
-        """Give back what is held if anyone wrote, updated priorities or changed a setting since it was drawn,
-        as of the previous batch: a batch is never planned with sizes staler than that."""
+        """Give back what is planned if anyone wrote, updated priorities or changed a setting since it was
+        planned, as of the previous batch: a batch is never planned with sizes staler than that."""
         ref, self._served_ref = self._served_ref, None
-        if not (self._ready or self._pending):
+        if not (self._planned or self._asked):
             return
         version = self.rpc.version()
         if version is None:  # another node: the answer to the previous batch's report
             if ref is None:
                 return
             version = self.rpc.get(ref)
-        if not self._ready:  # the next batch is in the group asked for first: its version is known once fetched
-            if isinstance(self._take(), HeldBack):
+        if not self._planned:  # the next batch is in the plan asked for first: its version is known once taken
+            if self._resolve() is not None:
                 return
-        if self._ready[0].version >= version:
+        if self._planned[0].version >= version:
             return
         self.stats["stale"] += 1
         self._give_back()
-        for held in self._ready:  # kept (without replacement, another handle drew since): served as they are
-            held.version = version
+        for b in self._planned:  # kept (without replacement, another handle drew since): served as they are
+            b.version = version
 
     def _resize(self, batch_size: int) -> None:
         self._give_back()
-        if self._ready:  # kept, but of another size: this size cannot use them
-            self.stats["dropped"] += len(self._ready)
-            self.rpc.get(self.rpc.coord.undo.remote(self.id, len(self._ready), True))
-            self._ready.clear()
+        if self._planned:  # kept, but of another size: this size cannot use them
+            self.stats["dropped"] += len(self._planned)
+            self.rpc.get(self.rpc.coord.undo.remote(self.id, len(self._planned), True))
+            self._drop_all()
         self.batch_size = batch_size
+
+    def _drop_all(self) -> None:
+        self._planned.clear()
+        self._asked.clear()
+        self._covered = self._in_flight = 0
 
     # giving back ------------------------------------------------------------------
     def give_back(self) -> None:
@@ -301,16 +443,14 @@ class Stream:
             self._give_back()
 
     def _give_back(self) -> None:
-        """Undo the draws of what is held. Waits for the groups asked for (their draws must be counted); if that
+        """Undo the draws of what is planned. Waits for the plans asked for (their draws must be counted); if that
         or the undo times out, it raises with everything still held, so a later call gives them back."""
-        for asked in self._pending:
-            if asked.group is None:
-                try:
-                    self._planned(asked, self.rpc.get(asked.ref))
-                except (ValueError, TypeError, IndexError):  # a refused draw: nothing was drawn
-                    asked.group = HeldBack("sample", "refused")
-        self._pending = deque(a for a in self._pending if not isinstance(a.group, HeldBack))
-        count = len(self._ready) + sum(len(a.group.plans) for a in self._pending)
+        while self._asked:
+            try:
+                self._resolve()
+            except (ValueError, TypeError, IndexError):  # a refused draw: nothing was drawn
+                pass
+        count = len(self._planned)
         if self._served or count:
             self._run = self._served
         self._served = 0
@@ -318,13 +458,10 @@ class Stream:
             return
         verdict = self.rpc.get(self.rpc.coord.undo.remote(self.id, count))
         if verdict == GiveBack.KEEP:  # without replacement, drawn rows are served once: keep them
-            while self._pending:
-                self._take()
             self.stats["kept"] += count
             return
         self.stats["given_back" if verdict == GiveBack.UNDONE else "dropped"] += count
-        self._ready.clear()
-        self._pending.clear()
+        self._drop_all()
 
     def report(self) -> None:
         """Tell the coordinator which draws were handed over (fire and forget), before a save counts them."""
@@ -337,9 +474,8 @@ class Stream:
         if self.closed:
             return
         self.closed = True
-        outstanding = self.in_flight
-        self._pending.clear()
-        self._ready.clear()
+        outstanding = self.ahead
+        self._drop_all()
         self.report()  # even with nothing outstanding: once closed, a later save cannot ask this stream
         if outstanding and self.depth and not self.rpc.closed:
             # Queued after this stream's plan calls at the coordinator, which runs one caller's calls in
@@ -348,7 +484,7 @@ class Stream:
 
 
 class BatchIterator:
-    """``iter_batches()``: batches in order, with exactly up to ``prefetch`` in flight (see the module).
+    """``iter_batches()``: batches in order, planned ahead, with up to ``prefetch`` read ahead (see the module).
 
     Closing it (``close``, leaving a ``with`` block, or dropping the last reference,
     as ``break`` out of a ``for`` loop does) gives back the batches it drew and did not
@@ -360,9 +496,8 @@ class BatchIterator:
         self._handle, self._device, self._return_info = handle, device, return_info
         # No deeper than the coordinator can give back on close: past that, rows drawn ahead would be lost.
         depth = prefetch if direct is not None else min(prefetch, MAX_AHEAD)
-        self.prefetch = prefetch
-        self._stream = Stream(handle.rpc, batch_size, depth=depth, row_bytes=handle.spec.row_bytes, prefetch=True,
-                              info=return_info, direct=direct, limit=num_batches)
+        self._stream = Stream(handle.rpc, batch_size, depth=depth, spec=handle.spec, prefetch=True, direct=direct,
+                              limit=num_batches, local=handle.local_reads)
 
     @property
     def max_in_flight(self) -> int:
@@ -371,6 +506,10 @@ class BatchIterator:
     @property
     def in_flight(self) -> int:
         return self._stream.in_flight
+
+    @property
+    def ahead(self) -> int:
+        return self._stream.ahead
 
     def __iter__(self) -> "BatchIterator":
         return self
@@ -406,7 +545,8 @@ class BatchIterator:
         held = s.next()
         if s.direct is not None:  # already a TensorDict on this actor's GPU
             return self._handle.finish_tensors(held.batch, self._return_info)
-        return self._handle.finish(held.batch, self._return_info, self._device)
+        out = (held.batch, held.info()) if self._return_info else held.batch
+        return self._handle.finish(out, self._return_info, self._device)
 
 
 _LIVE: "weakref.WeakSet[Stream]" = weakref.WeakSet()

@@ -448,27 +448,42 @@ class ChunkDataset:
             return pieces[0]
         return {k: np.concatenate([p[k] for p in pieces]) for k in self.spec}
 
-    def gather(self, indices: np.ndarray) -> dict[str, np.ndarray]:
-        """Rows at global ``indices`` (any order, repeats allowed) as fresh arrays."""
+    def gather(self, indices: np.ndarray, out: Mapping[str, np.ndarray] | None = None, *,
+               checked: bool = True) -> dict[str, np.ndarray]:
+        """Rows at global ``indices`` (any order, repeats allowed) as fresh arrays, or into ``out``'s.
+        ``checked=False``: the caller drew the indices within the rows itself."""
         indices = np.asarray(indices, dtype=np.int64)
-        if indices.size and (indices.min() < 0 or indices.max() >= len(self)):
+        if checked and indices.size and (indices.min() < 0 or indices.max() >= len(self)):
             raise IndexError(f"expected row indices in [0, {len(self)}), got range [{indices.min()}, {indices.max()}]")
-        out = {k: np.empty((indices.size, *f.shape), dtype=f.dtype) for k, f in self.spec.items()}
+        if out is None:
+            out = {k: np.empty((indices.size, *f.shape), dtype=f.dtype) for k, f in self.spec.items()}
+        if len(self.chunks) == 1:  # the common case: no chunk lookups, no selection masks
+            maps = self._plain(0)
+            for k in out:
+                np.take(maps[k], indices, axis=0, out=out[k])
+            return out
         chunk_of = np.searchsorted(self.offsets, indices, side="right") - 1
         chunks = np.unique(chunk_of)
-        if chunks.size == 1:  # the common case: no selection masks needed
+        if chunks.size == 1:
             local = indices - self.offsets[chunks[0]]
-            maps = self.chunk_arrays(int(chunks[0]))
+            maps = self._plain(int(chunks[0]))
             for k in out:
                 np.take(maps[k], local, axis=0, out=out[k])
             return out
         for c in chunks:
             sel = np.nonzero(chunk_of == c)[0]
             local = indices[sel] - self.offsets[c]
-            maps = self.chunk_arrays(int(c))
+            maps = self._plain(int(c))
             for k in out:
                 out[k][sel] = maps[k][local]
         return out
+
+    def _plain(self, i: int) -> dict[str, np.ndarray]:
+        """Chunk ``i``'s read-only maps as plain arrays: ``np.memmap``'s own indexing costs more than small reads."""
+        key = (i, "plain")
+        if key not in self._maps:
+            self._maps[key] = {k: np.asarray(v) for k, v in self.chunk_arrays(i).items()}
+        return self._maps[key]
 
     def __getitem__(self, index: Any):
         """Rows by integer, slice or index array, copied into a TensorDict (no batch dim for an integer)."""
@@ -501,6 +516,7 @@ class ChunkDataset:
         naming the first one that differs."""
         for i, c in enumerate(self.chunks):
             self._maps.pop((i, "r"), None)
+            self._maps.pop((i, "plain"), None)
             got = hash_arrays(self.chunk_arrays(i), self.spec, hash_algorithm(c.hash))
             if got != c.hash:
                 raise ChunkError(f"chunk {c.path}: content hash {got} does not match the manifest's {c.hash}")

@@ -59,7 +59,7 @@ def test_sample_async_and_iterator_match_sample(buffers, ray_session):
 
 
 def test_prefetch_depth_is_respected(shared_buffer):
-    rb = shared_buffer
+    rb = shared_buffer.client(local_reads=False)  # the shards read: prefetch bounds the rows on their way
     it = rb.iter_batches(32, prefetch=4)
     assert it.in_flight == 0  # nothing is requested before the first batch is asked for
     seen = set()

@@ -231,7 +231,7 @@ def test_two_handles_interleaving_without_replacement_serve_each_row_once_per_ep
             h.extend(rows(10_000 + step, 2))
     for h in handles:  # each handle drains what it holds
         h.stats()
-        while h._stream._ready:
+        while h._stream._planned:
             served += h.sample()["id"].tolist()
             h.stats()
     state = rb.state_dict()
@@ -307,20 +307,20 @@ def test_batches_over_the_lookahead_byte_cap_are_not_drawn_ahead(make_buffer):
 
     n = 80
     td = TensorDict({"x": torch.zeros(n, 1 << 18), "id": torch.arange(n)}, [n])  # 1 MiB rows
-    pair = twins(make_buffer, td, online_capacity=4, num_online_shards=1, seed=1)
+    pair = twins(make_buffer, td, online_capacity=4, num_online_shards=1, seed=1, local_reads=False)
     streams = []
     for rb in pair:
         got = []
         for bs in [65] * 3 + [21] * 7:
             got.append(rb.sample(bs)["id"].tolist())
             look = rb._stream
-            if bs == 65:  # one batch is over the cap: nothing is held beyond it
-                assert not look._ready and not look._pending
-            else:  # the batch served and those held stay within the cap
-                assert (1 + len(look._ready)) * bs * rb.spec.row_bytes <= MAX_BYTES
+            if bs == 65:  # one batch is over the cap: nothing is read beyond it
+                assert look.in_flight == 0
+            else:  # the batch served and those read ahead stay within the cap
+                assert (1 + look.in_flight) * bs * rb.spec.row_bytes <= MAX_BYTES
         streams.append(got)
     assert streams[0] == streams[1]
-    assert pair[0]._stream.stats["groups"] < 10  # 21 MiB batches were drawn ahead, two at a time
+    assert pair[0]._stream.stats["reads"] < 20  # 21 MiB batches were read ahead, two at a time
 
 
 @uses_ray
@@ -336,7 +336,7 @@ def test_other_handles_writes_and_settings_reach_the_second_sample(make_buffer):
         return int((~learner.sample(return_info=True)[1]["offline"]).sum())
 
     assert n_online() == 0  # nothing online yet: all offline, and more like it held
-    assert len(learner._stream._ready) > 0
+    assert learner._stream.ahead > 0
     collector.extend(rows(1000, 50))
     n_online()
     assert n_online() == 8

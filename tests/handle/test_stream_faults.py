@@ -57,16 +57,16 @@ def test_a_refused_sample_is_asked_again_once_the_buffer_can_serve_it(make_buffe
 def test_a_timeout_while_fetching_rows_loses_no_batch(make_buffer):
     # the group was dropped before its rows came: one batch of the epoch was never served
     rb = make_buffer(rows(0, 300), prefetch=8, sampler="without_replacement", offline_fraction=1.0,
-                     **dict(KW, batch_size=20))
-    real, hit = rb.rpc.get, []
+                     local_reads=False, **dict(KW, batch_size=20))
+    real, hit = rb.rpc.fetch_read, []
 
-    def slow_once(refs, timeout="call"):
-        if isinstance(refs, list) and not hit:
+    def slow_once(*args, **kwargs):
+        if not hit:
             hit.append(1)
             raise TimeoutError("no answer within timeout")
-        return real(refs, timeout)
+        return real(*args, **kwargs)
 
-    rb.rpc.get = slow_once
+    rb.rpc.fetch_read = slow_once
     served = []
     while len(served) < 300:
         try:

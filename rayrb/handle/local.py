@@ -1,0 +1,195 @@
+"""Reads a handle makes itself: a shard's rows gathered in the handle's process, from the files the shard maps.
+
+A plan names, per shard, the reads' counts, seeds, epochs and the online write count
+they were planned at; the shard turns those into indices and gathers. On the shard's
+node the handle can do the same without an actor call: it computes the indices the
+shard would (the same sampler, the same seeds) and copies the rows out of the same
+files, which the kernel shares between the processes that map them (no copy of the
+dataset per handle). Across nodes, and for what only the shard can do, the shard reads
+and sends, as before.
+
+* **Offline shards**: the chunk files are immutable, so a mapped chunk is never stale;
+  a handle maps them once its node is the shard's.
+* **Online shards**: the shard's memory maps under ``storage_dir``. A read goes
+  locally only while the shard's process is alive on this node (it holds its lease's
+  lock, ``rayrb.durability.lease.held``: released by the kernel however the process
+  dies), its files are those this handle maps (``rayrb.durability.storage.identity``,
+  before and after the copy: a shard that made its files afresh is mapped again), and
+  the shard holds the rows the read was planned over (its write count). Each row's
+  generation is read before and after its copy; the shard makes it negative while it
+  writes the row, so a row being overwritten, or torn, is never served: the read then
+  goes to the shard, which serializes it with its writes.
+* **Not local**: prioritized sampling (the sum tree lives in the shard), rows held on
+  a GPU (``storage_device="cuda"``), shards on another node, files this node cannot
+  open. ``local_reads=False`` turns the path off; the stream is the same either way.
+
+A local read that cannot go (any check above) returns None, and the caller reads that
+part from the shard instead.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from rayrb.core.plans import OFFLINE, Epoch
+from rayrb.core.samplers import make_sampler, read_indices
+from rayrb.core.schema import RowSpec
+
+LOCAL_KINDS = ("uniform", "without_replacement")  # samplers whose indices need no shard state
+
+
+class Reader:
+    """A shard's reads, made here (see the module)."""
+
+    def __init__(self, sampler: str, capacity: int):
+        self._sampler = make_sampler(sampler, max(1, capacity))
+        self._epochs = sampler == "without_replacement"
+
+    def _indices(self, counts: Sequence[int], seeds: Sequence[int], epochs: Sequence[Epoch | None] | None,
+                 size: int) -> np.ndarray | None:
+        if self._epochs and (not epochs or any(e is None for e in epochs)):
+            return None  # the shard's own place in an epoch: only the shard knows it
+        try:
+            return read_indices(self._sampler, counts, seeds, epochs, size)
+        except ValueError:  # an empty shard, an epoch it cannot serve: the shard says why
+            return None
+
+    def read(self, counts: Sequence[int], seeds: Sequence[int], epochs: Sequence[Epoch | None] | None,
+             written: int | None, out: Mapping[str, np.ndarray]) -> dict[str, np.ndarray] | None:
+        """The rows the shard would read for these arguments, copied into ``out``; their info (index,
+        generation), or None if they cannot be read here (see the module)."""
+        raise NotImplementedError
+
+
+class OfflineReader(Reader):
+    """Rows ``[start, stop)`` of the chunk dataset at ``root``, as the offline shard maps them."""
+
+    def __init__(self, root: str, start: int, stop: int, sampler: str):
+        from rayrb.io.chunks import ChunkDataset
+
+        super().__init__(sampler, stop - start)
+        self._ds = ChunkDataset.open(root)  # raises where this node cannot see the chunks
+        self._start, self._size = int(start), int(stop - start)
+
+    def read(self, counts, seeds, epochs, written, out):
+        idx = self._indices(counts, seeds, epochs, self._size)
+        if idx is None:
+            return None
+        self._ds.gather(idx + self._start, out=out, checked=False)  # drawn in [0, size): within the rows
+        return {"index": idx, "generation": np.ones(idx.shape, np.int64)}
+
+
+class OnlineReader(Reader):
+    """An online shard's memory maps in ``directory``, read while its process lives on this node."""
+
+    def __init__(self, directory: str, spec: RowSpec, capacity: int, sampler: str):
+        from rayrb.durability.lease import FILE
+
+        super().__init__(sampler, capacity)
+        from rayrb.durability.storage import layout_path
+
+        self._dir, self._spec, self._capacity = directory, spec, int(capacity)
+        self._layout = layout_path(directory)
+        self._lease_fd = os.open(os.path.join(directory, FILE), os.O_RDONLY)  # raises if not here
+        self._maps: dict[str, Any] | None = None
+
+    def close(self) -> None:
+        os.close(self._lease_fd)
+
+    def _current(self) -> dict[str, Any] | None:
+        """The shard's files as mapped here, mapped again if the shard made them afresh; None if it cannot say."""
+        from rayrb.durability.lease import held
+        from rayrb.durability.storage import identity, read_only
+
+        if not held(None, self._lease_fd):  # the shard's process is gone from this node (restarting, or moved)
+            return None
+        if self._maps is None or identity(self._layout) != self._maps["identity"]:
+            self._maps = read_only(self._spec, self._capacity, self._dir)
+        return self._maps
+
+    def read(self, counts, seeds, epochs, written, out):
+        from rayrb.durability.storage import identity
+
+        maps = self._current()
+        if maps is None:
+            return None
+        held_rows = int(maps["written"][0])
+        if written is not None and held_rows < written:
+            return None  # planned after writes that have not landed yet: the shard waits for them
+        size = min(held_rows, self._capacity)
+        if written is not None:
+            size = min(size, int(written), self._capacity)
+        idx = self._indices(counts, seeds, epochs, size)
+        if idx is None:
+            return None
+        gen = maps["generation"]
+        before = gen[idx]
+        if idx.size and before.min() <= 0:
+            return None  # a row being written
+        for k, v in maps["rows"].items():
+            np.take(v, idx, axis=0, out=out[k])
+        if not (gen[idx] == before).all() or identity(self._layout) != maps["identity"]:
+            return None  # overwritten during the copy, or the files were made afresh
+        return {"index": idx, "generation": before}
+
+
+class LocalReads:
+    """The readers of one handle, made at first use for the shards this process can read (see the module).
+
+    ``layout`` describes each shard, offline first: ``{"side", "sampler", "root", "start", "stop"}`` offline,
+    ``{"side", "sampler", "dir", "capacity"}`` online (None: no state directory). ``node`` is this process's
+    node; ``place(j)`` asks shard ``j`` for its node.
+    """
+
+    def __init__(self, layout: Sequence[Mapping[str, Any]], spec: RowSpec, num_offline: int, node: str | None,
+                 place: Any):
+        self._layout, self._spec, self._m, self._node, self._place = list(layout), spec, num_offline, node, place
+        self._readers: dict[int, Reader | None] = {}
+        self._all: bool | None = None
+        self.stats = {"local": 0, "fell_back": 0}
+
+    def reader(self, side: str, shard: int) -> Reader | None:
+        j = shard if side == OFFLINE else self._m + shard
+        if j not in self._readers:
+            self._readers[j] = self._make(j)
+        return self._readers[j]
+
+    def all_local(self) -> bool:
+        """Whether this process reads every shard itself."""
+        if self._all is None:
+            self._all = all(self.reader(d["side"], j if j < self._m else j - self._m) is not None
+                            for j, d in enumerate(self._layout))
+        return self._all
+
+    def forget(self, side: str, shard: int) -> None:
+        """Ask again at the next read (the shard may have moved to this node, or away from it)."""
+        self._readers.pop(shard if side == OFFLINE else self._m + shard, None)
+        self._all = None
+
+    def _make(self, j: int) -> Reader | None:
+        d = self._layout[j] if j < len(self._layout) else None
+        if d is None or d.get("sampler") not in LOCAL_KINDS or self._node is None:
+            return None
+        try:
+            if self._place(j) != self._node:
+                return None
+            if d["side"] == OFFLINE:
+                return OfflineReader(d["root"], d["start"], d["stop"], d["sampler"])
+            if d.get("dir") is None:
+                return None
+            return OnlineReader(d["dir"], self._spec, d["capacity"], d["sampler"])
+        except Exception:  # files this node cannot open, a shard that does not answer: the shard reads
+            return None
+
+    def read_into(self, side: str, shard: int, args: tuple, out: Mapping[str, np.ndarray]) -> dict | None:
+        """``args`` (counts, seeds, epochs, written) read here into ``out`` (arrays of the rows' length); their
+        info, or None: the shard must read them (``out`` then holds nothing of use)."""
+        reader = self.reader(side, shard)
+        if reader is None:
+            return None
+        info = reader.read(*args, out=out)
+        self.stats["local" if info is not None else "fell_back"] += 1
+        return info
