@@ -23,7 +23,6 @@ Examples:
 from __future__ import annotations
 
 import functools
-
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
