@@ -384,6 +384,116 @@ def bench_draw_path(cfg, offline, online, root, results):
     results["draw_path"] = out
 
 
+# ------------------------------------------------------------------ headline: default arguments
+def at_threads(n: int, fn: Callable[[], Any]) -> Any:
+    """``fn()`` with torch using ``n`` threads (the setting is restored after)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(before)
+
+
+def peers(cfg, offline, online, B: int) -> dict[str, float]:
+    """The peers' rows/s at batch size ``B``, each at its best: TorchRL's in-process O2O with 1 and with 2 torch
+    threads (on a loaded 2-core machine 2 threads ran its sample() 8x slower), TorchRL's RayReplayBuffer, and
+    torch.index_select gathering B random rows with 1 thread, times the cores: the machine's limit."""
+    o2o = torchrl_o2o(offline, online)
+    X, y = offline["X"], offline["y"]
+
+    def gather():
+        idx = torch.randint(0, len(X), (B,))
+        torch.index_select(X, 0, idx), torch.index_select(y, 0, idx)
+
+    out = {f"torchrl_o2o_{t}_threads": at_threads(t, lambda: summarize(timed(lambda: o2o.sample(B), cfg["min_time"],
+                                                                             cfg["min_iters"]), B)["rows_per_s"])
+           for t in (1, 2)}
+    out["torchrl_o2o_best"] = max(out["torchrl_o2o_1_threads"], out["torchrl_o2o_2_threads"])
+    out["index_select_1_thread"] = at_threads(1, lambda: summarize(timed(gather, cfg["min_time"], cfg["min_iters"]),
+                                                                   B)["rows_per_s"])
+    out["gather_limit"] = out["index_select_1_thread"] * (os.cpu_count() or 1)
+    return out
+
+
+def pss_bytes(pids: list[int]) -> dict[str, int]:
+    """Proportional set size summed over ``pids``, and the file-backed part of their RSS: pages the processes
+    share (the dataset's, mapped by each) count once in the PSS sum."""
+    import psutil
+
+    pss = rss_file = 0
+    for pid in pids:
+        try:
+            m = psutil.Process(pid).memory_full_info()
+        except psutil.Error:
+            continue
+        pss += m.pss
+        rss_file += getattr(m, "shared", 0)
+    return {"pss": pss, "rss_shared": rss_file}
+
+
+def bench_headline(cfg, offline, online, root, results):
+    """What a user gets with default arguments, side by side with the peers in one run: one process's plain
+    sample() loop; four consumer actors' iter_batches(), with the coordinator's CPU per batch and the consumers'
+    memory (PSS: the mapped dataset's pages are shared, not copied per handle)."""
+    from rayrb import OfflineToOnlineReplayBuffer, write_dataset
+
+    ds_root = Path(root) / "offline-headline"
+    write_dataset(offline, ds_root)
+    out: dict[str, Any] = {"loop": {}, "consumers": {}, "peers": {}}
+    rb = OfflineToOnlineReplayBuffer(str(ds_root), online_capacity=len(online), num_offline_shards=2,
+                                     num_online_shards=cfg["online_shards"], offline_fraction=0.5, seed=0)
+    rb.extend(online)
+    rray = torchrl_ray(offline)
+    for B in cfg["batch_sizes"]:
+        row: dict[str, list] = {}
+        for _ in range(cfg["repeats"]):
+            p = peers(cfg, offline, online, B)
+            mine = at_threads(1, lambda: summarize(timed(lambda: rb.sample(B), cfg["min_time"], cfg["min_iters"]),
+                                                   B)["rows_per_s"])
+            ray_peer = summarize(timed(lambda: rray.sample(B), cfg["min_time"], cfg["min_iters"]), B)["rows_per_s"]
+            for k, v in {**p, "rayrb_sample_loop": mine, "torchrl_ray": ray_peer,
+                         "ratio_vs_torchrl_o2o_best": mine / p["torchrl_o2o_best"],
+                         "ratio_vs_torchrl_ray": mine / ray_peer, "share_of_gather_limit": mine / p["gather_limit"]}.items():
+                row.setdefault(k, []).append(v)
+        out["loop"][str(B)] = {k: med_range(v) for k, v in row.items()}
+        print(f"  sample() loop B={B}: " + ", ".join(f"{k} {v['median']:,.3f}" for k, v in out["loop"][str(B)].items()),
+              flush=True)
+    rray.close() if hasattr(rray, "close") else None
+    seconds = cfg["min_time"] * 3
+    actors = [Consumer.remote() for _ in range(cfg["draw_consumers"])]
+    pids = ray.get([a.__ray_call__.remote(lambda self: os.getpid()) for a in actors])
+    for B in cfg["draw_batches"]:
+        row = {}
+        for _ in range(cfg["repeats"]):
+            p = peers(cfg, offline, online, B)
+            ray.get([a.warm.remote(rb.client(), B) for a in actors])
+            cpu0, n0 = coordinator_cpu(rb)
+            w0 = time.perf_counter()
+            got = ray.get([a.run.remote(rb.client(), B, 2, seconds, time.time() + cfg["start_delay_s"])
+                           for a in actors])  # iter_batches' default prefetch
+            cpu1, n1 = coordinator_cpu(rb)
+            mem = pss_bytes(pids)
+            span = max(g["end"] for g in got) - min(g["start"] for g in got)
+            rate = sum(g["rows"] for g in got) / span
+            served = sum(g["rows"] for g in got) / B
+            for k, v in {"consumers_rows_per_s": rate, "torchrl_o2o_best": p["torchrl_o2o_best"],
+                         "gather_limit": p["gather_limit"], "ratio_vs_torchrl_o2o_best": rate / p["torchrl_o2o_best"],
+                         "coordinator_cpu_ms_per_batch": 1e3 * (cpu1 - cpu0) / max(served, 1),
+                         "coordinator_batches_planned_per_served": (n1 - n0) / max(served, 1),
+                         "wall_s": time.perf_counter() - w0,
+                         "consumers_pss_mib": mem["pss"] / 2**20}.items():
+                row.setdefault(k, []).append(v)
+        out["consumers"][str(B)] = {k: med_range(v) for k, v in row.items()}
+        print(f"  {len(actors)} consumers B={B}: " + ", ".join(f"{k} {v['median']:,.3f}"
+                                                             for k, v in out["consumers"][str(B)].items()), flush=True)
+    out["consumers"]["dataset_mib"] = len(offline) * (offline["X"][0].numel() * 4 + 8) / 2**20
+    out["consumers"]["count"], out["consumers"]["prefetch"] = len(actors), 2
+    for a in actors:
+        ray.kill(a)
+    rb.shutdown()
+    results["headline"] = out
+
 def cpu_by_role() -> dict[str, float]:
     """CPU seconds used so far by this machine's processes, grouped by what they are (Ray sets actor titles)."""
     import psutil
@@ -717,9 +827,11 @@ import json, logging, os, sys, time
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 import ray, torch
 from ray.cluster_utils import Cluster
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from tensordict import TensorDict
 n, dim, B, min_time = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
 node_counts = [int(k) for k in sys.argv[5].split(",")]
+loop_batches = [int(b) for b in sys.argv[6].split(",")]
 # One cluster for every count: nodes are added between the runs, each run's buffer is spread over those present.
 cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
 ray.init(address=cluster.address, logging_level=logging.WARNING, log_to_driver=False)
@@ -744,6 +856,44 @@ for nodes in node_counts:
     it = None
     rb.shutdown()
     out[f"{nodes}_node"] = {"nodes": nodes, "rows_per_s": rate}
+
+
+@ray.remote(num_cpus=0)
+class Loop:
+    # a learner-like actor running a plain sample() loop with default arguments
+    def run(self, rb, batch_size, seconds):
+        torch.set_num_threads(1)
+        for _ in range(3):
+            rb.sample(batch_size)
+        t0, k = time.perf_counter(), 0
+        while time.perf_counter() - t0 < seconds:
+            k += len(rb.sample(batch_size))
+        return {"rows_per_s": k / (time.perf_counter() - t0),
+                "local_reads": rb.stats().get("handle", {}).get("local_reads", 0)}
+
+
+# Default arguments on the shards' node and on another node, and the shards reading on theirs (the object-store
+# path every handle took before local reads), side by side.
+if max(node_counts) >= 2:
+    first, second = [nd["NodeID"] for nd in ray.nodes() if nd["Alive"]][:2]
+    pin = lambda node: {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)}
+    rb = OfflineToOnlineReplayBuffer(data, online_capacity=max(1, n // 4), num_offline_shards=2, num_online_shards=2,
+                                     seed=0, offline_fraction=0.5, actor_options=pin(first))
+    rb.extend(data[: max(1, n // 4)])
+    runs = {"same_node_default": (first, True), "same_node_shard_reads": (first, False),
+            "other_node_default": (second, True)}
+    loops = {}
+    for b in loop_batches:
+        for name, (node, local) in runs.items():
+            loop = Loop.options(**pin(node)).remote()
+            got = ray.get(loop.run.remote(rb.client(local_reads=local), b, min_time))
+            loops.setdefault(str(b), {})[name] = got["rows_per_s"]
+            loops[str(b)][name + "_local_reads"] = got["local_reads"]
+            ray.kill(loop)
+        loops[str(b)]["other_node_vs_shard_reads"] = (loops[str(b)]["other_node_default"]
+                                                      / loops[str(b)]["same_node_shard_reads"])
+    rb.shutdown()
+    out["loops_by_node"] = loops
 print("RAYRB_RESULT " + json.dumps(out), flush=True)
 ray.shutdown()
 cluster.shutdown()
@@ -765,12 +915,15 @@ def bench_cluster(cfg, results):
     env = {**os.environ}
     env.pop("RAY_ADDRESS", None)
     p = subprocess.run([sys.executable, "-c", CLUSTER_SCRIPT, str(n), str(cfg["dim"]), str(B), str(cfg["min_time"] * 3),
-                        ",".join(map(str, cfg["cluster_nodes"]))], capture_output=True, text=True, env=env, timeout=600)
+                        ",".join(map(str, cfg["cluster_nodes"])), ",".join(map(str, cfg["batch_sizes"]))],
+                       capture_output=True, text=True, env=env, timeout=900)
     if p.returncode != 0:
         raise RuntimeError(f"cluster benchmark failed:\n{p.stderr[-2000:]}")
     out.update(result_line(p.stdout))
-    out["note"] = "both 'nodes' are processes on this one 2-core machine: this checks placement, not network scaling"
+    out["note"] = ("both 'nodes' are processes on this one 2-core machine: this checks placement and the read path "
+                   "(another node's handle reads through the object store as a real one would), not network scaling")
     results["cluster"] = out
+    print("  " + json.dumps(out), flush=True)
 
 
 # ------------------------------------------------------------------ report
@@ -837,12 +990,44 @@ def plots(results, out_dir: Path) -> list[str]:
     return ["throughput_vs_batch.png", "throughput_vs_shards.png"]
 
 
+def headline_plot(results, out_dir: Path) -> list[str]:
+    """Rows/s against batch size with default arguments: rayrb's plain sample() loop on the shards' node and on
+    another node, the shards' reads (the path before local reads), TorchRL's peers and the machine's gather limit."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    loop = results["headline"]["loop"]
+    by_node = results.get("cluster", {}).get("loops_by_node", {})
+    Bs = sorted(int(b) for b in loop)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    series = {"rayrb, same node (defaults)": [loop[str(b)]["rayrb_sample_loop"]["median"] for b in Bs],
+              "TorchRL O2O, in process (best of 1-2 threads)": [loop[str(b)]["torchrl_o2o_best"]["median"] for b in Bs],
+              "TorchRL RayReplayBuffer": [loop[str(b)]["torchrl_ray"]["median"] for b in Bs],
+              "gather limit (index_select x cores)": [loop[str(b)]["gather_limit"]["median"] for b in Bs]}
+    if all(str(b) in by_node for b in Bs):
+        series["rayrb, other node (defaults)"] = [by_node[str(b)]["other_node_default"] for b in Bs]
+        series["rayrb, shards read (before local reads)"] = [by_node[str(b)]["same_node_shard_reads"] for b in Bs]
+    for label, ys in series.items():
+        ax.plot(Bs, ys, marker="o", label=label, linestyle="--" if "limit" in label else "-")
+    ax.set(xscale="log", yscale="log", xlabel="batch size", ylabel="rows/s (one sample() loop)",
+           title="Sampling throughput with default arguments")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out_dir / "headline_throughput.png", dpi=110)
+    plt.close("all")
+    return ["headline_throughput.png"]
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="tiny sizes, one repeat (what the tests run)")
     p.add_argument("--data-home", default=os.environ.get("SCIKIT_LEARN_DATA"))
     p.add_argument("--out", default=str(DEFAULT_OUT))
-    p.add_argument("--sections", default="sampling,draw_path,consumers,real,writing,preprocess,cluster",
+    p.add_argument("--sections", default="headline,sampling,draw_path,consumers,real,writing,preprocess,cluster",
                    help="comma-separated; 'call_cost' (Ray's cost per plan call by its shape) and 'gpu' (needs CUDA, "
                         "writes results_gpu.json) are not in the default")
     p.add_argument("--batch-sizes", default=None, help="comma-separated, overrides the mode's")
@@ -883,6 +1068,9 @@ def main(argv: list[str] | None = None) -> dict:
         offline = synthetic_table(cfg["n_off"], cfg["dim"])
         online = synthetic_table(cfg["n_on"], cfg["dim"], seed=1)
         t0 = time.perf_counter()
+        if "headline" in sections:
+            print("headline (default arguments)...", flush=True)
+            bench_headline(cfg, offline, online, root, results)
         if "sampling" in sections:
             print("sampling...", flush=True)
             bench_sampling(cfg, offline, online, root, results)
@@ -914,9 +1102,12 @@ def main(argv: list[str] | None = None) -> dict:
         if "cluster" in sections:
             print("cluster...", flush=True)
             bench_cluster(cfg, results)
+
         results["seconds"] = time.perf_counter() - t0
     results["ratios"] = ratios(results) if "sampling" in results else {}
     results["plots"] = plots(results, out_dir) if "sampling" in results and not args.smoke else []
+    if "headline" in results and not args.smoke:
+        results["plots"] += headline_plot(results, out_dir)
     (out_dir / "results.json").write_text(json.dumps(results, indent=1, default=float))
     print(json.dumps(results["ratios"], indent=1))
     return results

@@ -32,6 +32,17 @@ def test_benchmark_smoke_writes_results(tmp_path):
         assert draw[f"cpu_ms_per_batch_{role}"]["median"] >= 0, role
     assert sum(draw[k]["median"] for k in draw if k.startswith("cpu_ms_per_batch_")) > 0
     assert results["ray_config"] == {}
+    # the headline: default arguments against the peers at their best, the coordinator's CPU, memory, other nodes
+    loop = results["headline"]["loop"]["64"]
+    for key in ("rayrb_sample_loop", "torchrl_o2o_1_threads", "torchrl_o2o_2_threads", "torchrl_o2o_best",
+                "torchrl_ray", "gather_limit"):
+        assert loop[key]["median"] > 0, key
+    consumers = results["headline"]["consumers"]["64"]
+    assert consumers["consumers_rows_per_s"]["median"] > 0 and consumers["coordinator_cpu_ms_per_batch"]["median"] > 0
+    assert consumers["consumers_pss_mib"]["median"] > 0
+    by_node = results["cluster"]["loops_by_node"]["64"]
+    assert by_node["same_node_default_local_reads"] > 0 and by_node["other_node_default_local_reads"] == 0
+    assert by_node["same_node_shard_reads_local_reads"] == 0 and by_node["other_node_default"] > 0
 
 
 def test_ray_settings_are_refused_for_a_cluster_the_benchmark_joins(tmp_path):

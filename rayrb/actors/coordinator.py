@@ -95,8 +95,13 @@ class Coordinator:
         if self._state is None:
             return
         try:
-            self._state.save({**self._drawing.saved(), "version": self._version.value},
-                             encoded={"answers": self._drawing.replies.items_json()})
+            replies = self._drawing.replies
+            new, gone = replies.take_changes()
+            for call, text in new:  # each answer once, before the state that lists it
+                self._state.save_reply(call, text)
+            for call in gone:
+                self._state.drop_reply(call)
+            self._state.save({**self._drawing.saved(), "version": self._version.value, "answers": replies.calls()})
         except OSError:
             self._metrics.count("state_save_failed")
 
@@ -106,17 +111,31 @@ class Coordinator:
         if saved is not None:
             self._drawing.load_saved(saved)
             self._version.restarted(saved["version"])
-            self._drawing.replies.load(saved.get("answers"))
+            self._drawing.replies.load(self._answers(saved.get("answers") or []))
         else:  # the version and draw numbers go on past any a handle may hold, so it sees its draws as old
             self._drawing.ahead.load_state_dict(None)
             self._version.restarted(past_any_number())
         self._writing.recall(self._state.writes())  # a retry is answered, and only missing pieces sent
         self._save()
 
+    def _answers(self, listed: list) -> list:
+        """The saved answers of the calls a state lists, from their files (a state saved before that held them)."""
+        import json
+
+        out = []
+        for item in listed:
+            if isinstance(item, list):  # [call, request, answer], as states saved the answers before
+                out.append(item)
+                continue
+            text = self._state.load_reply(item)
+            if text is not None:  # missing or torn: that call is planned anew if it comes again
+                out.append(json.loads(text))
+        return out
+
     def _changed(self, settings: bool = False) -> None:
         self._version.bump()
         if settings:  # draws ahead cannot be given back past a change of settings
-            self._drawing.ahead.forget()
+            self._drawing.forget()
 
     def version_file(self) -> tuple[str, str | None]:
         """``(node id, path)`` of the memory-mapped version on this node, which handles there read without a call."""
@@ -201,9 +220,9 @@ class Coordinator:
         self._drawing.served(stream, number)
         return self._version.value
 
-    def undo(self, stream: str, count: int | None, discard: bool = False) -> GiveBack:
+    def undo(self, stream: str, count: int | None, discard: bool = False, batches: list | None = None) -> GiveBack:
         """Give back draws ``stream`` did not serve (``Drawing.undo``)."""
-        return self._drawing.undo(stream, count, discard)
+        return self._drawing.undo(stream, count, discard, batches)
 
     def plan_side(self, side: str, batch_size: int) -> tuple[BatchPlan, list[np.ndarray]]:
         """Rows of one side for the buffer-like views (``Drawing.plan_side``)."""

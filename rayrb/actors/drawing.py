@@ -16,7 +16,7 @@ import numpy as np
 
 from rayrb.core.ahead import AheadLog, GiveBack
 from rayrb.core.planner import Planner
-from rayrb.core.plans import OFFLINE, ONLINE, SIDES, BatchPlan, GroupPlan, Part
+from rayrb.core.plans import OFFLINE, ONLINE, SIDES, BatchPlan, GroupPlan, Part, decode_group
 from rayrb.core.validation import positive_int
 from rayrb.durability.replies import ReplyCache
 from rayrb.errors import HeldBack
@@ -76,6 +76,11 @@ class Drawing:
         if stream is not None and served is not None:
             self.ahead.served(stream, int(served))
         num_batches = positive_int("num_batches", num_batches)
+        if self.ahead.orphans and slices == 1:  # batches another handle drew and will never serve go first
+            adopted = self._adopt(batch_size, num_batches, stream, version)
+            if adopted is not None:
+                self.replies.put(call, request, adopted)
+                return adopted
         if stream is None and not self.planner.alloc.groups_batches:
             num_batches = 1
         self._sync_masses(sizes)
@@ -126,17 +131,41 @@ class Drawing:
             group.args.append((counts, seeds, epochs, int(counted[i]) if side == ONLINE else None))
         return group
 
+    def _adopt(self, batch_size: int, k: int, stream: str | None, version: int) -> GroupPlan | None:
+        """Orphans of this batch size (``AheadLog.orphan``) as one group: the first ``k`` at most, as far as they
+        share each shard's planned write count (a group carries one per shard); None if there are none."""
+        groups = [decode_group(o[1]) for o in self.ahead.orphans if o[0] == batch_size][:k]
+        if not groups:
+            return None
+        plans, by_shard = [], {}
+        for g in groups:
+            if any(by_shard.get(key, args)[3] != args[3] for key, args in zip(g.reads, g.args)):
+                break  # planned at another write count: the next call takes it
+            plans += g.plans
+            for key, (c, s, e, w) in zip(g.reads, g.args):
+                counts, seeds, epochs, _ = by_shard.setdefault(key, ([], [], [], w))
+                counts += c
+                seeds += s
+                epochs += e
+        adopted = self.ahead.adopt(stream, batch_size, len(plans))
+        self._metrics.count("batches_adopted", len(adopted))
+        return GroupPlan(plans, list(by_shard), list(by_shard.values()), version=version, first=adopted[0][0])
+
     def served(self, stream: str, number: int) -> None:
         self.ahead.served(stream, int(number))
 
-    def undo(self, stream: str, count: int | None, discard: bool = False) -> GiveBack:
+    def undo(self, stream: str, count: int | None, discard: bool = False, batches: list | None = None) -> GiveBack:
         """Give back the last ``count`` batches that ``stream`` drew and did not serve (None: all of them).
 
         ``UNDONE`` when the stream is back where it was
         before them (no one else drew or changed a setting since). Otherwise they stand:
         ``KEEP`` them without replacement (each row of an epoch is served once), else
-        ``DROP`` them; ``discard`` (a closed iterator) drops them in any case. Rows
-        dropped unserved no longer count as sampled for the rate limiter.
+        ``DROP`` them. With ``discard`` (a closed iterator, another batch size) the
+        handle will not serve them: without replacement they go to the next handle that
+        asks for batches of their size (``ADOPT``; ``batches`` are the handle's unserved
+        batches as planned: ``(batch size, encoded one-batch group, rows, online rows)``),
+        with replacement they are dropped. Rows dropped unserved no longer count as sampled
+        for the rate limiter.
         """
         count = self.ahead.unserved(stream) if count is None else max(0, int(count))
         if count == 0:
@@ -150,11 +179,21 @@ class Drawing:
             self._metrics.count("batches_undone", count)
             return GiveBack.UNDONE
         self._metrics.count("undo_refused")
-        if getattr(self.planner.alloc, "epoch_end", None) is not None and not discard:
-            return GiveBack.KEEP
+        if getattr(self.planner.alloc, "epoch_end", None) is not None:
+            if not discard:
+                return GiveBack.KEEP
+            if batches:
+                self.ahead.orphan(stream, batches)
+                self._metrics.count("batches_orphaned", len(batches))
+                return GiveBack.ADOPT
         _, online = self.ahead.drop(stream, count)
         self.planner.unrecord_samples(online)
         return GiveBack.DROP
+
+    def forget(self) -> None:
+        """Every draw so far stands, and orphans are dropped (their plans are of the settings before a change)."""
+        self.ahead.forget()
+        self.planner.unrecord_samples(self.ahead.drop_orphans())
 
     def state_dict(self) -> dict[str, Any]:
         """The sampling state, as if the batches drawn ahead and not yet served were given back."""

@@ -14,6 +14,11 @@ draws had never been made.
 * Rows drawn and not yet served are counted per handle (``AheadLog.unserved_rows``),
   so that a rate limiter can judge writes against the rows actually served, as it
   would if nothing were drawn ahead.
+* Without replacement, batches that stand and that their handle will never serve (it
+  closed its iterator, or changed batch size) are not dropped: their rows belong to an
+  epoch that must serve each once. The handle hands them back as they were planned, and
+  they wait here (``AheadLog.orphan``) for the next handle that asks for batches of their
+  size (``AheadLog.adopt``), which serves them before any new draw.
 
 Examples:
     >>> log = AheadLog(limit=8)
@@ -36,9 +41,7 @@ import time
 from collections import OrderedDict
 from typing import Any, NamedTuple
 
-# Draws one handle may have ahead: a handle holds at most 2 groups of rayrb.handle.stream.MAX_DEPTH + 1,
-# and an iterator draws no deeper than this.
-MAX_AHEAD = 256
+MAX_AHEAD = 512  # draws one handle may have ahead: the log keeps no more of a handle's, so no more can be given back
 MAX_HANDLES = 1024  # handles tracked at once; the oldest is forgotten past this
 
 
@@ -54,6 +57,7 @@ class GiveBack(enum.Enum):
     UNDONE = "undone"  # the stream is back where it was before them
     KEEP = "keep"  # they stand (another caller drew since); without replacement the handle serves them
     DROP = "drop"  # they stand; with replacement the handle drops them
+    ADOPT = "adopt"  # they stand, without replacement, and the handle will not serve them: another handle will
 
 
 class Taken(NamedTuple):
@@ -73,6 +77,7 @@ class AheadLog:
         # per handle: [number, snapshot before it (None once it stands), rows, online rows], oldest first
         self._entries: OrderedDict[str, list[list[Any]]] = OrderedDict()
         self._next = 0
+        self.orphans: list[list[Any]] = []  # [batch size, the batch as planned (plain data), rows, online rows]
 
     def record(self, handle: str, snapshot: tuple, rows: int, online: int = 0) -> int:
         """Log a draw made for ``handle``; returns its number. Another handle's draws stand from now on."""
@@ -142,8 +147,38 @@ class AheadLog:
         return len(self._entries.get(handle, ()))
 
     def unserved_rows(self) -> int:
-        """Online rows drawn by any handle and not (yet) served (what a rate limiter counts)."""
-        return sum(e[3] for entries in self._entries.values() for e in entries)
+        """Online rows drawn by any handle and not (yet) served (what a rate limiter counts), orphans included."""
+        return sum(e[3] for entries in self._entries.values() for e in entries) + sum(o[3] for o in self.orphans)
+
+    def orphan(self, handle: str, batches: list[tuple[int, Any, int, int]]) -> None:
+        """``handle`` will never serve its draws, which stand: drop them from its log and keep ``batches``
+        (``(batch size, the batch as planned, rows, online rows)``, its unserved draws as it holds them) for
+        another handle to serve. Their rows stay counted as drawn and not served.
+
+        >>> log = AheadLog(); [log.record("it", None, rows=8, online=2) for _ in range(3)]
+        [0, 1, 2]
+        >>> log.orphan("it", [(8, "batch 1", 8, 2), (8, "batch 2", 8, 2)]); log.unserved("it"), log.unserved_rows()
+        (0, 4)
+        >>> log.adopt("learner", 8, 5), log.adopt("learner", 8, 5), log.unserved("learner")
+        ([(3, 'batch 1'), (4, 'batch 2')], [], 2)
+        """
+        self.drop(handle)
+        self.orphans += [[int(b), batch, int(r), int(o)] for b, batch, r, o in batches]
+
+    def adopt(self, handle: str | None, batch_size: int, k: int) -> list[tuple[int, Any]]:
+        """Up to ``k`` orphans of ``batch_size`` rows, now drawn for ``handle`` (numbered, standing; a caller that
+        draws nothing ahead, None, serves them at once: number -1): ``(number, batch)`` pairs, oldest first."""
+        out = []
+        for o in [o for o in self.orphans if o[0] == batch_size][:k]:
+            self.orphans.remove(o)
+            number = -1 if handle is None else self.record(handle, None, o[2], o[3])
+            out.append((number, o[1]))
+        return out
+
+    def drop_orphans(self) -> int:
+        """Forget the orphans (the settings or the sampling state changed under them); their online rows."""
+        online, self.orphans = sum(o[3] for o in self.orphans), []
+        return online
 
     def state_dict(self) -> dict[str, Any]:
         """What a restarted coordinator needs: the next number and each handle's unserved draws (number, rows,
@@ -155,18 +190,19 @@ class AheadLog:
         >>> again.record("h", ("state", 3), rows=10), again.take_back("h", 2), again.drop("h", 2)
         (3, None, (20, 4))
         """
-        return {"next": self._next,
+        return {"next": self._next, "orphans": self.orphans,
                 "entries": [[h, [[e[0], e[2], e[3]] for e in entries]] for h, entries in self._entries.items()]}
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
         """Take ``state_dict``'s log: draws are numbered on from it, and each of them stands. Without one (the log
         was lost, or saved by a release that did not keep it) draws are numbered from ``past_any_number()``."""
         if state is None:
-            self._next, self._entries = past_any_number(), OrderedDict()
+            self._next, self._entries, self.orphans = past_any_number(), OrderedDict(), []
         else:
             self._next = int(state["next"])
             self._entries = OrderedDict((h, [[int(n), None, int(r), int(o)] for n, r, o in entries])
                                         for h, entries in state["entries"])
+            self.orphans = [list(o) for o in state.get("orphans", [])]
         self.latest = None
 
     def first_unserved(self) -> tuple | None:

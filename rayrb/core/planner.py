@@ -47,6 +47,7 @@ from rayrb.errors import HeldBack
 
 Sizes = Mapping[str, np.ndarray]
 Reads = list[tuple[int, dict]]
+_NO_ARGS: dict = {}  # a read's keyword arguments when its kind needs none (never changed)
 
 
 class Planner:
@@ -73,6 +74,7 @@ class Planner:
         # online rows ever taken out of the limiter's count (drawn ahead, dropped unserved): a snapshot taken
         # before such a drop must not bring those rows back when it is restored
         self._unrecorded = 0
+        self._splits: dict[tuple, dict[str, int]] = {}  # (batch size, fraction, online rows?) -> the split
 
     # the fraction -----------------------------------------------------------
     def fraction(self, sizes: Sizes) -> float:
@@ -188,7 +190,12 @@ class Planner:
         """The split of this batch, or, at the end of an epoch that serves short batches, of the largest
         shorter batch whose exact split fits in what each side has left."""
         if getattr(self.alloc, "epoch_end", None) != "short":  # batch_size was checked by draw
-            return dict(zip(SIDES, split_checked(batch_size, fraction, online)))
+            key = (batch_size, fraction, online > 0)  # the same for every batch of a group: computed once
+            if key not in self._splits:
+                if len(self._splits) > 256:
+                    self._splits.clear()
+                self._splits[key] = dict(zip(SIDES, split_checked(batch_size, fraction, online)))
+            return dict(self._splits[key])
         need = dict(zip(SIDES, split_batch(batch_size, fraction, online)))
         room = {side: self.alloc.room(side) for side in SIDES}
         for b in range(batch_size, 0, -1):
@@ -201,19 +208,19 @@ class Planner:
     def _slice(self, n_off: int, n_on: int, fraction: float, sizes: Sizes) -> tuple[BatchPlan, Reads]:
         parts, reads = [], []
         alloc, rng = self.alloc, self.rng
+        with_args = alloc.reads_with_args
         for side, n in ((OFFLINE, n_off), (ONLINE, n_on)):
             if n == 0:
                 continue
             # asked before the counts, which move an epoch's cursor
-            kwargs = [alloc.read_args(side, i) for i in range(self.num_shards[side])] \
-                if alloc.reads_with_args else None
+            kwargs = [alloc.read_args(side, i) for i in range(self.num_shards[side])] if with_args else None
             counts = alloc.counts(side, n, sizes[side], rng).tolist()
             # 63 of 64 raw bits: a seed per read in [0, 2**63), without integers()' bounds checks per call
-            seeds = [r >> 1 for r in rng.bit_generator.random_raw(len(counts)).tolist()]
+            seeds = rng.bit_generator.random_raw(len(counts)).tolist()
             for i, c in enumerate(counts):
-                if c > 0:
+                if c:
                     parts.append(Part(side, i, c))
-                    reads.append((seeds[i], kwargs[i] if kwargs is not None else {}))
+                    reads.append((seeds[i] >> 1, kwargs[i] if with_args else _NO_ARGS))
         return BatchPlan(parts, n_off, n_on, fraction, self.step, alloc.weights()), reads
 
     # writes -----------------------------------------------------------------

@@ -74,7 +74,7 @@ class ImportanceWeights:
         return (info["priority"] / self.min_p[side]) ** -self.beta
 
 
-@dataclass
+@dataclass(slots=True)
 class BatchPlan:
     """One batch, or one learner's slice of a batch, as the coordinator drew it."""
 

@@ -136,7 +136,10 @@ class UniformSampler(Sampler):
     def sample(self, count: int, size: int, rng: np.random.Generator | None, epoch: Epoch | None = None) -> np.ndarray:
         if count > 0 and size <= 0:
             raise ValueError(f"cannot draw {count} rows from an empty shard")
-        return rng.integers(0, size, count, dtype=np.int64)
+        # floor(u * size) for 53-bit uniforms u: twice as fast as rng.integers for a read's few rows (its
+        # argument handling costs more than the draw), and off uniform by at most size / 2**53
+        idx = (rng.random(count) * size).astype(np.int64)
+        return np.minimum(idx, size - 1, out=idx)
 
 
 class WithoutReplacementSampler(Sampler):

@@ -1,4 +1,4 @@
-"""Answers to the last few plan calls, by call id, kept with the coordinator's saved state. No Ray here.
+"""Answers to the last few plan calls, by call id, saved beside the coordinator's state. No Ray here.
 
 Ray re-sends an actor call whose reply was lost when the actor died; the restarted
 coordinator must answer it with the same batches, not the next ones. A call id
@@ -39,6 +39,8 @@ class ReplyCache:
         self._answers: OrderedDict[str, tuple[Hashable, str, str]] = OrderedDict()
         self._restored: set[str] = set()  # answers found at a restart, kept for KEPT_AFTER_RESTART new ones
         self._puts_since_load = 0
+        self._new: list[str] = []  # answers put, and calls whose answer went, since the last take_changes()
+        self._gone: list[str] = []
 
     def get(self, call: str | None, request: Hashable) -> Any:
         """The answer given to ``call``, or None; raises if ``call`` was answered for another request."""
@@ -55,6 +57,7 @@ class ReplyCache:
             return
         # kept encoded: a save of the cache (after every call) then copies strings instead of encoding plans again
         self._answers[call] = self._entry(call, request, self._encode(answer))
+        self._new.append(call)
         if self._restored:
             self._puts_since_load += 1
             if self._puts_since_load >= KEPT_AFTER_RESTART:
@@ -62,6 +65,24 @@ class ReplyCache:
         excess = len(self._answers) - self.kept - len(self._restored)
         for old in [c for c in self._answers if c not in self._restored][:max(0, excess)]:  # oldest first
             del self._answers[old]
+            self._gone.append(old)
+
+    def calls(self) -> list[str]:
+        """The calls answered, oldest first (what the saved state lists; each answer is saved on its own)."""
+        return list(self._answers)
+
+    def take_changes(self) -> tuple[list[tuple[str, str]], list[str]]:
+        """``([(call, entry text)], [call])``: the answers put and the calls dropped since the last time, so that
+        a save writes each answer once (``rayrb.durability.storage.CoordinatorState.save_reply``).
+
+        >>> cache = ReplyCache(kept=1); cache.put("a", (16, 1), "plan-a"); cache.put("b", (16, 1), "plan-b")
+        >>> [c for c, _ in cache.take_changes()[0]], cache.take_changes()
+        (['b'], ([], []))
+        """
+        new = [(c, self._answers[c][2]) for c in dict.fromkeys(self._new) if c in self._answers]
+        gone = [c for c in dict.fromkeys(self._gone) if c not in self._answers]
+        self._new, self._gone = [], []
+        return new, gone
 
     def items(self) -> list[list[Any]]:
         """``[call, request, encoded answer]`` per answer, oldest first: plain data, for the saved state."""
@@ -84,6 +105,7 @@ class ReplyCache:
         self._answers = OrderedDict((call, self._entry(call, tuple(request), answer))
                                     for call, request, answer in items or ())
         self._restored, self._puts_since_load = set(self._answers), 0
+        self._new, self._gone = [], []
 
     @staticmethod
     def _entry(call: str, request: Hashable, encoded: str) -> tuple[Hashable, str, str]:

@@ -205,7 +205,10 @@ def shard_directory(root: str | os.PathLike | None, buffer_id: str, shard: str) 
 
 
 _MAGIC = b"RRBS"
-# The coordinator's saved state: JSON {"planner", "side_rng", "ahead", "version", "answers"}
+_REPLY = b"RRBA"  # an answer's file (CoordinatorState.save_reply)
+# The coordinator's saved state: JSON {"planner", "side_rng", "ahead", "version", "answers"}; "answers" lists the
+# calls whose answers are kept, each in a file of its own (CoordinatorState.save_reply); a state saved before that
+# holds the answers themselves, [call, request, answer] each, and is read too
 # (docs/durability.md, "Files and formats"); 2: each answer's batches as positional lists
 # (rayrb.core.plans.group_to_json), 1 had keyed objects. A version that changes what is saved bumps it.
 STATE_SCHEMA = 2
@@ -306,6 +309,37 @@ class CoordinatorState:
                              "checkpoint")
         return saved["state"]
 
+    def _reply_path(self, call: str) -> Path:
+        return self.directory / "replies" / f"{xxhash.xxh3_64_hexdigest(call.encode())}.json"
+
+    def save_reply(self, call: str, text: str) -> None:
+        """Keep one plan call's answer (``rayrb.durability.replies``) in a file of its own, written once: the state,
+        saved after every call, lists the calls and not their answers (a group of 120 batches is ~25 KB)."""
+        path = self._reply_path(call)
+        path.parent.mkdir(exist_ok=True)
+        payload = text.encode()
+        header = _HEADER.pack(_REPLY, 0, len(payload), xxhash.xxh3_64_intdigest(payload))
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(header + payload)
+        os.replace(tmp, path)
+
+    def load_reply(self, call: str) -> str | None:
+        """The answer ``save_reply`` kept for ``call``, or None if it is missing or damaged."""
+        try:
+            raw = self._reply_path(call).read_bytes()
+        except OSError:
+            return None
+        if len(raw) < _HEADER.size:
+            return None
+        magic, _, length, digest = _HEADER.unpack_from(raw)
+        payload = raw[_HEADER.size:_HEADER.size + length]
+        if magic != _REPLY or len(payload) != length or xxhash.xxh3_64_intdigest(payload) != digest:
+            return None
+        return payload.decode()
+
+    def drop_reply(self, call: str) -> None:
+        self._reply_path(call).unlink(missing_ok=True)
+
     def journal(self, write_id: str, pieces: list[tuple[int, int, int, int]], digest: str | None = None) -> None:
         line = _journal_line(write_id, [[int(x) for x in p] for p in pieces], digest)
         fd = os.open(self._journal, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -344,6 +378,7 @@ class CoordinatorState:
         """Start afresh (a new coordinator, not a restarted one)."""
         for p in (self._slot(0), self._slot(1), self._journal):
             p.unlink(missing_ok=True)
+        shutil.rmtree(self.directory / "replies", ignore_errors=True)
         self._lines, self._sequence = 0, 0
 
     def remove(self) -> None:

@@ -13,9 +13,11 @@ and sends, as before.
 * **Online shards**: the shard's memory maps under ``storage_dir``. A read goes
   locally only while the shard's process is alive on this node (it holds its lease's
   lock, ``rayrb.durability.lease.held``: released by the kernel however the process
-  dies), its files are those this handle maps (``rayrb.durability.storage.identity``,
-  before and after the copy: a shard that made its files afresh is mapped again), and
-  the shard holds the rows the read was planned over (its write count). Each row's
+  dies), its files are those this handle maps (``rayrb.durability.storage.identity``:
+  a shard that made its files afresh is mapped again; both checks hold for ``TRUST``
+  seconds, far less than a shard's new process takes to start, and are made again after
+  a copy that outlasted them), and the shard holds the rows the read was planned over
+  (its write count). Each row's
   generation is read before and after its copy; the shard makes it negative while it
   writes the row, so a row being overwritten, or torn, is never served: the read then
   goes to the shard, which serializes it with its writes.
@@ -29,6 +31,7 @@ part from the shard instead.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -39,6 +42,7 @@ from rayrb.core.samplers import make_sampler, read_indices
 from rayrb.core.schema import RowSpec
 
 LOCAL_KINDS = ("uniform", "without_replacement")  # samplers whose indices need no shard state
+TRUST = 0.005  # seconds a check of an online shard's process and files holds (OnlineReader._current)
 
 
 class Reader:
@@ -95,25 +99,30 @@ class OnlineReader(Reader):
         self._layout = layout_path(directory)
         self._lease_fd = os.open(os.path.join(directory, FILE), os.O_RDONLY)  # raises if not here
         self._maps: dict[str, Any] | None = None
+        self._checked = -TRUST  # when the shard's process and files were last found as mapped
 
     def close(self) -> None:
         os.close(self._lease_fd)
 
-    def _current(self) -> dict[str, Any] | None:
-        """The shard's files as mapped here, mapped again if the shard made them afresh; None if it cannot say."""
+    def _current(self, now: float) -> dict[str, Any] | None:
+        """The shard's files as mapped here, mapped again if the shard made them afresh; None if it cannot say.
+        A check holds for ``TRUST`` seconds: a shard's new process takes far longer than that to start and make
+        its files afresh after the old one died (at least a process start; Ray's restart takes ~0.5 s)."""
         from rayrb.durability.lease import held
         from rayrb.durability.storage import identity, read_only
 
+        if self._maps is not None and now - self._checked < TRUST:
+            return self._maps
         if not held(None, self._lease_fd):  # the shard's process is gone from this node (restarting, or moved)
+            self._checked = -TRUST
             return None
         if self._maps is None or identity(self._layout) != self._maps["identity"]:
             self._maps = read_only(self._spec, self._capacity, self._dir)
+        self._checked = now if self._maps is not None else -TRUST
         return self._maps
 
     def read(self, counts, seeds, epochs, written, out):
-        from rayrb.durability.storage import identity
-
-        maps = self._current()
+        maps = self._current(time.monotonic())
         if maps is None:
             return None
         held_rows = int(maps["written"][0])
@@ -130,9 +139,12 @@ class OnlineReader(Reader):
         if idx.size and before.min() <= 0:
             return None  # a row being written
         for k, v in maps["rows"].items():
-            np.take(v, idx, axis=0, out=out[k])
-        if not (gen[idx] == before).all() or identity(self._layout) != maps["identity"]:
-            return None  # overwritten during the copy, or the files were made afresh
+            v.take(idx, axis=0, out=out[k])
+        if not (gen[idx] == before).all():
+            return None  # overwritten during the copy
+        now = time.monotonic()
+        if now - self._checked >= TRUST and self._current(now) is not maps:
+            return None  # the copy outlasted the check: the files may have been made afresh meanwhile
         return {"index": idx, "generation": before}
 
 

@@ -51,13 +51,14 @@ from typing import Any
 import numpy as np
 
 from rayrb.core.ahead import MAX_AHEAD, GiveBack
-from rayrb.core.plans import decode_group, provenance, reads_by_plan
+from rayrb.core.plans import GroupPlan, decode_group, provenance, reads_by_plan
 from rayrb.errors import BufferUnavailableError, HeldBack
 
 MAX_BYTES = 64 << 20  # rows a sample() loop holds read ahead
 MAX_DEPTH = 100  # batches a sample() loop reads ahead
 PLAN_ROWS = 1 << 20  # rows one plan call covers: its cost a small share of the batches' own
-MAX_PLAN = MAX_AHEAD // 2 - 8  # batches one plan call covers: two calls stay within what the coordinator gives back
+MAX_PLAN = 240  # batches one plan call covers: with half of them left when the next is asked for, a stream has at
+# most 360 planned, within what the coordinator can give back (rayrb.core.ahead.MAX_AHEAD)
 
 
 class Held:
@@ -112,7 +113,7 @@ def plan_size(batch_size: int) -> int:
     """Batches one plan call covers at this batch size (``PLAN_ROWS`` rows, 2 to ``MAX_PLAN`` batches).
 
     >>> plan_size(256), plan_size(4096), plan_size(65536), plan_size(10**7)
-    (120, 120, 16, 2)
+    (240, 240, 16, 2)
     """
     return max(2, min(MAX_PLAN, PLAN_ROWS // max(1, batch_size)))
 
@@ -240,11 +241,11 @@ class Stream:
         return float("inf") if self._served >= 2 * max(1, self._run) else int(now)
 
     def _fill(self) -> None:
-        """Ask for the next plans once half of the target is left, and submit shard reads up to the window."""
+        """Ask for the next plans once half of the target is left (a whole target's worth: fewer, larger calls;
+        at most one and a half targets planned ahead), and submit shard reads up to the window."""
         if self.depth:
             target = self._plan_target(now=False)
-            left = None if self._left is None else self._left - self.ahead
-            want = target - self.ahead if left is None else min(target - self.ahead, left)
+            want = target if self._left is None else min(target, self._left - self.ahead)
             if not self._asked and want > 0 and self.ahead <= target // 2:
                 self._ask(want, 0.0)
         self._read_ahead()
@@ -425,11 +426,21 @@ class Stream:
 
     def _resize(self, batch_size: int) -> None:
         self._give_back()
-        if self._planned:  # kept, but of another size: this size cannot use them
+        if self._planned:  # kept, but of another size: this size cannot use them; a handle that asks for it will
             self.stats["dropped"] += len(self._planned)
-            self.rpc.get(self.rpc.coord.undo.remote(self.id, len(self._planned), True))
+            self.rpc.get(self.rpc.coord.undo.remote(self.id, len(self._planned), True, self._unserved()))
             self._drop_all()
         self.batch_size = batch_size
+
+    def _unserved(self) -> list[tuple[int, str, int, int]]:
+        """The batches planned and not handed over, as the coordinator keeps them for another handle when they
+        stand (``rayrb.core.ahead.AheadLog.orphan``): ``(batch size, one-batch group, rows, online rows)``."""
+        out = []
+        for b in self._planned:
+            group = GroupPlan([b.plan], [(side, shard) for side, shard, _ in b.reads], [args for _, _, args in b.reads],
+                              version=b.version)
+            out.append((b.plan.batch_size, group.encoded(), b.plan.batch_size, b.plan.n_online))
+        return out
 
     def _drop_all(self) -> None:
         self._planned.clear()
@@ -460,7 +471,7 @@ class Stream:
         if verdict == GiveBack.KEEP:  # without replacement, drawn rows are served once: keep them
             self.stats["kept"] += count
             return
-        self.stats["given_back" if verdict == GiveBack.UNDONE else "dropped"] += count
+        self.stats["given_back" if verdict == GiveBack.UNDONE else "dropped"] += count  # (ADOPT: not asked here)
         self._drop_all()
 
     def report(self) -> None:
@@ -474,13 +485,15 @@ class Stream:
         if self.closed:
             return
         self.closed = True
-        outstanding = self.ahead
+        if self._asked and not self.rpc.closed:
+            self._resolve_answered()  # plans already answered go back as planned (never waits)
+        outstanding, unserved = self.ahead, self._unserved()
         self._drop_all()
         self.report()  # even with nothing outstanding: once closed, a later save cannot ask this stream
         if outstanding and self.depth and not self.rpc.closed:
             # Queued after this stream's plan calls at the coordinator, which runs one caller's calls in
             # order, so nothing needs to be waited for.
-            self.rpc.tell("undo", self.id, None, True)
+            self.rpc.tell("undo", self.id, None, True, unserved)
 
 
 class BatchIterator:

@@ -460,7 +460,7 @@ class ChunkDataset:
         if len(self.chunks) == 1:  # the common case: no chunk lookups, no selection masks
             maps = self._plain(0)
             for k in out:
-                np.take(maps[k], indices, axis=0, out=out[k])
+                maps[k].take(indices, axis=0, out=out[k])
             return out
         chunk_of = np.searchsorted(self.offsets, indices, side="right") - 1
         chunks = np.unique(chunk_of)

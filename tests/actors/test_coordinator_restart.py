@@ -146,6 +146,21 @@ def test_closing_an_iterator_after_a_restart_takes_back_only_what_it_did_not_ser
     assert sorted(served + rest) == list(range(320))
 
 
+def test_an_iterators_draws_that_stood_through_a_restart_are_served_by_the_next_caller(make_buffer):
+    """Planned deep before the crash, the iterator's draws stand after it; closed, it hands back those it never
+    served, and without replacement the next caller serves them: the epoch serves every row once."""
+    rb = make_buffer(rows(0, 320), online_capacity=10, seed=1, batch_size=16, sampler="without_replacement",
+                     offline_fraction=1.0, prefetch=0)
+    it = rb.iter_batches(prefetch=8)
+    got = [next(it)["id"] for _ in range(3)]
+    kill_coordinator(rb)
+    got += [next(it)["id"] for _ in range(9)]
+    it.close()
+    served = torch.cat(got).tolist()
+    rest = torch.cat([rb.sample()["id"] for _ in range((320 - len(served)) // 16)]).tolist()
+    assert sorted(served + rest) == list(range(320))
+    assert rb.stats()["coordinator"]["batches_adopted"] > 0
+
 def test_draws_held_ahead_through_a_restart_and_given_back_after_it_stop_counting_as_sampled(make_buffer):
     """A sample() loop holds batches drawn ahead when the coordinator dies; its next write gives them back to the
     restarted coordinator, which finds them in its saved log: the rate limiter counts the online rows served."""

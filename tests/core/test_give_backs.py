@@ -89,3 +89,30 @@ def test_draws_made_before_a_restart_and_given_back_after_it_stop_counting_as_sa
     d = restarted(d)
     assert d.undo("loop", 3) == GiveBack.DROP  # they stand (the stream moved on), with replacement: dropped
     assert sampled(d) == 2 * 8, f"the limiter counts {sampled(d) // 8} batches; the handle served 2"
+
+
+def test_without_replacement_standing_draws_a_closed_iterator_hands_back_are_served_by_the_next_caller():
+    """An iterator drew a whole epoch ahead, another handle drew after it, and it closed: its draws stand and it
+    will never serve them. Rather than drop them (rows the epoch would never serve), the coordinator hands them
+    to the next caller of their batch size; every row of the epoch is served once, none twice."""
+    from rayrb.core.plans import GroupPlan, reads_by_plan
+
+    sizes = {"offline": np.array([60, 40]), "online": np.array([0, 0])}
+
+    def plan(d, stream, k):
+        return d.plan(10, k, sizes=sizes, counted=sizes["online"], version=0, stream=stream)
+
+    def rows_of(group):  # each batch's (shard, count, epoch start) per part: what its reads cover
+        return [[(side, i, a[0][0], a[2][0].start) for side, i, a in parts] for parts in reads_by_plan(group)]
+
+    d = drawing(sampler="without_replacement")
+    d.planner.set_fraction(1.0)
+    it = plan(d, "it", 10)  # the whole epoch: 10 batches of 10 rows
+    other = plan(d, "other", 1)  # the next epoch's first batch: the iterator's draws stand now
+    unserved = [(10, GroupPlan([p], [(s, i) for s, i, _ in parts], [a for _, _, a in parts]).encoded(), 10, 0)
+                for p, parts in zip(it.plans[3:], reads_by_plan(it)[3:])]  # it served three
+    assert d.undo("it", None, discard=True, batches=unserved) == GiveBack.ADOPT
+    adopted = plan(d, "learner", 20)
+    assert rows_of(adopted) == rows_of(it)[3:]  # the seven it never served, as planned
+    assert plan(d, "learner", 1).plans[0].n_offline == 10  # then new draws
+    assert rows_of(other)[0][0][3] == 0  # (the other handle's batch began the next epoch)

@@ -83,3 +83,30 @@ def test_answers_a_restart_finds_outlive_the_new_calls_of_many_handles():
         restarted.put(f"queued-{i}", (16, 1, f"h{i}", 1), f"plan {i}")
     assert restarted.get("lost-1", (16, 1, "s", 1)) is None  # then they go as any answer goes
     assert len(restarted.items()) == 2
+
+
+def test_each_answer_is_saved_once_in_a_file_of_its_own_and_a_torn_one_is_planned_anew(tmp_path):
+    """The state lists the calls; each answer is written once, when it is given, and removed when it falls out
+    (a save after every plan call copied every kept answer: ~100 KB for eight groups of 60 batches)."""
+    group = GroupPlan([BatchPlan([Part("offline", 0, 2)], 2, 0, fraction=1.0, step=1)], reads=[("offline", 0)],
+                      args=[([2], [5], [None], None)], version=1, first=0)
+    s, cache = CoordinatorState(tmp_path), ReplyCache(kept=2)
+    written = []
+    for call in ("a", "b", "learner-0/call-41"):
+        cache.put(call, (2, 1, "s", 1), group)
+        new, gone = cache.take_changes()
+        written += [c for c, _ in new]
+        for c, text in new:
+            s.save_reply(c, text)
+        for c in gone:
+            s.drop_reply(c)
+        s.save({"answers": cache.calls()})
+    assert written == ["a", "b", "learner-0/call-41"]  # each once
+    assert len(list((tmp_path / "replies").iterdir())) == 2  # "a" fell out, and its file with it
+    saved = CoordinatorState(tmp_path).load()["answers"]
+    assert saved == ["b", "learner-0/call-41"]
+    path = s._reply_path("b")
+    path.write_bytes(path.read_bytes()[:-3])  # torn
+    assert s.load_reply("b") is None and json.loads(s.load_reply("learner-0/call-41"))[0] == "learner-0/call-41"
+    s.clear()
+    assert not (tmp_path / "replies").exists()

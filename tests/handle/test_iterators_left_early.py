@@ -72,17 +72,21 @@ def test_the_later_of_two_iterators_on_one_handle_gives_back_its_draws(make_buff
     rb = make_buffer(rows(200), **KW, sampler="without_replacement")
     a = rb.iter_batches(prefetch=4)
     first = next(a)["id"]
+    held_by_a = a.ahead
     b = rb.iter_batches(prefetch=4)
     from_b = [next(b)["id"] for _ in range(2)]
     b.close()
     after_b = rb.sample()["id"]
     assert torch.equal(after_b, want[index_in(want, from_b[-1]) + 1])
-    a.close()  # another caller drew since: its draws stand, and nothing else is disturbed
+    a.close()  # another caller drew since: its draws stand; without replacement the next caller serves them
     a.close()
     assert torch.equal(first, want[0])
+    adopted = [rb.sample()["id"] for _ in range(held_by_a)]
+    assert_stream(adopted, want[1:1 + held_by_a])  # a's batches, in the order a drew them: no row lost
     nxt = rb.sample()["id"]
-    assert torch.equal(nxt, want[index_in(want, after_b) + 1])
-    assert rb.stats()["coordinator"]["undo_refused"] == 1
+    assert torch.equal(nxt, want[index_in(want, after_b) + 1])  # then the stream goes on after the loop's draw
+    coordinator = rb.stats()["coordinator"]
+    assert coordinator["undo_refused"] == 1 and coordinator["batches_adopted"] == held_by_a
 
 
 @pytest.mark.usefixtures("ray_session")
