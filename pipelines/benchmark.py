@@ -417,19 +417,18 @@ def peers(cfg, offline, online, B: int) -> dict[str, float]:
 
 
 def pss_bytes(pids: list[int]) -> dict[str, int]:
-    """Proportional set size summed over ``pids``, and the file-backed part of their RSS: pages the processes
-    share (the dataset's, mapped by each) count once in the PSS sum."""
+    """Proportional and unique set sizes summed over ``pids``: pages the processes share (the dataset's, mapped by
+    each) count once in the PSS sum, and not at all in the USS sum."""
     import psutil
 
-    pss = rss_file = 0
+    pss = uss = 0
     for pid in pids:
         try:
             m = psutil.Process(pid).memory_full_info()
         except psutil.Error:
             continue
-        pss += m.pss
-        rss_file += getattr(m, "shared", 0)
-    return {"pss": pss, "rss_shared": rss_file}
+        pss, uss = pss + m.pss, uss + m.uss
+    return {"pss": pss, "uss": uss}
 
 
 def bench_headline(cfg, offline, online, root, results):
@@ -463,6 +462,7 @@ def bench_headline(cfg, offline, online, root, results):
     seconds = cfg["min_time"] * 3
     actors = [Consumer.remote() for _ in range(cfg["draw_consumers"])]
     pids = ray.get([a.__ray_call__.remote(lambda self: os.getpid()) for a in actors])
+    before = pss_bytes(pids)  # started and imported, nothing mapped yet
     for B in cfg["draw_batches"]:
         row = {}
         for _ in range(cfg["repeats"]):
@@ -482,7 +482,8 @@ def bench_headline(cfg, offline, online, root, results):
                          "coordinator_cpu_ms_per_batch": 1e3 * (cpu1 - cpu0) / max(served, 1),
                          "coordinator_batches_planned_per_served": (n1 - n0) / max(served, 1),
                          "wall_s": time.perf_counter() - w0,
-                         "consumers_pss_mib": mem["pss"] / 2**20}.items():
+                         "consumers_pss_growth_mib": (mem["pss"] - before["pss"]) / 2**20,
+                         "consumers_uss_growth_mib": (mem["uss"] - before["uss"]) / 2**20}.items():
                 row.setdefault(k, []).append(v)
         out["consumers"][str(B)] = {k: med_range(v) for k, v in row.items()}
         print(f"  {len(actors)} consumers B={B}: " + ", ".join(f"{k} {v['median']:,.3f}"
@@ -832,6 +833,7 @@ from tensordict import TensorDict
 n, dim, B, min_time = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
 node_counts = [int(k) for k in sys.argv[5].split(",")]
 loop_batches = [int(b) for b in sys.argv[6].split(",")]
+baseline = sys.argv[7] == "baseline"  # an older rayrb (on PYTHONPATH): defaults only, which it has
 # One cluster for every count: nodes are added between the runs, each run's buffer is spread over those present.
 cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
 ray.init(address=cluster.address, logging_level=logging.WARNING, log_to_driver=False)
@@ -882,16 +884,19 @@ if max(node_counts) >= 2:
     rb.extend(data[: max(1, n // 4)])
     runs = {"same_node_default": (first, True), "same_node_shard_reads": (first, False),
             "other_node_default": (second, True)}
+    if baseline:
+        runs = {"same_node_default": (first, None), "other_node_default": (second, None)}
     loops = {}
     for b in loop_batches:
         for name, (node, local) in runs.items():
             loop = Loop.options(**pin(node)).remote()
-            got = ray.get(loop.run.remote(rb.client(local_reads=local), b, min_time))
+            got = ray.get(loop.run.remote(rb.client() if local is None else rb.client(local_reads=local), b, min_time))
             loops.setdefault(str(b), {})[name] = got["rows_per_s"]
             loops[str(b)][name + "_local_reads"] = got["local_reads"]
             ray.kill(loop)
-        loops[str(b)]["other_node_vs_shard_reads"] = (loops[str(b)]["other_node_default"]
-                                                      / loops[str(b)]["same_node_shard_reads"])
+        if not baseline:
+            loops[str(b)]["other_node_vs_shard_reads"] = (loops[str(b)]["other_node_default"]
+                                                          / loops[str(b)]["same_node_shard_reads"])
     rb.shutdown()
     out["loops_by_node"] = loops
 print("RAYRB_RESULT " + json.dumps(out), flush=True)
@@ -908,18 +913,34 @@ def result_line(stdout: str) -> dict:
     raise RuntimeError(f"no RAYRB_RESULT line in the subprocess output:\n{stdout[-2000:]}")
 
 
-def bench_cluster(cfg, results):
+def bench_cluster(cfg, results, baseline: str | None = None):
+    """Buffers over one and two simulated nodes, and sample() loops on the shards' node and on another; with
+    ``baseline`` (an older rayrb checkout) the same cluster runs again on that code, side by side."""
     out = {}
     n = min(cfg["n_off"], 200_000)
     B = 4096 if cfg["n_off"] == SIZES["full"]["n_off"] else cfg["batch_sizes"][-1]
-    env = {**os.environ}
-    env.pop("RAY_ADDRESS", None)
-    p = subprocess.run([sys.executable, "-c", CLUSTER_SCRIPT, str(n), str(cfg["dim"]), str(B), str(cfg["min_time"] * 3),
-                        ",".join(map(str, cfg["cluster_nodes"])), ",".join(map(str, cfg["batch_sizes"]))],
-                       capture_output=True, text=True, env=env, timeout=900)
-    if p.returncode != 0:
-        raise RuntimeError(f"cluster benchmark failed:\n{p.stderr[-2000:]}")
-    out.update(result_line(p.stdout))
+
+    def run(env_extra: dict[str, str], flag: str) -> dict:
+        env = {**os.environ, **env_extra}
+        env.pop("RAY_ADDRESS", None)
+        p = subprocess.run([sys.executable, "-c", CLUSTER_SCRIPT, str(n), str(cfg["dim"]), str(B),
+                            str(cfg["min_time"] * 3), ",".join(map(str, cfg["cluster_nodes"])),
+                            ",".join(map(str, cfg["batch_sizes"])), flag],
+                           capture_output=True, text=True, env=env, timeout=900)
+        if p.returncode != 0:
+            raise RuntimeError(f"cluster benchmark failed:\n{p.stderr[-2000:]}")
+        return result_line(p.stdout)
+
+    out.update(run({}, "current"))
+    if baseline:
+        old = run({"PYTHONPATH": os.pathsep.join(p for p in (str(Path(baseline).resolve()),
+                                                             os.environ.get("PYTHONPATH")) if p)}, "baseline")
+        out["baseline"] = {"path": str(baseline), **old}
+        for b, row in out.get("loops_by_node", {}).items():
+            was = old.get("loops_by_node", {}).get(b, {})
+            if was:
+                row["other_node_vs_baseline"] = row["other_node_default"] / was["other_node_default"]
+                row["same_node_vs_baseline"] = row["same_node_default"] / was["same_node_default"]
     out["note"] = ("both 'nodes' are processes on this one 2-core machine: this checks placement and the read path "
                    "(another node's handle reads through the object store as a real one would), not network scaling")
     results["cluster"] = out
@@ -1035,6 +1056,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--ray-config", default=None, type=json.loads,
                    help='Ray system settings (JSON) for the instance this starts, e.g. '
                         '\'{"max_direct_call_object_size": 1048576}\'; recorded in the results')
+    p.add_argument("--baseline", default=None,
+                   help="a checkout of an older rayrb: the cluster section runs again on it, side by side")
     args = p.parse_args(argv)
     cfg = dict(SIZES["smoke" if args.smoke else "full"])
     cfg["gpu"] = dict(GPU_SMOKE if args.smoke else GPU)
@@ -1101,7 +1124,7 @@ def main(argv: list[str] | None = None) -> dict:
         ray.shutdown()
         if "cluster" in sections:
             print("cluster...", flush=True)
-            bench_cluster(cfg, results)
+            bench_cluster(cfg, results, args.baseline)
 
         results["seconds"] = time.perf_counter() - t0
     results["ratios"] = ratios(results) if "sampling" in results else {}

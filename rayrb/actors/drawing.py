@@ -76,6 +76,9 @@ class Drawing:
         if stream is not None and served is not None:
             self.ahead.served(stream, int(served))
         num_batches = positive_int("num_batches", num_batches)
+        batch_size = positive_int("batch_size", batch_size)
+        if not 1 <= slices <= batch_size:
+            raise ValueError(f"num_slices must be in [1, batch_size={batch_size}], got {slices}")
         if self.ahead.orphans and slices == 1:  # batches another handle drew and will never serve go first
             adopted = self._adopt(batch_size, num_batches, stream, version)
             if adopted is not None:
@@ -107,13 +110,15 @@ class Drawing:
 
     def _draw(self, batch_size: int, sizes: Sizes, slices: int, stream: str | None,
               totals: tuple[int, int] | None = None) -> list[tuple[BatchPlan, list]]:
-        out = self.planner.draw(batch_size, slices, sizes=sizes, totals=totals)
-        online = sum(plan.n_online for plan, _ in out)
-        rows = sum(plan.batch_size for plan, _ in out)
+        out = self.planner.draw(batch_size, slices, sizes=sizes, totals=totals, checked=True)
         if stream is None:
             self.ahead.forget()
+        elif len(out) == 1:
+            plan = out[0][0]
+            self.ahead.record(stream, self.planner.last_snapshot, plan.n_offline + plan.n_online, plan.n_online)
         else:
-            self.ahead.record(stream, self.planner.last_snapshot, rows, online)
+            self.ahead.record(stream, self.planner.last_snapshot, sum(p.batch_size for p, _ in out),
+                              sum(p.n_online for p, _ in out))
         return out
 
     def _group(self, drawn: list[tuple[BatchPlan, list]], counted: np.ndarray, version: int, stream: str | None,

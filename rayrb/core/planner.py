@@ -133,17 +133,19 @@ class Planner:
         return {**self.limiter.state_dict(), "samples": max(0, saved[3] - (self._unrecorded - saved[4]))}
 
     def draw(self, batch_size: int, num_slices: int = 1, *, sizes: Sizes,
-             totals: tuple[int, int] | None = None) -> list[tuple[BatchPlan, Reads]]:
+             totals: tuple[int, int] | None = None, checked: bool = False) -> list[tuple[BatchPlan, Reads]]:
         """One global batch as ``num_slices`` slices: ``(plan, [(seed, read kwargs) per part])``.
 
         Each slice is allocated on its own, so every slice and their union have the
         distribution of sampling the union of shards, and each slice's split is exact
         to within one row. Raises ``HeldBack`` when the rate limiter holds it back.
-        ``totals`` are ``sizes``' two sums when the caller has them (a group draws many batches at one size).
+        ``totals`` are ``sizes``' two sums when the caller has them (a group draws many batches at one size);
+        ``checked``: the caller checked ``batch_size`` and ``num_slices`` (once for a group).
         """
-        batch_size = positive_int("batch_size", batch_size)
-        if not 1 <= num_slices <= batch_size:
-            raise ValueError(f"num_slices must be in [1, batch_size={batch_size}], got {num_slices}")
+        if not checked:
+            batch_size = positive_int("batch_size", batch_size)
+            if not 1 <= num_slices <= batch_size:
+                raise ValueError(f"num_slices must be in [1, batch_size={batch_size}], got {num_slices}")
         saved = self.snapshot()
         try:
             out = self._draw(batch_size, num_slices, sizes, totals)

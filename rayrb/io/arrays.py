@@ -106,4 +106,11 @@ def from_numpy_dict(arrays: Mapping[str, np.ndarray], batch_size: int | None = N
     """Rebuild a TensorDict from ``{"a/b": ndarray}`` without copying."""
     if batch_size is None:
         batch_size = next(iter(arrays.values())).shape[0] if arrays else 0
-    return TensorDict(nest({k: _tensor(a) for k, a in arrays.items()}), batch_size=[batch_size])
+    tensors = {k: _tensor(a) for k, a in arrays.items()}
+    if _UNCHECKED is not None and all(t.shape[:1] == (batch_size,) for t in tensors.values()):
+        # every batch is rebuilt here: TensorDict's own checks of what this line just made cost more than it
+        return _UNCHECKED(nest(tensors), batch_size=torch.Size([batch_size]))
+    return TensorDict(nest(tensors), batch_size=[batch_size])
+
+
+_UNCHECKED = getattr(TensorDict, "_new_unsafe", None)  # tensordict's constructor without its checks

@@ -1,0 +1,237 @@
+"""Reads a handle makes itself, from the files its node's shards map (rayrb.handle.local): the same rows as the
+shards' reads, or a read sent to the shard; never a row torn, stale or from files made afresh."""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import shutil
+import time
+
+import numpy as np
+import pytest
+import torch
+from tensordict import TensorDict
+
+from rayrb.actors.shards import OnlineShard
+from rayrb.core.schema import RowSpec
+from rayrb.handle.local import OfflineReader, OnlineReader
+
+WIDTH = 16
+SPEC = RowSpec.from_arrays({"x": np.zeros((1, WIDTH), np.int64), "id": np.zeros(1, np.int64)})
+
+
+def rows_from(first: int, n: int) -> dict[str, np.ndarray]:
+    """Rows whose every value is the row's number in the shard's write stream: a torn row mixes two numbers."""
+    w = np.arange(first, first + n, dtype=np.int64)
+    return {"x": np.repeat(w[:, None], WIDTH, 1), "id": w}
+
+
+def out_for(n: int) -> dict[str, np.ndarray]:
+    return {"x": np.empty((n, WIDTH), np.int64), "id": np.empty(n, np.int64)}
+
+
+def shard(directory, capacity=64) -> OnlineShard:
+    return OnlineShard(SPEC.to_json(), capacity, "t/on-0", state_dir=str(directory))
+
+
+# -- no Ray: the reader against a shard in this process ----------------------------------------------------------
+def test_a_local_read_gives_the_shards_rows_and_info(tmp_path):
+    s = shard(tmp_path / "on-0")
+    s.extend(rows_from(0, 100), first=0)  # wraps: slots hold rows 36..99
+    r = OnlineReader(str(tmp_path / "on-0"), SPEC, 64, "uniform")
+    out = out_for(40)
+    info = r.read([25, 15], [7, 8], [None, None], 100, out)
+    rows, want = s.sample_many([25, 15], [7, 8], None, 100)
+    np.testing.assert_array_equal(out["id"], rows["id"])
+    np.testing.assert_array_equal(info["index"], want["index"])
+    np.testing.assert_array_equal(info["generation"], want["generation"])
+
+
+def test_rows_being_written_or_not_yet_landed_go_to_the_shard(tmp_path):
+    s = shard(tmp_path / "on-0")
+    s.extend(rows_from(0, 64), first=0)
+    r = OnlineReader(str(tmp_path / "on-0"), SPEC, 64, "uniform")
+    assert r.read([8], [1], [None], 70, out_for(8)) is None  # planned after 6 rows that have not landed
+    s._gen[:] = -np.abs(s._gen)  # every slot being written, as a shard marks them
+    assert r.read([8], [1], [None], 64, out_for(8)) is None
+    s._gen[:] = np.abs(s._gen)
+    assert r.read([8], [1], [None], 64, out_for(8)) is not None
+
+
+def test_a_row_overwritten_during_the_copy_is_not_served(tmp_path, monkeypatch):
+    s = shard(tmp_path / "on-0")
+    s.extend(rows_from(0, 64), first=0)
+    r = OnlineReader(str(tmp_path / "on-0"), SPEC, 64, "uniform")
+    real_take = np.ndarray.take
+    state = {"wrote": False}
+
+    class Rows(np.ndarray):
+        def take(self, *args, **kwargs):  # the shard writes between the generations' read and the copy
+            if not state["wrote"]:
+                state["wrote"] = True
+                s.extend(rows_from(64, 64), first=64)
+            return real_take(self, *args, **kwargs)
+
+    maps = r._current(time.monotonic())
+    maps["rows"] = {k: v.view(Rows) for k, v in maps["rows"].items()}
+    assert r.read([30], [3], [None], 64, out_for(30)) is None and state["wrote"]
+
+
+def _writer(directory: str, stop_at: float) -> None:
+    s = shard(directory)
+    w = int(s.written())
+    while time.time() < stop_at:
+        s.extend(rows_from(w, 16), first=w)
+        w += 16
+
+
+def test_no_torn_or_mislabelled_row_while_another_process_overwrites_them(tmp_path):
+    """A writer process laps a 64-row shard as fast as it can while this process reads it locally: every row a
+    read returns is whole (one number throughout) and is the row its slot and generation say."""
+    d = tmp_path / "on-0"
+    s = shard(d)
+    s.extend(rows_from(0, 64), first=0)
+    s._lives.end()  # the writer process holds the shard from here, as a restarted shard would
+    del s
+    ctx = multiprocessing.get_context("spawn")
+    writer = ctx.Process(target=_writer, args=(str(d), time.time() + 4.0))
+    writer.start()
+    try:
+        r = OnlineReader(str(d), SPEC, 64, "uniform")
+        served = refused = 0
+        deadline = time.time() + 3.5
+        seed = 0
+        while time.time() < deadline:
+            out = out_for(32)
+            info = r.read([32], [seed], [None], 64, out)
+            seed += 1
+            if info is None:
+                refused += 1
+                continue
+            served += 1
+            x = out["x"]
+            assert (x == x[:, :1]).all(), "a torn row: two writes' values in one row"
+            w = x[:, 0]
+            assert (w % 64 == info["index"]).all() and (w // 64 + 1 == info["generation"]).all()
+        assert served > 0
+    finally:
+        writer.join(10)
+    assert writer.exitcode == 0
+
+
+def test_files_made_afresh_are_mapped_again_and_never_read_stale(tmp_path):
+    d = tmp_path / "on-0"
+    s = shard(d)
+    s.extend(rows_from(0, 64), first=0)
+    r = OnlineReader(str(d), SPEC, 64, "uniform")
+    assert r.read([8], [1], [None], 64, out_for(8)) is not None
+    (d / "layout.json").unlink()  # a directory half made: the next start makes the files afresh
+    again = shard(d)
+    r._checked = -1.0  # past the time a check holds
+    assert r.read([8], [1], [None], 64, out_for(8)) is None  # the new shard holds no row yet
+    again.extend(rows_from(1000, 64), first=0)
+    out = out_for(8)
+    assert r.read([8], [1], [None], 64, out) is not None and (out["id"] >= 1000).all()  # the new files
+
+
+def test_a_shard_whose_process_is_gone_is_not_read_here(tmp_path):
+    d = tmp_path / "on-0"
+    s = shard(d)
+    s.extend(rows_from(0, 64), first=0)
+    r = OnlineReader(str(d), SPEC, 64, "uniform")
+    assert r.read([8], [1], [None], 64, out_for(8)) is not None
+    s._lives.end()  # the lease's lock goes with the process
+    r._checked = -1.0
+    assert r.read([8], [1], [None], 64, out_for(8)) is None
+
+
+def test_an_offline_reader_draws_what_the_shard_draws(tmp_path):
+    from rayrb import write_dataset
+    from rayrb.actors.shards import OfflineShard
+    from rayrb.core.plans import Epoch
+
+    n = 500
+    root = str(write_dataset(TensorDict({"id": torch.arange(n)}, [n]), tmp_path / "ds", chunk_rows=70).root)
+    for sampler, epochs in (("uniform", [None, None]), ("without_replacement", [Epoch(1, 9, 300, 0),
+                                                                             Epoch(1, 9, 300, 40)])):
+        sh = OfflineShard(root, 100, 400, "t/off", sampler)
+        reader = OfflineReader(root, 100, 400, sampler)
+        out = {"id": np.empty(70, np.int64)}
+        info = reader.read([40, 30], [5, 6], epochs, None, out)
+        rows, want = sh.sample_many([40, 30], [5, 6], epochs)
+        np.testing.assert_array_equal(out["id"], rows["id"])
+        np.testing.assert_array_equal(info["index"], want["index"])
+
+
+# -- through Ray ----------------------------------------------------------------------------------------------------
+def ids(start, n):
+    i = torch.arange(start, start + n)
+    return TensorDict({"obs": i.float()[:, None], "id": i}, [n])
+
+
+KW = {"online_capacity": 300, "num_offline_shards": 2, "num_online_shards": 2, "seed": 4, "batch_size": 16,
+      "offline_fraction": 0.5}
+
+
+@pytest.mark.usefixtures("ray_session")
+@pytest.mark.parametrize("sampler", ["uniform", "without_replacement"])
+def test_the_stream_is_the_same_with_local_reads_on_and_off(make_buffer, sampler):
+    on, off = (make_buffer(ids(0, 400), **KW, sampler=sampler, local_reads=flag) for flag in (True, False))
+    for rb in (on, off):
+        rb.extend(ids(1000, 120))
+    for step in range(40):
+        (a, ia), (b, ib) = (rb.sample(return_info=True) for rb in (on, off))
+        assert torch.equal(a["id"], b["id"]), step
+        for key in ("offline", "shard", "index", "generation"):
+            assert torch.equal(ia[key], ib[key]), (step, key)
+        if step % 9 == 4:  # writes wrap the online shards (150 rows each) under the reads
+            for rb in (on, off):
+                rb.extend(ids(2000 + 100 * step, 100))
+    its = [rb.iter_batches(prefetch=3, return_info=True) for rb in (on, off)]
+    for _ in range(30):
+        (a, ia), (b, ib) = (next(it) for it in its)
+        assert torch.equal(a["id"], b["id"]) and torch.equal(ia["generation"], ib["generation"])
+    assert on.stats()["handle"]["local_reads"] > 0 and off.stats()["handle"].get("local_reads", 0) == 0
+    assert on.stats()["handle"]["reads"] == 0  # every part was read here: no shard read at all
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_a_shard_killed_restarted_or_losing_its_files_under_a_handle_gives_the_right_rows(make_buffer, tmp_path):
+    from restart_util import kill_and_wait
+
+    on, off = (make_buffer(ids(0, 400), **KW, local_reads=flag) for flag in (True, False))
+    for rb in (on, off):
+        rb.extend(ids(1000, 300))
+
+    def same(n):
+        for _ in range(n):
+            (a, ia), (b, ib) = (rb.sample(return_info=True) for rb in (on, off))
+            assert torch.equal(a["id"], b["id"]) and torch.equal(ia["generation"], ib["generation"])
+
+    same(5)
+    kill_and_wait(on.rpc.by_side["online"][0])  # its maps stay valid; while it restarts, the shard reads
+    same(10)
+    fell_back = on.stats()["handle"]["fell_back_reads"]
+    lost = on._layout[KW["num_offline_shards"] + 1]["dir"]  # this buffer's second online shard
+    shutil.rmtree(lost)  # this node lost the shard's files: the process still maps what it held
+    same(10)
+    assert on.stats()["handle"]["fell_back_reads"] > fell_back  # read by the shard, not from a stale map
+    assert on.stats()["handle"]["local_reads"] > 0
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_a_handle_that_cannot_open_the_chunks_reads_from_the_shards(make_buffer):
+    rb = make_buffer(ids(0, 400), **KW)
+    rb.extend(ids(1000, 50))
+    twin = rb.client(local_reads=False)
+    handle = rb.client(prefetch=0)
+    for _ in range(6):  # the shards map their chunks now: a process holds its maps when the path goes
+        twin.sample()
+    os.rename(rb.dataset_root, rb.dataset_root + ".moved")  # the shards keep their maps; this path is gone here
+    try:
+        batch, info = handle.sample(return_info=True)
+        assert len(batch) == 16 and torch.equal(info["offline"], batch["id"] < 1000)
+        assert handle.local_reads.reader("offline", 0) is None and handle.local_reads.reader("online", 0) is not None
+        assert len(twin.sample()) == 16
+    finally:
+        os.rename(rb.dataset_root + ".moved", rb.dataset_root)
