@@ -443,15 +443,27 @@ def bench_headline(cfg, offline, online, root, results):
     rb = OfflineToOnlineReplayBuffer(str(ds_root), online_capacity=len(online), num_offline_shards=2,
                                      num_online_shards=cfg["online_shards"], offline_fraction=0.5, seed=0)
     rb.extend(online)
+    # what the local reads are worth, and what prioritized sampling (read by its shards: the sum tree is theirs) pays
+    shard_reads = rb.client(local_reads=False)
+    prio = OfflineToOnlineReplayBuffer(str(ds_root), online_capacity=len(online), num_offline_shards=2,
+                                       num_online_shards=cfg["online_shards"], offline_fraction=0.5, seed=0,
+                                       sampler="prioritized")
+    prio.extend(online)
     rray = torchrl_ray(offline)
+
+    def loop_rate(sample, B):
+        return at_threads(1, lambda: summarize(timed(lambda: sample(B), cfg["min_time"], cfg["min_iters"]),
+                                               B)["rows_per_s"])
+
     for B in cfg["batch_sizes"]:
         row: dict[str, list] = {}
         for _ in range(cfg["repeats"]):
             p = peers(cfg, offline, online, B)
-            mine = at_threads(1, lambda: summarize(timed(lambda: rb.sample(B), cfg["min_time"], cfg["min_iters"]),
-                                                   B)["rows_per_s"])
+            mine = loop_rate(rb.sample, B)
             ray_peer = summarize(timed(lambda: rray.sample(B), cfg["min_time"], cfg["min_iters"]), B)["rows_per_s"]
             for k, v in {**p, "rayrb_sample_loop": mine, "torchrl_ray": ray_peer,
+                         "rayrb_sample_loop_shard_reads": loop_rate(shard_reads.sample, B),
+                         "rayrb_sample_loop_prioritized": loop_rate(prio.sample, B),
                          "ratio_vs_torchrl_o2o_best": mine / p["torchrl_o2o_best"],
                          "ratio_vs_torchrl_ray": mine / ray_peer, "share_of_gather_limit": mine / p["gather_limit"]}.items():
                 row.setdefault(k, []).append(v)
@@ -459,6 +471,7 @@ def bench_headline(cfg, offline, online, root, results):
         print(f"  sample() loop B={B}: " + ", ".join(f"{k} {v['median']:,.3f}" for k, v in out["loop"][str(B)].items()),
               flush=True)
     rray.close() if hasattr(rray, "close") else None
+    prio.shutdown()
     seconds = cfg["min_time"] * 3
     actors = [Consumer.remote() for _ in range(cfg["draw_consumers"])]
     pids = ray.get([a.__ray_call__.remote(lambda self: os.getpid()) for a in actors])
@@ -1027,6 +1040,8 @@ def headline_plot(results, out_dir: Path) -> list[str]:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     series = {"rayrb, same node (defaults)": [loop[str(b)]["rayrb_sample_loop"]["median"] for b in Bs],
               "TorchRL O2O, in process (best of 1-2 threads)": [loop[str(b)]["torchrl_o2o_best"]["median"] for b in Bs],
+              "rayrb, prioritized (its shards read)": [loop[str(b)]["rayrb_sample_loop_prioritized"]["median"]
+                                                       for b in Bs],
               "TorchRL RayReplayBuffer": [loop[str(b)]["torchrl_ray"]["median"] for b in Bs],
               "gather limit (index_select x cores)": [loop[str(b)]["gather_limit"]["median"] for b in Bs]}
     if all(str(b) in by_node for b in Bs):

@@ -35,7 +35,7 @@ def test_benchmark_smoke_writes_results(tmp_path):
     # the headline: default arguments against the peers at their best, the coordinator's CPU, memory, other nodes
     loop = results["headline"]["loop"]["64"]
     for key in ("rayrb_sample_loop", "torchrl_o2o_1_threads", "torchrl_o2o_2_threads", "torchrl_o2o_best",
-                "torchrl_ray", "gather_limit"):
+                "torchrl_ray", "gather_limit", "rayrb_sample_loop_shard_reads", "rayrb_sample_loop_prioritized"):
         assert loop[key]["median"] > 0, key
     consumers = results["headline"]["consumers"]["64"]
     assert consumers["consumers_rows_per_s"]["median"] > 0 and consumers["coordinator_cpu_ms_per_batch"]["median"] > 0

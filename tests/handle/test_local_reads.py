@@ -77,10 +77,11 @@ def test_a_row_overwritten_during_the_copy_is_not_served(tmp_path, monkeypatch):
     assert r.read([30], [3], [None], 64, out_for(30)) is None and state["wrote"]
 
 
-def _writer(directory: str, stop_at: float) -> None:
+def _writer(directory: str, ready, stop) -> None:
     s = shard(directory)
     w = int(s.written())
-    while time.time() < stop_at:
+    ready.set()
+    while not stop.is_set():
         s.extend(rows_from(w, 16), first=w)
         w += 16
 
@@ -94,14 +95,16 @@ def test_no_torn_or_mislabelled_row_while_another_process_overwrites_them(tmp_pa
     s._lives.end()  # the writer process holds the shard from here, as a restarted shard would
     del s
     ctx = multiprocessing.get_context("spawn")
-    writer = ctx.Process(target=_writer, args=(str(d), time.time() + 4.0))
+    ready, stop = ctx.Event(), ctx.Event()
+    writer = ctx.Process(target=_writer, args=(str(d), ready, stop))
     writer.start()
     try:
+        assert ready.wait(120), "the writer process did not start"
         r = OnlineReader(str(d), SPEC, 64, "uniform")
         served = refused = 0
-        deadline = time.time() + 3.5
+        deadline = time.time() + 3.0
         seed = 0
-        while time.time() < deadline:
+        while time.time() < deadline or served == 0 and time.time() < deadline + 30:
             out = out_for(32)
             info = r.read([32], [seed], [None], 64, out)
             seed += 1
@@ -113,9 +116,10 @@ def test_no_torn_or_mislabelled_row_while_another_process_overwrites_them(tmp_pa
             assert (x == x[:, :1]).all(), "a torn row: two writes' values in one row"
             w = x[:, 0]
             assert (w % 64 == info["index"]).all() and (w // 64 + 1 == info["generation"]).all()
-        assert served > 0
+        assert served > 0 and writer.is_alive()  # rows were read locally while the writer still wrote
     finally:
-        writer.join(10)
+        stop.set()
+        writer.join(30)
     assert writer.exitcode == 0
 
 
