@@ -7,7 +7,9 @@ go at different depths:
 * **Plan deep.** A ``Stream`` asks the coordinator for a *group* of consecutive
   batches in one call, as many as ``PLAN_ROWS`` rows (at most ``MAX_PLAN`` batches),
   whatever ``prefetch`` is: a plan is a few bytes per batch, and one call costs the
-  coordinator about as much for a hundred batches as for one. The stream is exactly
+  coordinator about as much for a hundred batches as for one. A stream's first call
+  covers ``FIRST_PLAN`` batches and each next one twice as many, so one closed early
+  leaves little drawn for nothing. The stream is exactly
   that of single calls with the same seed.
 * **Read shallow.** Rows a handle can read itself (``rayrb.handle.local``: the shard's
   files on this node) are gathered in this process when the batch is served, with no
@@ -59,6 +61,8 @@ MAX_DEPTH = 100  # batches a sample() loop reads ahead
 PLAN_ROWS = 1 << 20  # rows one plan call covers: its cost a small share of the batches' own
 MAX_PLAN = 240  # batches one plan call covers: with half of them left when the next is asked for, a stream has at
 # most 360 planned, within what the coordinator can give back (rayrb.core.ahead.MAX_AHEAD)
+FIRST_PLAN = 16  # batches a stream's first plan call covers, doubling per call up to plan_size: a stream closed
+# early (an iterator per training step, a loop that writes soon) gives back little the coordinator drew for nothing
 
 
 class Held:
@@ -223,7 +227,7 @@ class Stream:
         """Batches to keep planned ahead: deep for an iterator; for the loop, its expected run."""
         if not self.depth:
             return 0
-        deep = plan_size(self.batch_size)
+        deep = min(plan_size(self.batch_size), FIRST_PLAN << min(self.stats["groups"], 8))
         return deep if self._prefetch else int(min(deep, self._expected(now)))
 
     def _expected(self, now: bool) -> int | float:

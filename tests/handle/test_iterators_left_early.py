@@ -57,12 +57,16 @@ def test_a_prefetch_deeper_than_the_coordinators_log_skips_no_row_of_the_epoch(m
     kw = {**KW, "batch_size": 1, "sampler": "without_replacement"}
     rb = make_buffer(rows(700), **kw)
     it = rb.iter_batches(prefetch=300)
-    seen = [next(it)["id"]]
     from rayrb.core.ahead import MAX_AHEAD
 
-    assert 100 <= it.ahead <= MAX_AHEAD  # deep, but no deeper than the coordinator can give back
+    seen, deepest = [], 0
+    while len(seen) < 100:  # plans grow call by call
+        seen.append(next(it)["id"])
+        deepest = max(deepest, it.ahead)
+        assert it.ahead <= MAX_AHEAD  # no deeper than the coordinator can give back
+    assert deepest >= 100
     it.close()
-    seen += [rb.sample(233)["id"] for _ in range(3)]  # the 699 rows left in the epoch
+    seen += [rb.sample(200)["id"] for _ in range(3)]  # the 600 rows left in the epoch
     assert sorted(torch.cat(seen).tolist()) == list(range(700))
 
 
