@@ -48,13 +48,13 @@ SIZES = {
                  repeats=3, min_time=1.0, min_iters=5, writer_batches=50, writer_rows=1000, per_row_frames=20_000,
                  prefetch=16, prefetch_sweep=[1, 4, 8, 16, 32], consumers=[1, 2, 4, 8], consumer_batch=4096,
                  draw_batches=[256, 4096], draw_consumers=4, draw_prefetch=[16, 64], online_shards=2, writers=[1, 4],
-                 cluster_nodes=[1, 2], idle_s=3.0, settle_s=1.0, start_delay_s=0.5),
+                 cluster_nodes=[1, 2], idle_s=3.0, settle_s=1.0, start_delay_s=0.5, headline_consumer_s=8.0),
     # every section and key once, with as few actors as that takes (each is a process start on a small machine)
     "smoke": dict(n_off=4000, dim=8, n_on=1000, batch_sizes=[64, 512], shards=[1], repeats=1, min_time=0.02,
                   min_iters=2, writer_batches=3, writer_rows=100, per_row_frames=300, prefetch=2,
                   prefetch_sweep=[1, 2], consumers=[1, 2], consumer_batch=64,
                   draw_batches=[64], draw_consumers=1, draw_prefetch=[4], online_shards=1, writers=[1],
-                  cluster_nodes=[2], idle_s=0.2, settle_s=0.1, start_delay_s=0.1),
+                  cluster_nodes=[2], idle_s=0.2, settle_s=0.1, start_delay_s=0.1, headline_consumer_s=0.1),
 }
 
 
@@ -472,15 +472,16 @@ def bench_headline(cfg, offline, online, root, results):
               flush=True)
     rray.close() if hasattr(rray, "close") else None
     prio.shutdown()
-    seconds = cfg["min_time"] * 3
+    # long enough that what an iterator holds planned when it stops (up to 1.5 plans) is a small share of a run
+    seconds = cfg["headline_consumer_s"]
     actors = [Consumer.remote() for _ in range(cfg["draw_consumers"])]
     pids = ray.get([a.__ray_call__.remote(lambda self: os.getpid()) for a in actors])
-    before = pss_bytes(pids)  # started and imported, nothing mapped yet
     for B in cfg["draw_batches"]:
         row = {}
         for _ in range(cfg["repeats"]):
             p = peers(cfg, offline, online, B)
             ray.get([a.warm.remote(rb.client(), B) for a in actors])
+            before = pss_bytes(pids)  # imported and read once: what the run adds is the rows it maps and holds
             cpu0, n0 = coordinator_cpu(rb)
             w0 = time.perf_counter()
             got = ray.get([a.run.remote(rb.client(), B, 2, seconds, time.time() + cfg["start_delay_s"])
@@ -494,6 +495,7 @@ def bench_headline(cfg, offline, online, root, results):
                          "gather_limit": p["gather_limit"], "ratio_vs_torchrl_o2o_best": rate / p["torchrl_o2o_best"],
                          "coordinator_cpu_ms_per_batch": 1e3 * (cpu1 - cpu0) / max(served, 1),
                          "coordinator_batches_planned_per_served": (n1 - n0) / max(served, 1),
+                         "coordinator_cpu_ms_per_batch_planned": 1e3 * (cpu1 - cpu0) / max(n1 - n0, 1),
                          "wall_s": time.perf_counter() - w0,
                          "consumers_pss_growth_mib": (mem["pss"] - before["pss"]) / 2**20,
                          "consumers_uss_growth_mib": (mem["uss"] - before["uss"]) / 2**20}.items():
@@ -912,6 +914,12 @@ if max(node_counts) >= 2:
                                                           / loops[str(b)]["same_node_shard_reads"])
     rb.shutdown()
     out["loops_by_node"] = loops
+import rayrb
+@ray.remote(num_cpus=0)
+def where():
+    import rayrb
+    return rayrb.__file__
+out["imported"] = {"driver": rayrb.__file__, "worker": ray.get(where.remote())}
 print("RAYRB_RESULT " + json.dumps(out), flush=True)
 ray.shutdown()
 cluster.shutdown()
@@ -933,21 +941,26 @@ def bench_cluster(cfg, results, baseline: str | None = None):
     n = min(cfg["n_off"], 200_000)
     B = 4096 if cfg["n_off"] == SIZES["full"]["n_off"] else cfg["batch_sizes"][-1]
 
-    def run(env_extra: dict[str, str], flag: str) -> dict:
+    def run(env_extra: dict[str, str], flag: str, cwd: str | None = None) -> dict:
         env = {**os.environ, **env_extra}
         env.pop("RAY_ADDRESS", None)
+        # `python -c` puts its working directory first on the path, the driver's and (through Ray) the workers'
         p = subprocess.run([sys.executable, "-c", CLUSTER_SCRIPT, str(n), str(cfg["dim"]), str(B),
                             str(cfg["min_time"] * 3), ",".join(map(str, cfg["cluster_nodes"])),
                             ",".join(map(str, cfg["batch_sizes"])), flag],
-                           capture_output=True, text=True, env=env, timeout=900)
+                           capture_output=True, text=True, env=env, timeout=900, cwd=cwd)
         if p.returncode != 0:
             raise RuntimeError(f"cluster benchmark failed:\n{p.stderr[-2000:]}")
         return result_line(p.stdout)
 
     out.update(run({}, "current"))
     if baseline:
-        old = run({"PYTHONPATH": os.pathsep.join(p for p in (str(Path(baseline).resolve()),
-                                                             os.environ.get("PYTHONPATH")) if p)}, "baseline")
+        where = Path(baseline).resolve()
+        old = run({"PYTHONPATH": os.pathsep.join(p for p in (str(where), os.environ.get("PYTHONPATH")) if p)},
+                  "baseline", cwd=str(where))
+        for who, path in old.pop("imported", {}).items():
+            if not Path(path).resolve().is_relative_to(where):
+                raise RuntimeError(f"the baseline run's {who} imported rayrb from {path}, expected under {where}")
         out["baseline"] = {"path": str(baseline), **old}
         for b, row in out.get("loops_by_node", {}).items():
             was = old.get("loops_by_node", {}).get(b, {})
@@ -1044,9 +1057,10 @@ def headline_plot(results, out_dir: Path) -> list[str]:
                                                        for b in Bs],
               "TorchRL RayReplayBuffer": [loop[str(b)]["torchrl_ray"]["median"] for b in Bs],
               "gather limit (index_select x cores)": [loop[str(b)]["gather_limit"]["median"] for b in Bs]}
+    series["rayrb, shards read (local_reads=False)"] = [loop[str(b)]["rayrb_sample_loop_shard_reads"]["median"]
+                                                        for b in Bs]
     if all(str(b) in by_node for b in Bs):
-        series["rayrb, other node (defaults)"] = [by_node[str(b)]["other_node_default"] for b in Bs]
-        series["rayrb, shards read (before local reads)"] = [by_node[str(b)]["same_node_shard_reads"] for b in Bs]
+        series["rayrb, other node (defaults; simulated node)"] = [by_node[str(b)]["other_node_default"] for b in Bs]
     for label, ys in series.items():
         ax.plot(Bs, ys, marker="o", label=label, linestyle="--" if "limit" in label else "-")
     ax.set(xscale="log", yscale="log", xlabel="batch size", ylabel="rows/s (one sample() loop)",

@@ -17,14 +17,49 @@ def rng(v: dict) -> str:
     return f"{fmt(v['median'])} ({fmt(v['min'])}–{fmt(v['max'])})"
 
 
+def med(v: dict, f: str = "{:,.0f}") -> str:
+    """A median with its range: ``1,234 (1,100–1,300)``."""
+    return f"{f.format(v['median'])} ({f.format(v['min'])}–{f.format(v['max'])})"
+
+
+def headline(h: dict) -> list[str]:
+    """Default arguments against the peers (``bench_headline``)."""
+    out = ["### Default arguments: one process's `sample()` loop (rows/s, median (min–max))", "",
+           "| B | rayrb | × TorchRL O2O (best of 1–2 threads) | TorchRL O2O | × RayReplayBuffer | RayReplayBuffer | "
+           "shards read (`local_reads=False`) | prioritized | gather limit |", "|---|---|---|---|---|---|---|---|---|"]
+    for B, v in h["loop"].items():
+        out.append(f"| {B} | {med(v['rayrb_sample_loop'])} | {med(v['ratio_vs_torchrl_o2o_best'], '{:.2f}')} | "
+                   f"{med(v['torchrl_o2o_best'])} | {med(v['ratio_vs_torchrl_ray'], '{:.2f}')} | "
+                   f"{med(v['torchrl_ray'])} | {fmt(v['rayrb_sample_loop_shard_reads']['median'])} | "
+                   f"{fmt(v['rayrb_sample_loop_prioritized']['median'])} | {fmt(v['gather_limit']['median'])} |")
+    c = h["consumers"]
+    out += ["", f"### Default arguments: {c['count']} consumer actors' `iter_batches()` together "
+            f"(prefetch {c['prefetch']})", "",
+            "| B | rows/s in all | × TorchRL O2O | coordinator CPU ms per batch served | per batch planned | "
+            "batches planned per served | "
+            "consumers' PSS growth MiB | USS growth MiB |", "|---|---|---|---|---|---|---|---|"]
+    for B, v in c.items():
+        if isinstance(v, dict):
+            out.append(f"| {B} | {med(v['consumers_rows_per_s'])} | {med(v['ratio_vs_torchrl_o2o_best'], '{:.2f}')} "
+                       f"| {med(v['coordinator_cpu_ms_per_batch'], '{:.3f}')} | "
+                       f"{v['coordinator_cpu_ms_per_batch_planned']['median']:.3f} | "
+                       f"{v['coordinator_batches_planned_per_served']['median']:.2f} | "
+                       f"{med(v['consumers_pss_growth_mib'], '{:,.1f}')} | {med(v['consumers_uss_growth_mib'], '{:,.1f}')} |")
+    out.append(f"\nThe offline table is {c['dataset_mib']:,.0f} MiB.")
+    return out + [""]
+
+
 def render(r: dict) -> str:
     out = [f"Command: `{r['command']}`  ", f"Mode: {r['mode']}, {r['config']['repeats']} repeats; "
            f"data: {r['data']}  ",
            f"Machine: {r['machine']['cpus']} CPUs, {r['machine']['mem_gib']} GiB, {r['machine']['platform']}; "
            + ", ".join(f"{k} {v}" for k, v in r["versions"].items()), ""]
-    s = r["sampling"]
-    out += ["### Sampling (rows/s, median (min–max); p50/p99 ms per batch)", "",
-            "| B | peer | rows/s | batches/s | p50 ms | p99 ms |", "|---|---|---|---|---|---|"]
+    if "headline" in r:
+        out += headline(r["headline"])
+    s = r.get("sampling", {})
+    if s:
+        out += ["### Sampling (rows/s, median (min–max); p50/p99 ms per batch)", "",
+                "| B | peer | rows/s | batches/s | p50 ms | p99 ms |", "|---|---|---|---|---|---|"]
     for B, row in s.items():
         for k, v in row.items():
             out.append(f"| {B} | {k} | {rng(v['rows_per_s'])} | {v['batches_per_s']:,.1f} | {v['p50_ms']:.2f} | "
@@ -87,11 +122,25 @@ def render(r: dict) -> str:
                    f"{o['batch_mib']:.1f} MiB, so prefetch x batch = {o['prefetch'] * o['batch_mib']:.1f} MiB")
     if "cluster" in r:
         c = r["cluster"]
+        def by_nodes(runs: dict) -> str:
+            return "; ".join(f"{v['nodes']} node(s): {fmt(v['rows_per_s'])} rows/s" for v in runs.values()
+                             if isinstance(v, dict) and "nodes" in v)
+
         out += ["", "### Two-node Cluster (prefetch 4, 2 offline shards, SPREAD)", "",
-                f"- 1 node: {fmt(c['1_node']['rows_per_s'])} rows/s; 2 nodes: {fmt(c['2_node']['rows_per_s'])} rows/s "
-                f"({c['note']})"]
+                f"- {by_nodes(c)} ({c['note']})"]
+        if "baseline" in c:
+            out.append(f"- the same on `{c['baseline']['path']}`: {by_nodes(c['baseline'])}")
+        if "loops_by_node" in c:
+            out += ["", "A plain `sample()` loop (rows/s) on the shards' node and on the other node:", "",
+                    "| B | same node, defaults | same node, shards read | other node, defaults | other / shards read |"
+                    " other node vs older code | same node vs older code |", "|---|---|---|---|---|---|---|"]
+            for B, v in c["loops_by_node"].items():
+                out.append(f"| {B} | {fmt(v['same_node_default'])} | {fmt(v['same_node_shard_reads'])} | "
+                           f"{fmt(v['other_node_default'])} | {v['other_node_vs_shard_reads']:.2f} | "
+                           f"{v.get('other_node_vs_baseline', float('nan')):.2f} | "
+                           f"{v.get('same_node_vs_baseline', float('nan')):.2f} |")
     out += ["", "### Ratios (medians)", "", "| ratio | value |", "|---|---|"]
-    out += [f"| {k} | {v:.3f} |" for k, v in r["ratios"].items()]
+    out += [f"| {k} | {v:.3f} |" for k, v in r.get("ratios", {}).items()]
     return "\n".join(out) + "\n"
 
 

@@ -43,6 +43,11 @@ def test_benchmark_smoke_writes_results(tmp_path):
     by_node = results["cluster"]["loops_by_node"]["64"]
     assert by_node["same_node_default_local_reads"] > 0 and by_node["other_node_default_local_reads"] == 0
     assert by_node["same_node_shard_reads_local_reads"] == 0 and by_node["other_node_default"] > 0
+    # the report renders every section the run wrote
+    tables = subprocess.run([sys.executable, str(REPO / "pipelines" / "report.py"), str(tmp_path / "results.json")],
+                            capture_output=True, text=True, timeout=60)
+    assert tables.returncode == 0, tables.stderr[-4000:]
+    assert "Default arguments" in tables.stdout and "Two-node Cluster" in tables.stdout
 
 
 def test_ray_settings_are_refused_for_a_cluster_the_benchmark_joins(tmp_path):
