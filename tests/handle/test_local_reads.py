@@ -34,6 +34,14 @@ def shard(directory, capacity=64) -> OnlineShard:
     return OnlineShard(SPEC.to_json(), capacity, "t/on-0", state_dir=str(directory))
 
 
+def filled(tmp_path):
+    """A 64-row shard holding rows 0..63, and a reader of its files: ``(directory, shard, reader)``."""
+    d = tmp_path / "on-0"
+    s = shard(d)
+    s.extend(rows_from(0, 64), first=0)
+    return d, s, OnlineReader(str(d), SPEC, 64, "uniform")
+
+
 # -- no Ray: the reader against a shard in this process ----------------------------------------------------------
 def test_a_local_read_gives_the_shards_rows_and_info(tmp_path):
     s = shard(tmp_path / "on-0")
@@ -48,9 +56,7 @@ def test_a_local_read_gives_the_shards_rows_and_info(tmp_path):
 
 
 def test_rows_being_written_or_not_yet_landed_go_to_the_shard(tmp_path):
-    s = shard(tmp_path / "on-0")
-    s.extend(rows_from(0, 64), first=0)
-    r = OnlineReader(str(tmp_path / "on-0"), SPEC, 64, "uniform")
+    _, s, r = filled(tmp_path)
     assert r.read([8], [1], [None], 70, out_for(8)) is None  # planned after 6 rows that have not landed
     s._gen[:] = -np.abs(s._gen)  # every slot being written, as a shard marks them
     assert r.read([8], [1], [None], 64, out_for(8)) is None
@@ -59,9 +65,7 @@ def test_rows_being_written_or_not_yet_landed_go_to_the_shard(tmp_path):
 
 
 def test_a_row_overwritten_during_the_copy_is_not_served(tmp_path, monkeypatch):
-    s = shard(tmp_path / "on-0")
-    s.extend(rows_from(0, 64), first=0)
-    r = OnlineReader(str(tmp_path / "on-0"), SPEC, 64, "uniform")
+    _, s, r = filled(tmp_path)
     real_take = np.ndarray.take
     state = {"wrote": False}
 
@@ -124,10 +128,7 @@ def test_no_torn_or_mislabelled_row_while_another_process_overwrites_them(tmp_pa
 
 
 def test_files_made_afresh_are_mapped_again_and_never_read_stale(tmp_path):
-    d = tmp_path / "on-0"
-    s = shard(d)
-    s.extend(rows_from(0, 64), first=0)
-    r = OnlineReader(str(d), SPEC, 64, "uniform")
+    d, s, r = filled(tmp_path)
     assert r.read([8], [1], [None], 64, out_for(8)) is not None
     (d / "layout.json").unlink()  # a directory half made: the next start makes the files afresh
     again = shard(d)
@@ -139,10 +140,7 @@ def test_files_made_afresh_are_mapped_again_and_never_read_stale(tmp_path):
 
 
 def test_a_shard_whose_process_is_gone_is_not_read_here(tmp_path):
-    d = tmp_path / "on-0"
-    s = shard(d)
-    s.extend(rows_from(0, 64), first=0)
-    r = OnlineReader(str(d), SPEC, 64, "uniform")
+    d, s, r = filled(tmp_path)
     assert r.read([8], [1], [None], 64, out_for(8)) is not None
     s._lives.end()  # the lease's lock goes with the process
     r._checked = -1.0
