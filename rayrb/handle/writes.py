@@ -80,6 +80,7 @@ class Writes:
         ref = ray.put(arrays)  # one object; each shard copies its own contiguous piece out of it
         accepted = False  # the coordinator took the write: from here a failure may leave some of it applied
         try:
+            coordinator = _actor_id(self.rpc.coord)
             for attempt in range(MAX_ASKS):
                 try:
                     indices, acks = self.rpc.call("extend", [ref], n, write_id=write_id, prefill=prefill,
@@ -94,7 +95,7 @@ class Writes:
                     if self.rpc.closed:
                         raise
                     accepted = True
-                    if not _coordinator_died(e) or attempt == MAX_ASKS - 1:
+                    if not _coordinator_died(e, coordinator) or attempt == MAX_ASKS - 1:
                         raise _named(e, write_id) from e
                     time.sleep(min(1.0, 0.01 * 2 ** attempt))
         except TimeoutError as e:  # the write may still land: name it, so that a retry lands it once
@@ -153,11 +154,37 @@ class Writes:
 MAX_ASKS = 100  # times extend() asks again a coordinator that keeps dying before its acknowledgements are read
 
 
-def _coordinator_died(e: BaseException) -> bool:
-    """Whether ``e`` says the coordinator died: during the call itself, or holding the acknowledgements it owns."""
+def _coordinator_died(e: BaseException, coordinator: str | None) -> bool:
+    """Whether ``e`` says the coordinator (hex id ``coordinator``) died, during the call or holding the
+    acknowledgements it owns: an actor's death that Ray pins on it or on no actor. A dead shard (its death
+    named in the coordinator's answer, or in an acknowledgement) fails the write at once: asking again would not
+    bring it back.
+
+    >>> from ray.exceptions import OwnerDiedError, RayActorError
+    >>> def died(cause, coordinator):
+    ...     try:
+    ...         raise ValueError() from cause
+    ...     except ValueError as e:
+    ...         return _coordinator_died(e, coordinator)
+    >>> died(RayActorError(), "cd"), died(RayActorError("ab"), "cd"), died(RayActorError("cd"), "cd")
+    (True, False, True)
+    >>> died(OwnerDiedError.__new__(OwnerDiedError), "cd"), died(TimeoutError(), None)
+    (True, False)
+    """
     from ray.exceptions import OwnerDiedError, RayActorError
 
-    return isinstance(e.__cause__, (OwnerDiedError, RayActorError))
+    cause = e.__cause__
+    if isinstance(cause, OwnerDiedError):
+        return True
+    if not isinstance(cause, RayActorError):
+        return False
+    return getattr(cause, "actor_id", None) in (None, coordinator)
+
+
+def _actor_id(handle: Any) -> str | None:
+    """An actor handle's id as Ray's errors write it (hex), or None."""
+    actor_id = getattr(handle, "_actor_id", None)
+    return actor_id.hex() if actor_id is not None else None
 
 
 def _named(e: BufferUnavailableError, write_id: str) -> BufferUnavailableError:
