@@ -117,3 +117,18 @@ assert not importable and not twice, (importable, twice)
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr[-2000:]
+
+
+def test_the_architecture_table_lists_every_module():
+    """docs/architecture.md's layer table names each module of each layer (a subpackage as ``name/``), and no
+    module that is gone."""
+    import re
+
+    doc = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    for floor in ("core", "io", "durability", "actors", "handle", "integrations"):
+        row = next(line for line in doc.splitlines() if line.startswith(f"| `rayrb.{floor}` |"))
+        listed = set(re.findall(r"`([a-z_]+/?)`", row.split("|")[2]))
+        here = {p.stem for p in (PACKAGE / floor).glob("*.py") if p.stem != "__init__"}
+        here |= {p.name + "/" for p in (PACKAGE / floor).iterdir() if (p / "__init__.py").is_file()}
+        assert listed == here, f"rayrb.{floor}: the table lists {sorted(listed - here)} that are not modules, " \
+                               f"and leaves out {sorted(here - listed)}"
