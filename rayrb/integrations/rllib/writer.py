@@ -1,0 +1,45 @@
+"""Env runners write their episodes straight into a rayrb buffer: an RLlib callback.
+
+``config.callbacks(EnvRunnerWriter)`` with ``replay_buffer_config={"type": ..., "buffer": rb.client()}``:
+at the end of each ``EnvRunner.sample()`` the runner turns its episode chunks into rows and extends the
+buffer through the client the config carries, then empties the list it returns, so the rows go runner ->
+shards and the driver's ``add`` gets nothing to write twice. The runner's metrics (returns, steps
+sampled) are computed before this callback and are kept. Evaluation runners write nothing.
+
+This module imports RLlib; ``rayrb.integrations.rllib`` imports it only when ``EnvRunnerWriter`` is asked for.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from ray.rllib.callbacks.callbacks import RLlibCallback
+
+from rayrb.integrations.rllib.transitions import EpisodeRows, match_dtypes, row_n_step
+
+ROWS_WRITTEN = "rayrb_rows_written"
+
+
+class EnvRunnerWriter(RLlibCallback):
+    """Writes each env runner's sampled episodes into the rayrb buffer named by ``replay_buffer_config["buffer"]``."""
+
+    def __init__(self):
+        super().__init__()
+        self._client: Any = None
+        self._rows: EpisodeRows | None = None
+
+    def on_sample_end(self, *, env_runner: Any = None, metrics_logger: Any = None, samples: Any = None,
+                      **kwargs: Any) -> None:
+        if env_runner is None or env_runner.config.in_evaluation or not isinstance(samples, list):
+            return
+        if self._client is None:
+            client = (env_runner.config.replay_buffer_config or {}).get("buffer")
+            if client is None or not hasattr(client, "extend"):
+                raise ValueError("expected replay_buffer_config['buffer'] to be a rayrb buffer client for env "
+                                 f"runners to write into, got {client!r}")
+            self._client, self._rows = client, EpisodeRows(row_n_step(client.spec))
+        rows = self._rows.add(samples)
+        if rows is not None:
+            self._client.extend(match_dtypes(rows, self._client.spec))
+        samples.clear()  # written: the driver's buffer must not write them again
+        if metrics_logger is not None:
+            metrics_logger.log_value(ROWS_WRITTEN, 0 if rows is None else len(rows["t"]), reduce="sum")
