@@ -21,7 +21,9 @@ and sends, as before.
   generation is read before and after its copy; the shard makes it negative while it
   writes the row, so a row being overwritten, or torn, is never served: the read then
   goes to the shard, which serializes it with its writes.
-* **Not local**: prioritized sampling (the sum tree lives in the shard), rows held on
+* **Not local**: online rows on machines whose stores another process may see out of
+  order (``ordered_stores``: the generation check needs x86's store order), prioritized
+  sampling (the sum tree lives in the shard), rows held on
   a GPU (``storage_device="cuda"``), shards on another node, files this node cannot
   open. ``local_reads=False`` turns the path off; the stream is the same either way.
 
@@ -31,6 +33,7 @@ part from the shard instead.
 from __future__ import annotations
 
 import os
+import platform
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -148,6 +151,17 @@ class OnlineReader(Reader):
         return {"index": idx, "generation": before}
 
 
+def ordered_stores(machine: str | None = None) -> bool:
+    """Whether this machine makes another process's stores visible in the order it made them (x86's total store
+    order), which reading the generations around a copy relies on: numpy puts no fences between the shard's
+    stores, nor between the reader's loads. Elsewhere (ARM, POWER) online rows are read by their shard.
+
+    >>> ordered_stores("x86_64"), ordered_stores("AMD64"), ordered_stores("aarch64")
+    (True, True, False)
+    """
+    return (machine if machine is not None else platform.machine()).lower() in ("x86_64", "amd64", "i686", "i386")
+
+
 class LocalReads:
     """The readers of one handle, made at first use for the shards this process can read (see the module).
 
@@ -190,7 +204,7 @@ class LocalReads:
                 return None
             if d["side"] == OFFLINE:
                 return OfflineReader(d["root"], d["start"], d["stop"], d["sampler"])
-            if d.get("dir") is None:
+            if d.get("dir") is None or not ordered_stores():
                 return None
             return OnlineReader(d["dir"], self._spec, d["capacity"], d["sampler"])
         except Exception:  # files this node cannot open, a shard that does not answer: the shard reads

@@ -147,6 +147,18 @@ def test_a_shard_whose_process_is_gone_is_not_read_here(tmp_path):
     assert r.read([8], [1], [None], 64, out_for(8)) is None
 
 
+def test_online_rows_are_read_here_only_where_stores_are_seen_in_order(tmp_path, monkeypatch):
+    """The generation check around a copy needs x86's store order: elsewhere the online shard reads its rows."""
+    from rayrb.handle.local import LocalReads
+
+    d, s, _ = filled(tmp_path)
+    layout = [{"side": "online", "sampler": "uniform", "dir": str(d), "capacity": 64}]
+    for machine, local in (("x86_64", True), ("aarch64", False)):
+        monkeypatch.setattr("platform.machine", lambda: machine)
+        reads = LocalReads(layout, SPEC, 0, "node-a", lambda j: "node-a")
+        assert (reads.reader("online", 0) is not None) is local, machine
+
+
 def test_an_offline_reader_draws_what_the_shard_draws(tmp_path):
     from rayrb import write_dataset
     from rayrb.actors.shards import OfflineShard
