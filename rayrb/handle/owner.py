@@ -178,37 +178,12 @@ class OfflineToOnlineReplayBuffer(BufferClient):
     ):
         self.rpc, self._owned_dirs = None, []  # until the actors run, nothing is usable or owned
         # Validate everything before any actor exists.
-        num_offline_shards = positive_int("num_offline_shards", num_offline_shards)
-        num_online_shards = positive_int("num_online_shards", num_online_shards)
-        online_capacity = _capacity_option(online_capacity, online_storage, num_online_shards)
-        if isinstance(offline_fraction, (int, float)):
-            fraction("offline_fraction", offline_fraction)
-        schedule = make_schedule(offline_fraction)
-        if batch_size is None and _is_dataset_id(offline_dataset):  # TorchRL's rule, and its words
-            raise ValueError(f"batch_size must be provided when offline_dataset is a string, so the dataset can be "
-                             f"constructed. Got batch_size=None for {offline_dataset!r}")
-        batch_size = None if batch_size is None else positive_int("batch_size", batch_size)
-        kinds = _sampler_kinds(offline_dataset, sampler, offline_sampler, online_sampler)
-        if drop_last is None and epoch_end is None:  # a TorchRL buffer's SamplerWithoutReplacement(drop_last=...)
-            drop_last = getattr(getattr(offline_dataset, "_sampler", None), "drop_last", None)
-        epoch_end = epoch_end_option(epoch_end, drop_last)
-        prio = priority_options(alpha, beta, eps)
-        max_restarts = restarts_option(max_restarts)
-        transport = check_transport(transport)
-        online_nodes = online_nodes_option(online_nodes, num_online_shards, actor_options or {})
-        storage_device = check_storage_device(storage_device)
-        if transport == "nccl" and "num_gpus" not in (actor_options or {}):
-            _check_nccl_gpus(num_offline_shards + num_online_shards)
-        from rayrb.core.rate_limiter import make_rate_limiter
-
-        limiter = make_rate_limiter(rate_limiter)
-        limiter.validate(online_capacity=online_capacity)  # a configuration that can deadlock is refused here
-        settings = {"local_reads": boolean("local_reads", local_reads), "limited": limiter.samples_per_insert is not None,
-                    "timeout": check_timeout(timeout), "transform": callable_or_none("transform", transform),
-                    "max_batch_bytes": positive_int("max_batch_bytes", max_batch_bytes),
-                    "prefetch": non_negative_int("prefetch", prefetch), "transport": transport,
-                    "storage_device": storage_device}
-
+        (num_offline_shards, num_online_shards, online_capacity, schedule, batch_size, kinds, epoch_end, prio,
+         max_restarts, transport, online_nodes, storage_device, limiter, settings) = _checked_options(
+            offline_dataset, num_offline_shards, num_online_shards, online_capacity, online_storage, offline_fraction,
+            batch_size, sampler, offline_sampler, online_sampler, epoch_end, drop_last, alpha, beta, eps, max_restarts,
+            transport, online_nodes, actor_options, storage_device, rate_limiter, local_reads, timeout, transform,
+            max_batch_bytes, prefetch)
         own_sampler = sampler is not None or offline_sampler is not None
         dataset, self._owned_dirs = _offline_chunks(offline_dataset, batch_size, own_sampler, kinds, dataset_root,
                                                     num_offline_shards, dataset_kwargs)
@@ -372,6 +347,47 @@ class OfflineToOnlineReplayBuffer(BufferClient):
     def __repr__(self) -> str:
         state = "shut down" if self.rpc is None or self.rpc.closed else f"offline_rows={self._offline_rows}"
         return f"{type(self).__name__}(name={self._name!r}, {state}, spec={self._spec!r}, batch_size={self._batch_size})"
+
+
+def _checked_options(offline_dataset: Any, num_offline_shards: Any, num_online_shards: Any, online_capacity: Any,
+                     online_storage: Any, offline_fraction: Any, batch_size: Any, sampler: Any, offline_sampler: Any,
+                     online_sampler: Any, epoch_end: Any, drop_last: Any, alpha: Any, beta: Any, eps: Any,
+                     max_restarts: Any, transport: Any, online_nodes: Any, actor_options: Any, storage_device: Any,
+                     rate_limiter: Any, local_reads: Any, timeout: Any, transform: Any, max_batch_bytes: Any,
+                     prefetch: Any) -> tuple:
+    """The buffer's options checked, in ``__init__``'s order, before any actor exists; the handle's settings last."""
+    num_offline_shards = positive_int("num_offline_shards", num_offline_shards)
+    num_online_shards = positive_int("num_online_shards", num_online_shards)
+    online_capacity = _capacity_option(online_capacity, online_storage, num_online_shards)
+    if isinstance(offline_fraction, (int, float)):
+        fraction("offline_fraction", offline_fraction)
+    schedule = make_schedule(offline_fraction)
+    if batch_size is None and _is_dataset_id(offline_dataset):  # TorchRL's rule, and its words
+        raise ValueError(f"batch_size must be provided when offline_dataset is a string, so the dataset can be "
+                         f"constructed. Got batch_size=None for {offline_dataset!r}")
+    batch_size = None if batch_size is None else positive_int("batch_size", batch_size)
+    kinds = _sampler_kinds(offline_dataset, sampler, offline_sampler, online_sampler)
+    if drop_last is None and epoch_end is None:  # a TorchRL buffer's SamplerWithoutReplacement(drop_last=...)
+        drop_last = getattr(getattr(offline_dataset, "_sampler", None), "drop_last", None)
+    epoch_end = epoch_end_option(epoch_end, drop_last)
+    prio = priority_options(alpha, beta, eps)
+    max_restarts = restarts_option(max_restarts)
+    transport = check_transport(transport)
+    online_nodes = online_nodes_option(online_nodes, num_online_shards, actor_options or {})
+    storage_device = check_storage_device(storage_device)
+    if transport == "nccl" and "num_gpus" not in (actor_options or {}):
+        _check_nccl_gpus(num_offline_shards + num_online_shards)
+    from rayrb.core.rate_limiter import make_rate_limiter
+
+    limiter = make_rate_limiter(rate_limiter)
+    limiter.validate(online_capacity=online_capacity)  # a configuration that can deadlock is refused here
+    settings = {"local_reads": boolean("local_reads", local_reads), "limited": limiter.samples_per_insert is not None,
+                "timeout": check_timeout(timeout), "transform": callable_or_none("transform", transform),
+                "max_batch_bytes": positive_int("max_batch_bytes", max_batch_bytes),
+                "prefetch": non_negative_int("prefetch", prefetch), "transport": transport,
+                "storage_device": storage_device}
+    return (num_offline_shards, num_online_shards, online_capacity, schedule, batch_size, kinds, epoch_end, prio,
+            max_restarts, transport, online_nodes, storage_device, limiter, settings)
 
 
 def _start_actors(dataset: ChunkDataset, name: str, capacity: int, m: int, k: int, *, schedule: Schedule,

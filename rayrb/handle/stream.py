@@ -122,6 +122,95 @@ def plan_size(batch_size: int) -> int:
     return max(2, min(MAX_PLAN, PLAN_ROWS // max(1, batch_size)))
 
 
+class Reads:
+    """The read side of a stream: each planned batch's parts gathered here (``local``) or read by their shards,
+    into the batch's own arrays. ``direct`` (shard handles by side) reads GPU shards into this actor's GPU."""
+
+    def __init__(self, rpc: Any, spec: Any, direct: dict[str, list] | None, local: Any, stats: dict[str, int]):
+        self.rpc, self._direct, self._stats = rpc, direct, stats
+        self._local = None if direct is not None else local
+        self._shapes = spec.shapes
+
+    def submit(self, batches: list[_Planned]) -> int:
+        """Submit the shard reads of ``batches`` that this process does not read itself: per shard, one read for
+        each run of consecutive batches of one group. Returns how many batches have a shard read."""
+        runs: dict[tuple, list[tuple[_Planned, int]]] = {}
+        for b in batches:
+            b.sources = [None] * len(b.reads)
+            for i, (side, shard, args) in enumerate(b.reads):
+                if self._local is not None and self._local.reader(side, shard) is not None:
+                    continue  # gathered here when served
+                runs.setdefault((side, shard, b.group), []).append((b, i))
+        for (side, shard, _), parts in runs.items():
+            counts, seeds, epochs = [], [], []
+            for b, i in parts:
+                c, s, e, _written = b.reads[i][2]
+                counts += c
+                seeds += s
+                epochs += e
+            read = (side, shard, (counts, seeds, epochs, parts[0][0].reads[parts[0][1]][2][3]))
+            remote = _Remote(read, self.rpc.read(*read, direct=self._direct), len(parts))
+            offset = 0
+            for b, i in parts:
+                b.sources[i] = (remote, offset)
+                b.remote = True
+                offset += b.reads[i][2][0][0]
+            self._stats["reads"] += 1
+        return sum(b.remote for b in batches)
+
+    def all_local(self) -> bool:
+        """Whether every part is read here: no shard read to submit ahead."""
+        return self._local is not None and self._local.all_local()
+
+    def _remote_part(self, b: _Planned, i: int) -> Any:
+        """Part ``i`` of batch ``b`` from its shard: ``(rows, info)`` (numpy, or tensors for direct reads)."""
+        side, shard, args = b.reads[i]
+        source = b.sources[i] if b.sources is not None else None
+        if source is None:  # not submitted ahead, or a read here that could not go: the shard reads it now
+            source = (_Remote((side, shard, args), self.rpc.read(side, shard, args, direct=self._direct), 1), 0)
+            self._stats["reads"] += 1
+        remote, offset = source
+        if remote.result is None:
+            remote.result = self.rpc.fetch_read(remote.read, remote.ref, self._direct)
+            if self._direct is not None:
+                from rayrb.actors.transport import split_flat
+
+                remote.result = split_flat(remote.result)
+        if remote.batches == 1 and offset == 0:
+            return remote.result
+        count = args[0][0]
+        rows, info = remote.result
+        return {k: v[offset:offset + count] for k, v in rows.items()}, {k: v[offset:offset + count]
+                                                                      for k, v in info.items()}
+
+    def read(self, b: _Planned) -> Held:
+        """Batch ``b``: each part read here into the batch's own arrays, or copied there from its shard read
+        (one copy of every row, and nothing that pins a shard read's object); provenance left for ``info()``."""
+        last = bool(b.plan.last_of_epoch)
+        if self._direct is not None:
+            from rayrb.actors.transport import receive
+
+            return Held(receive(b.plan, *(self._remote_part(b, i) for i in range(len(b.reads)))), last,
+                        b.version, b.number)
+        rows: dict[str, np.ndarray] = {}
+        infos, offset = [], 0
+        for i, (side, shard, args) in enumerate(b.reads):
+            count = args[0][0]
+            if not rows:
+                rows = {k: np.empty((b.plan.batch_size, *shape), dtype) for k, (shape, dtype) in self._shapes.items()}
+            out = {k: v[offset:offset + count] for k, v in rows.items()}
+            info = None
+            if self._local is not None and (b.sources is None or b.sources[i] is None):
+                info = self._local.read_into(side, shard, args, out)
+            if info is None:
+                part_rows, info = self._remote_part(b, i)
+                for k, v in out.items():
+                    v[...] = part_rows[k]
+            infos.append(info)
+            offset += count
+        return Held(rows, last, b.version, b.number, b.plan, infos)
+
+
 class Stream:
     """Batches of one handle in stream order (see the module).
 
@@ -138,9 +227,7 @@ class Stream:
                  max_bytes: int = MAX_BYTES, limit: int | None = None, local: Any = None, limited: bool = False):
         self.rpc, self.batch_size, self.depth = rpc, batch_size, depth
         self._row_bytes, self._max_bytes = max(1, spec.row_bytes), max_bytes
-        self._shapes = {k: (tuple(f.shape), np.dtype(f.dtype)) for k, f in spec.items()}
         self._prefetch, self._follow, self._direct = prefetch, follow_version, direct
-        self._local = None if direct is not None else local
         self._limited = limited
         self._left = limit  # batches still to hand over (an iterator's num_batches)
         self.id = uuid.uuid4().hex  # names this stream's draws at the coordinator
@@ -157,6 +244,7 @@ class Stream:
         self.closed = False
         self.max_in_flight = 0
         self.stats = {"groups": 0, "reads": 0, "given_back": 0, "dropped": 0, "kept": 0, "stale": 0}
+        self._reads = Reads(rpc, spec, direct, local, self.stats)
         _LIVE.add(self)
 
     @property
@@ -191,7 +279,7 @@ class Stream:
             first = self._first()
             if not self._covered:  # the batch served now and the window beyond it: one read per shard for them all
                 self._cover(min(len(self._planned), self._window() + 1))
-            held = self._read(first)  # a failed read (a timeout) leaves the batch first in line
+            held = self._reads.read(first)  # a failed read (a timeout) leaves the batch first in line
             self._planned.popleft()
             if self._covered:
                 self._covered -= 1
@@ -265,7 +353,7 @@ class Stream:
     def _read_ahead(self) -> None:
         """Submit the shard reads of the batches planned next, once a quarter of the window is left."""
         window = self._window()
-        if self._asked and self._covered >= len(self._planned) and window and not self._all_local():
+        if self._asked and self._covered >= len(self._planned) and window and not self._reads.all_local():
             self._resolve_answered()  # asking Ray costs ~0.1 ms: only when there are shard reads to submit
         if self._covered > (max(1, window // 4) if window > 1 else 0) or self._covered >= len(self._planned):
             return
@@ -324,88 +412,9 @@ class Stream:
 
     # reading ----------------------------------------------------------------------
     def _cover(self, upto: int) -> None:
-        """Submit the shard reads of planned batches ``[covered, upto)`` that this process does not read itself:
-        per shard, one read for each run of consecutive batches of one group."""
-        batches = [self._planned[j] for j in range(self._covered, upto)]
-        runs: dict[tuple, list[tuple[_Planned, int]]] = {}
-        for b in batches:
-            b.sources = [None] * len(b.reads)
-            for i, (side, shard, args) in enumerate(b.reads):
-                if self._local is not None and self._local.reader(side, shard) is not None:
-                    continue  # gathered here when served
-                runs.setdefault((side, shard, b.group), []).append((b, i))
-        for (side, shard, _), parts in runs.items():
-            counts, seeds, epochs = [], [], []
-            for b, i in parts:
-                c, s, e, _written = b.reads[i][2]
-                counts += c
-                seeds += s
-                epochs += e
-            read = (side, shard, (counts, seeds, epochs, parts[0][0].reads[parts[0][1]][2][3]))
-            remote = _Remote(read, self.rpc.read(*read, direct=self._direct), len(parts))
-            offset = 0
-            for b, i in parts:
-                b.sources[i] = (remote, offset)
-                b.remote = True
-                offset += b.reads[i][2][0][0]
-            self.stats["reads"] += 1
-        self._in_flight += sum(b.remote for b in batches)
+        """Submit the shard reads of planned batches ``[covered, upto)`` (``Reads.submit``)."""
+        self._in_flight += self._reads.submit([self._planned[j] for j in range(self._covered, upto)])
         self._covered = upto
-
-    def _all_local(self) -> bool:
-        """Whether every part is read here: no shard read to submit ahead."""
-        return self._local is not None and self._local.all_local()
-
-    def _remote_part(self, b: _Planned, i: int) -> Any:
-        """Part ``i`` of batch ``b`` from its shard: ``(rows, info)`` (numpy, or tensors for direct reads)."""
-        side, shard, args = b.reads[i]
-        source = b.sources[i] if b.sources is not None else None
-        if source is None:  # not submitted ahead, or a read here that could not go: the shard reads it now
-            source = (_Remote((side, shard, args), self.rpc.read(side, shard, args, direct=self._direct), 1), 0)
-            self.stats["reads"] += 1
-        remote, offset = source
-        if remote.result is None:
-            remote.result = self.rpc.fetch_read(remote.read, remote.ref, self._direct)
-            if self._direct is not None:
-                from rayrb.actors.transport import split_flat
-
-                remote.result = split_flat(remote.result)
-        if remote.batches == 1 and offset == 0:
-            return remote.result
-        count = args[0][0]
-        rows, info = remote.result
-        return {k: v[offset:offset + count] for k, v in rows.items()}, {k: v[offset:offset + count]
-                                                                      for k, v in info.items()}
-
-    def _read(self, b: _Planned) -> Held:
-        """Batch ``b``: each part read here into the batch's own arrays, or copied there from its shard read
-        (one copy of every row, and nothing that pins a shard read's object); provenance left for ``info()``."""
-        last = bool(b.plan.last_of_epoch)
-        if self._direct is not None:
-            from rayrb.actors.transport import receive
-
-            return Held(receive(b.plan, *(self._remote_part(b, i) for i in range(len(b.reads)))), last,
-                        b.version, b.number)
-        rows: dict[str, np.ndarray] = {}
-        infos, offset = [], 0
-        for i, (side, shard, args) in enumerate(b.reads):
-            count = args[0][0]
-            if not rows:
-                rows = self._spec_rows(b.plan.batch_size)
-            out = {k: v[offset:offset + count] for k, v in rows.items()}
-            info = None
-            if self._local is not None and (b.sources is None or b.sources[i] is None):
-                info = self._local.read_into(side, shard, args, out)
-            if info is None:
-                part_rows, info = self._remote_part(b, i)
-                for k, v in out.items():
-                    v[...] = part_rows[k]
-            infos.append(info)
-            offset += count
-        return Held(rows, last, b.version, b.number, b.plan, infos)
-
-    def _spec_rows(self, batch_size: int) -> dict[str, np.ndarray]:
-        return {k: np.empty((batch_size, *shape), dtype) for k, (shape, dtype) in self._shapes.items()}
 
     def _check_version(self) -> None:
         """Give back what is planned if anyone wrote, updated priorities or changed a setting since it was
