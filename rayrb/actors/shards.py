@@ -271,7 +271,7 @@ class OfflineShard(_Shard):
             from rayrb.io.device_table import DeviceTable
 
             self._table = DeviceTable.load(lambda idx: self._ds.gather(idx + self._start), self.size(),
-                                           _shapes(self._ds.spec), device)
+                                           self._ds.spec.shapes, device)
         self._sampler.on_write(np.arange(self.size()))
         self._store = PriorityStore(max(1, stop - start), state_dir if self._sampler.per_slot_state else None)
         self._sampler.attach(self._store.priority, self._store.max_priority, self._store.reopened)
@@ -444,7 +444,3 @@ class OnlineShard(_Shard):
         self._metrics.gauge("write_count", self._written)
         self._metrics.gauge("capacity", self._capacity)
         return super().stats()
-
-
-def _shapes(spec: RowSpec) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-    return {k: (tuple(spec[k].shape), np.dtype(spec[k].dtype)) for k in spec.keys}

@@ -107,6 +107,11 @@ class RowSpec:
         return "RowSpec(" + ", ".join(f"{k}: {f}" for k, f in self._fields.items()) + ")"
 
     @functools.cached_property
+    def shapes(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        """``{key: (trailing shape, numpy dtype)}``: what arrays of these rows are made with."""
+        return {k: (tuple(f.shape), np.dtype(f.dtype)) for k, f in self._fields.items()}
+
+    @functools.cached_property
     def row_bytes(self) -> int:
         """Bytes of one row (asked for every batch: computed once)."""
         return sum(int(np.prod(f.shape, dtype=np.int64)) * np.dtype(f.dtype).itemsize for f in self._fields.values())

@@ -215,6 +215,26 @@ STATE_SCHEMA = 2
 _HEADER = struct.Struct("<4sQQQ")  # magic, sequence number, payload length, xxh3_64 of the payload
 
 
+def _framed(magic: bytes, sequence: int, payload: bytes) -> bytes:
+    """``payload`` behind the header its reader checks (``_unframed``)."""
+    return _HEADER.pack(magic, sequence, len(payload), xxhash.xxh3_64_intdigest(payload)) + payload
+
+
+def _unframed(raw: bytes, magic: bytes) -> tuple[int, bytes] | None:
+    """``(sequence, payload)`` of a ``_framed`` file, or None if it is short, torn, damaged or of another kind.
+
+    >>> _unframed(_framed(b"RRBA", 3, b"{}"), b"RRBA"), _unframed(_framed(b"RRBA", 3, b"{}")[:-1], b"RRBA")
+    ((3, b'{}'), None)
+    """
+    if len(raw) < _HEADER.size:
+        return None
+    kind, sequence, length, digest = _HEADER.unpack_from(raw)
+    payload = raw[_HEADER.size:_HEADER.size + length]
+    if kind != magic or len(payload) != length or xxhash.xxh3_64_intdigest(payload) != digest:
+        return None
+    return sequence, payload
+
+
 class CoordinatorState:
     """The coordinator's sampling state and write journal, in files under one directory on its node.
 
@@ -272,10 +292,9 @@ class CoordinatorState:
             text = text[:-1] + ("," if state else "") + extra + "}"
         payload = f'{{"schema":{STATE_SCHEMA},"state":{text}}}'.encode()
         sequence = self._sequence + 1
-        header = _HEADER.pack(_MAGIC, sequence, len(payload), xxhash.xxh3_64_intdigest(payload))
         fd = os.open(self._slot(sequence), os.O_WRONLY | os.O_CREAT, 0o644)
         try:
-            pwrite_all(fd, memoryview(header + payload), 0)
+            pwrite_all(fd, memoryview(_framed(_MAGIC, sequence, payload)), 0)
         finally:
             os.close(fd)
         self._sequence = sequence
@@ -288,13 +307,9 @@ class CoordinatorState:
                 raw = self._slot(slot).read_bytes()
             except OSError:
                 continue
-            if len(raw) < _HEADER.size:
-                continue
-            magic, sequence, length, digest = _HEADER.unpack_from(raw)
-            payload = raw[_HEADER.size:_HEADER.size + length]
-            if magic == _MAGIC and len(payload) == length and xxhash.xxh3_64_intdigest(payload) == digest:
-                if best is None or sequence > best[0]:
-                    best = (sequence, payload)
+            found = _unframed(raw, _MAGIC)
+            if found is not None and (best is None or found[0] > best[0]):
+                best = found
         if best is None:
             return None
         self._sequence = best[0]
@@ -317,10 +332,8 @@ class CoordinatorState:
         saved after every call, lists the calls and not their answers (a group of 120 batches is ~25 KB)."""
         path = self._reply_path(call)
         path.parent.mkdir(exist_ok=True)
-        payload = text.encode()
-        header = _HEADER.pack(_REPLY, 0, len(payload), xxhash.xxh3_64_intdigest(payload))
         tmp = path.with_suffix(".tmp")
-        tmp.write_bytes(header + payload)
+        tmp.write_bytes(_framed(_REPLY, 0, text.encode()))
         os.replace(tmp, path)
 
     def load_reply(self, call: str) -> str | None:
@@ -329,13 +342,8 @@ class CoordinatorState:
             raw = self._reply_path(call).read_bytes()
         except OSError:
             return None
-        if len(raw) < _HEADER.size:
-            return None
-        magic, _, length, digest = _HEADER.unpack_from(raw)
-        payload = raw[_HEADER.size:_HEADER.size + length]
-        if magic != _REPLY or len(payload) != length or xxhash.xxh3_64_intdigest(payload) != digest:
-            return None
-        return payload.decode()
+        found = _unframed(raw, _REPLY)
+        return None if found is None else found[1].decode()
 
     def drop_reply(self, call: str) -> None:
         self._reply_path(call).unlink(missing_ok=True)

@@ -26,7 +26,7 @@ from rayrb.handle.learners import LearnerPaths
 from rayrb.handle.rpc import Rpc
 from rayrb.handle.steering import Steering
 from rayrb.handle.stream import BatchIterator, Stream
-from rayrb.handle.writes import Writes
+from rayrb.handle.writes import Writes, _node_id
 from rayrb.io.arrays import from_numpy_dict
 
 PREFETCH = 32  # batches a plain sample() loop may draw ahead (rayrb.handle.stream)
@@ -277,16 +277,6 @@ for _name in GIVES_BACK_BEFORE:
 
 def _client(args: dict[str, Any]) -> BufferClient:
     return BufferClient(**args)
-
-
-def _node_id() -> str | None:
-    """This process's node, whose shards' files it may read (None where Ray does not say)."""
-    try:
-        import ray
-
-        return ray.get_runtime_context().get_node_id()
-    except Exception:
-        return None
 
 
 def _to_device(td: Any, device: Any):

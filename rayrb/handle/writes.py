@@ -197,7 +197,8 @@ def _named(e: BufferUnavailableError, write_id: str) -> BufferUnavailableError:
 
 @functools.cache
 def _node_id() -> str | None:
-    """This process's node, which writes prefer (None where Ray does not say)."""
+    """This process's node: writes prefer its online shards, reads gather its shards' rows here (None where Ray
+    does not say)."""
     import ray
 
     try:
