@@ -21,6 +21,10 @@ class BufferUnavailableError(RayrbError, RuntimeError):
     """The buffer was shut down, or an actor of it died and could not be restarted."""
 
 
+class RowsLostError(BufferUnavailableError):
+    """An online shard lost rows a batch was planned over: its node went with its files, and no copy held them."""
+
+
 class WriteTimeoutError(RayrbError, TimeoutError):
     """An ``extend`` that timed out; ``write_id`` names it, so that retrying with it applies the rows once."""
 

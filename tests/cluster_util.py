@@ -16,13 +16,14 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 
 @contextlib.contextmanager
-def local_cluster(workers: int, system_config: dict | None = None):
+def local_cluster(workers: int, system_config: dict | None = None, head_cpus: int = 1,
+                  worker_resources: dict | None = None):
     """A head and ``workers`` worker nodes of one CPU each, with this process connected; yields the workers."""
-    head_args = {"num_cpus": 1, "include_dashboard": False}
+    head_args = {"num_cpus": head_cpus, "include_dashboard": False}
     if system_config:
         head_args["_system_config"] = system_config
     cluster = Cluster(initialize_head=True, head_node_args=head_args)
-    nodes = [cluster.add_node(num_cpus=1) for _ in range(workers)]
+    nodes = [cluster.add_node(num_cpus=1, resources=worker_resources or {}) for _ in range(workers)]
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, logging_level=logging.WARNING, log_to_driver=False)
     try:

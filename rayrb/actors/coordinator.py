@@ -32,6 +32,7 @@ from rayrb.core.ahead import GiveBack, past_any_number
 from rayrb.core.planner import Planner
 from rayrb.core.plans import OFFLINE, ONLINE, SIDES, BatchPlan, GroupPlan, route_priorities
 from rayrb.core.validation import BETA, one_of, positive_int
+from rayrb.durability.mirror import GcsMirror
 from rayrb.durability.storage import CoordinatorState
 from rayrb.durability.writelog import WriteLog
 from rayrb.errors import HeldBack
@@ -59,6 +60,7 @@ class Coordinator:
         beta: float = BETA,
         rate_limiter: Any = None,
         state_dir: str | None = None,
+        replicated: bool = False,
     ):
         self._name = name
         self._shards = {OFFLINE: [_actor(s) for s in offline_shards], ONLINE: [_actor(s) for s in online_shards]}
@@ -73,9 +75,12 @@ class Coordinator:
         # With a state directory, a restarted coordinator (Ray re-runs this with the same arguments) picks up
         # its sampling state there and its write counts from the shards.
         self._lives = begin(state_dir, f"the coordinator of buffer {name!r}")
-        self._state = None if state_dir is None else CoordinatorState(state_dir)
+        # With replicated online shards the coordinator's files are copied off its node too: a restart on
+        # another node finds them there (rayrb.durability.mirror).
+        self._state = None if state_dir is None else CoordinatorState(
+            state_dir, mirror=GcsMirror() if replicated else None)
         log = WriteLog(online_capacities) if online_shards else None
-        self._writing = Writing(log, self._shards[ONLINE], self._state, self._metrics)
+        self._writing = Writing(log, self._shards[ONLINE], self._state, self._metrics, replicated=replicated)
         if self._state is not None:
             if self._lives.restarts:
                 self._restart(self._state.load())

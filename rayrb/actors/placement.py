@@ -116,3 +116,40 @@ def group_options(actor_options: dict[str, Any], transport: str, num_actors: int
     elif storage_device != "cpu":
         opts.setdefault("num_gpus", GPU_SHARE)
     return cls_opts, opts, coord_opts, device
+
+
+def replica_groups(shards: int, replicas: int, opts: dict, timeout: float = 60.0) -> list:
+    """One placement group per online shard, its ``replicas`` copies each on another node (``STRICT_SPREAD``: Ray
+    moves a lost copy to a node that holds no other copy of it). Raises, having removed what it made, when the
+    cluster has too few nodes with room."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    alive = len(_alive_nodes())
+    if alive < replicas:
+        raise ValueError(f"expected at least online_replicas={replicas} alive nodes (each copy of an online shard "
+                         f"on another node), got {alive}")
+    bundle = {"CPU": max(float(opts.get("num_cpus") or 0), HINTED_CPUS)}
+    if opts.get("num_gpus"):
+        bundle["GPU"] = float(opts["num_gpus"])
+    bundle.update(opts.get("resources") or {})
+    groups = [placement_group([dict(bundle) for _ in range(replicas)], strategy="STRICT_SPREAD")
+              for _ in range(shards)]
+    ready, _ = ray.wait([g.ready() for g in groups], num_returns=len(groups), timeout=timeout)
+    if len(ready) < len(groups):
+        for g in groups:
+            remove_placement_group(g)
+        raise ValueError(f"expected room for {replicas} copies of each of {shards} online shards on {replicas} "
+                         f"different nodes ({bundle} each), got none within {timeout:.0f} s on {alive} alive "
+                         f"nodes: add nodes, or lower online_replicas")
+    return groups
+
+
+def in_group(opts: dict, group: Any, index: int) -> dict:
+    """``opts`` placing the actor in bundle ``index`` of ``group``."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    out = {**opts, "scheduling_strategy": PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index)}
+    if not out.get("num_cpus"):
+        out["num_cpus"] = HINTED_CPUS
+    return out

@@ -17,30 +17,38 @@ those writes have landed draws nothing and is asked again (``docs/architecture.m
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from rayrb.actors.lifecycle import begin
 from rayrb.actors.metrics import ActorMetrics
+from rayrb.actors.replication import WAIT, Replication, lookup
+from rayrb.actors.timer import every
 from rayrb.core.plans import Epoch
 from rayrb.core.samplers import make_sampler, read_indices
 from rayrb.core.schema import RowSpec
 from rayrb.core.validation import ALPHA, EPS, positive_int
+from rayrb.durability.copies import merged_count, newer
 from rayrb.durability.storage import OnlineStorage, PriorityStore, remove_directory
 from rayrb.durability.writelog import held_runs
+from rayrb.errors import RowsLostError, SchemaError
 from rayrb.io.chunks import ChunkDataset, ReadOnlyError
 from rayrb.io.files import process_memory
 
+logger = logging.getLogger(__name__)
+CHECK_EVERY = 2.0  # seconds between a primary's checks of its replicas when no write comes
 Rows = dict[str, np.ndarray]
 Info = dict[str, np.ndarray]
 
 
 class _Shard:
     kind = "shard"
+    _lost = False  # restarted without its files, and no copy held its rows
 
     def __init__(self, shard_id: str, sampler: str, capacity: int = 0,
                  sampler_options: Mapping[str, float] | None = None, device: str | None = None,
@@ -73,6 +81,15 @@ class _Shard:
 
     def _written_count(self) -> int:
         return self.size()
+
+    def _behind(self, written: int | None) -> bool:
+        """Whether a read planned at ``written`` rows came before they landed here; raises if they never will."""
+        if written is None or self._written_count() >= written:
+            return False
+        if self._lost:
+            raise RowsLostError(f"shard {self.shard_id}: expected the {written} rows this read was planned over, "
+                                f"got {self._written_count()}: they were lost with this shard's node")
+        return True
 
     # sampling -----------------------------------------------------------------
     def _info(self, idx: np.ndarray) -> Info:
@@ -114,7 +131,7 @@ class _Shard:
         there were then (the same rows, unless overwritten since), and a read that
         arrives before those writes landed here returns None, drawing nothing.
         """
-        if written is not None and self._written_count() < written:
+        if self._behind(written):
             return None  # planned after writes that have not landed here yet: the caller asks again
         t0 = time.perf_counter()
         idx = self._indices(counts, seeds, epochs, written)
@@ -144,7 +161,7 @@ class _Shard:
         """
         import torch
 
-        if written is not None and self._written_count() < written:
+        if self._behind(written):
             return {"behind": torch.zeros(1, device=self._table.device if self._table is not None else "cpu")}
         t0 = time.perf_counter()
         idx = self._indices(counts, seeds, epochs, written)  # the rows there were at the plan, as sample_many
@@ -305,7 +322,7 @@ class OnlineShard(_Shard):
 
     def __init__(self, spec_json: Mapping[str, Any], capacity: int, shard_id: str, sampler: str = "uniform",
                  sampler_options: Mapping[str, float] | None = None, state_dir: str | None = None,
-                 device: str | None = None):
+                 device: str | None = None, replicas: Sequence[str] = (), coordinator: str | None = None):
         capacity = positive_int(f"shard {shard_id}: capacity", capacity)
         super().__init__(shard_id, sampler, capacity=capacity, sampler_options=sampler_options, device=device,
                          state_dir=state_dir)
@@ -320,7 +337,30 @@ class OnlineShard(_Shard):
         if self._store.reopened:
             self._sampler.on_write(np.arange(self.size()))
         self._sampler.attach(self._store.priority, self._store.max_priority, self._store.reopened)
+        self._replication = Replication(replicas, self.state) if replicas else None
+        # Restarted without its files (its node was lost): its rows come from its replicas, or are lost
+        self._lost = bool(self._lives.restarts) and not self._store.reopened
+        if self._replication is not None:
+            if self._lost:
+                self._lost = not self._take_from_replicas()
+            every(CHECK_EVERY, "check_replicas")
+        if self._lost and coordinator is not None:  # its count went back: the coordinator takes it again
+            lookup(coordinator).resync.remote()
         self._lives.ready()
+
+    def _take_from_replicas(self) -> bool:
+        """Merge in what each replica holds (a primary restarted without its files); whether one answered."""
+        import ray
+
+        took = False
+        for r in self._replication.replicas:
+            try:
+                self.merge(ray.get(lookup(r.name).state.remote(), timeout=WAIT))
+                took = True
+            except Exception as e:  # that copy is gone too (a second loss before it was rebuilt)
+                logger.warning("rayrb: shard %s could not take the rows of its replica %s: %r", self.shard_id,
+                               r.name, e)
+        return took
 
     @property
     def _written(self) -> int:
@@ -344,7 +384,7 @@ class OnlineShard(_Shard):
         return self._store.written
 
     def extend(self, rows: Mapping[str, np.ndarray], start: int = 0, stop: int | None = None,
-               first: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+               first: int | None = None, forward: list | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Copy ``rows[start:stop]`` in as this shard's ``first``-th rows on; return their slots and generations.
 
         ``first`` is the write count the coordinator planned with, and it names the
@@ -353,11 +393,21 @@ class OnlineShard(_Shard):
         it runs: a retry (after a restart, in whatever order Ray re-sends tasks) never
         lands twice, and never over a newer row. The write count advances over
         contiguous writes only, so a restart still finds every write that completed.
+        ``forward`` holds the rows' ref, unresolved, for a shard to pass on to its replicas
+        (``rayrb.actors.replication``), each of which fetches the rows itself.
         """
         t0 = time.perf_counter()
+        first = self._store.written if first is None else int(first)
+        if self._lost and first > self._store.written:
+            # placed over rows this shard lost with its node (sent before the coordinator took its count again):
+            # refused whole, so that the write's retry places it anew at the count there is
+            raise RowsLostError(f"shard {self.shard_id}: expected a piece at its count {self._store.written} or "
+                                f"below, got one at {first}: the rows before it were lost with this shard's node")
+        sent: list = []
+        if forward and self._replication is not None:  # sent first: the replicas copy while this copy does
+            sent = self._replication.send(forward[0], start, stop, first)
         rows = {k: v[start:stop] for k, v in rows.items()}
         n = self._spec.validate(rows, what=f"rows for shard {self.shard_id}")
-        first = self._store.written if first is None else int(first)
         w = first + np.arange(n, dtype=np.int64)
         pos, gen = w % self._capacity, w // self._capacity + 1
         fresh = (w >= first + n - self._capacity) & (self._gen[pos] < gen)  # a write larger than the shard keeps its tail
@@ -380,9 +430,51 @@ class OnlineShard(_Shard):
         self._gen[slots] = gen[fresh]
         self._sampler.on_write(slots)
         self._advance(first, first + n)  # last: this is what makes the rows visible after a restart
+        if self._replication is not None:  # acknowledged once every live replica holds the rows too
+            self._replication.settle(sent, self._store.written)
         self._metrics.count("rows_written", int(fresh.sum()))
         self._metrics.observe("extend_ms", (time.perf_counter() - t0) * 1e3)
         return pos, gen
+
+    # replicas -----------------------------------------------------------------------
+    def replicate(self, rows: Mapping[str, np.ndarray], start: int, stop: int, first: int) -> int:
+        """A piece its primary was given; this copy's write count after."""
+        self.extend(rows, start, stop, first=first)
+        return self._store.written
+
+    def merge(self, state: Mapping[str, np.ndarray]) -> int:
+        """Take, slot by slot, the newer rows of another copy of this shard (``state()`` of its primary or of a
+        replica; ``rayrb.durability.copies``); return the write count after. Taking a copy twice changes nothing."""
+        gen = np.asarray(state["generation"], np.int64)
+        take = np.flatnonzero(newer(self._gen, gen))
+        rows = {k[len("rows/"):]: v for k, v in state.items() if k.startswith("rows/")}
+        if set(rows) != set(self._data):
+            raise SchemaError(f"shard {self.shard_id}: expected a copy with keys {sorted(self._data)}, "
+                              f"got {sorted(rows)}")
+        if take.size:
+            self._gen[take] = -gen[take]  # readers on this node leave rows being replaced to the shard
+            for k, dst in self._data.items():
+                dst[take] = rows[k][take]
+            self._gen[take] = gen[take]
+            self._sampler.on_write(take)
+            if "sampler/priority" in state:  # the copy's priorities for the rows taken from it
+                mine = self._sampler.state_dict()
+                mine["priority"][take] = np.asarray(state["sampler/priority"])[take]
+                mine["max_priority"] = max(float(mine["max_priority"]), float(state["sampler/max_priority"]))
+                self._sampler.load_state_dict(mine)
+            self._mirror()
+        count = merged_count(self._gen, self._store.written, int(state["written"]))
+        self._lost = False  # it holds what the copy held
+        self._held.clear()
+        self._held.update(held_runs(self._gen, count))
+        self._store.written = count
+        self._metrics.count("rows_merged", int(take.size))
+        return count
+
+    def check_replicas(self) -> None:
+        """Between writes: replicas that restarted empty or fell behind are rebuilt (a timer sends this)."""
+        if self._replication is not None:
+            self._replication.check(self._store.written)
 
     def _advance(self, first: int, end: int) -> None:
         written = self._store.written
@@ -440,7 +532,28 @@ class OnlineShard(_Shard):
     def _generation(self, idx: np.ndarray) -> np.ndarray:
         return self._gen[idx]
 
+    def update_priority(self, idx: np.ndarray, generation: np.ndarray, priority: np.ndarray) -> int:
+        done = super().update_priority(idx, generation, priority)
+        if self._replication is not None:
+            self._replication.priorities(idx, generation, priority)
+        return done
+
     def stats(self) -> dict[str, Any]:
         self._metrics.gauge("write_count", self._written)
         self._metrics.gauge("capacity", self._capacity)
-        return super().stats()
+        out = super().stats()
+        if self._replication is not None:
+            report = self._replication.report(self._written)
+            self._metrics.gauge("replicas_live", self._replication.live())
+            self._metrics.gauge("replica_rows_behind", max((r["behind"] or 0 for r in report), default=0))
+            out = {**out, **self._metrics.snapshot(), "node": self.place()["node"], "replicas": report}
+        return out
+
+    def close(self) -> None:
+        """Remove this shard's files, and its replicas' (the buffer is being shut down for good)."""
+        if self._replication is not None:
+            import ray
+
+            calls = [lookup(r.name, 1.0).close.remote() for r in self._replication.replicas]
+            ray.wait(calls, num_returns=len(calls), timeout=5)
+        super().close()

@@ -24,8 +24,10 @@ from rayrb.durability.writelog import WriteLog
 class Writing:
     """Write sequencing over the online shards (``log`` is None when the buffer has none)."""
 
-    def __init__(self, log: WriteLog | None, shards: Sequence[Any], state: Any, metrics: Any):
+    def __init__(self, log: WriteLog | None, shards: Sequence[Any], state: Any, metrics: Any,
+                 replicated: bool = False):
         self.log, self._shards, self._state, self._metrics = log, list(shards), state, metrics
+        self._replicated = replicated  # shards pass the rows' ref on to their replicas
         self._nodes: list[str] | None = None  # each online shard's node, once a writer names its own
         self._unsettled: list[tuple[int, int, Any]] = []  # pieces sent, not acknowledged: (shard, first row, ack)
 
@@ -112,8 +114,11 @@ class Writing:
         """Journal a write's ``whole`` plan under ``write_id``, then send the pieces in ``send``; their acks."""
         if self._state is not None and write_id is not None:  # before the shards get it: a restart must know
             self._state.journal(write_id, [(w.shard, w.start, w.stop, w.first) for w in whole], digest)
-        # The ref came nested in a list, so it is still unresolved: each shard fetches its piece itself.
-        return [self._shards[w.shard].extend.remote(rows_ref[0], w.start, w.stop, first=w.first) for w in send]
+        # The ref came nested in a list, so it is still unresolved: each shard fetches its piece itself (a shard
+        # with replicas is given it nested too, to pass on).
+        more = {"forward": rows_ref} if self._replicated else {}
+        return [self._shards[w.shard].extend.remote(rows_ref[0], w.start, w.stop, first=w.first, **more)
+                for w in send]
 
     def write_states(self) -> tuple[list[int], list[list[tuple[int, int]]]]:
         """Each online shard's write count, and the rows it holds beyond it (for ``WriteLog.reset``)."""

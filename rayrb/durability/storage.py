@@ -269,12 +269,36 @@ class CoordinatorState:
         ['w3', 'w4']
     """
 
-    def __init__(self, directory: str | os.PathLike, remember: int = 4096):
+    def __init__(self, directory: str | os.PathLike, remember: int = 4096, mirror: Any = None):
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self._remember = int(remember)
+        # A copy of every file off this node (rayrb.durability.mirror), keyed by the directory's path:
+        # a coordinator restarted on another node copies its files down from it before reading them.
+        self._mirror, self._key = mirror, str(self.directory) + "/"
+        self._mirrored = 0  # the number of the next journal line in the mirror
+        if mirror is not None:
+            self._copy_down()
         self._lines = sum(1 for _ in self._read_lines())
         self._sequence = 0
+
+    def _copy_down(self) -> None:
+        """Files from the mirror where this directory has none of the state (a new node); the journal's
+        numbering either way."""
+        lines = self._mirror.keys(self._key + "writes/")
+        self._mirrored = int(lines[-1].rsplit("/", 1)[1]) + 1 if lines else 0
+        if self._slot(0).exists() or self._slot(1).exists():
+            return
+        for slot in (0, 1):
+            raw = self._mirror.get(self._key + self._slot(slot).name)
+            if raw is not None:
+                self._slot(slot).write_bytes(raw)
+        self._journal.write_bytes(b"".join(self._mirror.get(k) or b"" for k in lines))
+        replies = self._mirror.keys(self._key + "replies/")
+        if replies:
+            (self.directory / "replies").mkdir(exist_ok=True)
+        for k in replies:
+            (self.directory / "replies" / k.rsplit("/", 1)[1]).write_bytes(self._mirror.get(k) or b"")
 
     def _slot(self, sequence: int) -> Path:
         return self.directory / f"state.{sequence % 2}"
@@ -292,11 +316,14 @@ class CoordinatorState:
             text = text[:-1] + ("," if state else "") + extra + "}"
         payload = f'{{"schema":{STATE_SCHEMA},"state":{text}}}'.encode()
         sequence = self._sequence + 1
+        framed = _framed(_MAGIC, sequence, payload)
         fd = os.open(self._slot(sequence), os.O_WRONLY | os.O_CREAT, 0o644)
         try:
-            pwrite_all(fd, memoryview(_framed(_MAGIC, sequence, payload)), 0)
+            pwrite_all(fd, memoryview(framed), 0)
         finally:
             os.close(fd)
+        if self._mirror is not None:
+            self._mirror.put(self._key + self._slot(sequence).name, framed)
         self._sequence = sequence
 
     def load(self) -> dict[str, Any] | None:
@@ -333,8 +360,11 @@ class CoordinatorState:
         path = self._reply_path(call)
         path.parent.mkdir(exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        tmp.write_bytes(_framed(_REPLY, 0, text.encode()))
+        framed = _framed(_REPLY, 0, text.encode())
+        tmp.write_bytes(framed)
         os.replace(tmp, path)
+        if self._mirror is not None:
+            self._mirror.put(self._key + "replies/" + path.name, framed)
 
     def load_reply(self, call: str) -> str | None:
         """The answer ``save_reply`` kept for ``call``, or None if it is missing or damaged."""
@@ -346,7 +376,10 @@ class CoordinatorState:
         return None if found is None else found[1].decode()
 
     def drop_reply(self, call: str) -> None:
-        self._reply_path(call).unlink(missing_ok=True)
+        path = self._reply_path(call)
+        path.unlink(missing_ok=True)
+        if self._mirror is not None:
+            self._mirror.delete(self._key + "replies/" + path.name)
 
     def journal(self, write_id: str, pieces: list[tuple[int, int, int, int]], digest: str | None = None) -> None:
         line = _journal_line(write_id, [[int(x) for x in p] for p in pieces], digest)
@@ -355,6 +388,11 @@ class CoordinatorState:
             os.write(fd, line.encode())
         finally:
             os.close(fd)
+        if self._mirror is not None:  # a line a key; the one that leaves what is remembered goes
+            self._mirror.put(f"{self._key}writes/{self._mirrored:012d}", line.encode())
+            if self._mirrored >= 2 * self._remember:
+                self._mirror.delete(f"{self._key}writes/{self._mirrored - 2 * self._remember:012d}")
+            self._mirrored += 1
         self._lines += 1
         if self._lines > 2 * self._remember:  # keep the journal about as long as what is remembered
             keep = self.writes()
@@ -387,10 +425,14 @@ class CoordinatorState:
         for p in (self._slot(0), self._slot(1), self._journal):
             p.unlink(missing_ok=True)
         shutil.rmtree(self.directory / "replies", ignore_errors=True)
-        self._lines, self._sequence = 0, 0
+        self._lines, self._sequence, self._mirrored = 0, 0, 0
+        if self._mirror is not None:
+            self._mirror.delete(self._key, prefix=True)
 
     def remove(self) -> None:
         _remove(self.directory)
+        if self._mirror is not None:
+            self._mirror.delete(self._key, prefix=True)
 
 
 def _journal_line(write_id: str, pieces: list[list[int]], digest: str | None) -> str:

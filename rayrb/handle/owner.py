@@ -92,6 +92,10 @@ class OfflineToOnlineReplayBuffer(BufferClient):
         name (str): the coordinator's actor name (default: a unique one).
         dataset_root: where in-memory offline data is written as a chunk dataset.
         actor_options (dict): extra ``.options(...)`` for the actors (default ``num_cpus=0``).
+        online_replicas (int): copies of each online shard, each on another node (default 1). With 2 or
+            more, a write is acknowledged once every live copy holds it, a lost copy is rebuilt on another
+            node, and the coordinator's files are kept off its node too, so a node loss loses no
+            acknowledged row (docs/durability.md). Needs a ``storage_dir`` and that many nodes.
         online_nodes (list): a node id (or None) per online shard, to place it beside
             the collectors that feed it (a soft preference). A write prefers the online
             shards on the writer's node while they are at most an eighth of a shard
@@ -162,6 +166,7 @@ class OfflineToOnlineReplayBuffer(BufferClient):
         dataset_root: str | os.PathLike | None = None,
         actor_options: dict | None = None,
         online_nodes: Sequence[str | None] | None = None,
+        online_replicas: int = 1,
         timeout: float | None = None,
         transport: str = "object_store",
         alpha: float = ALPHA,
@@ -176,7 +181,7 @@ class OfflineToOnlineReplayBuffer(BufferClient):
         local_reads: bool = True,
         **dataset_kwargs: Any,
     ):
-        self.rpc, self._owned_dirs = None, []  # until the actors run, nothing is usable or owned
+        self.rpc, self._owned_dirs, self._copies = None, [], []  # until the actors run, nothing is usable or owned
         # Validate everything before any actor exists.
         (num_offline_shards, num_online_shards, online_capacity, schedule, batch_size, kinds, epoch_end, prio,
          max_restarts, transport, online_nodes, storage_device, limiter, settings) = _checked_options(
@@ -184,6 +189,7 @@ class OfflineToOnlineReplayBuffer(BufferClient):
             batch_size, sampler, offline_sampler, online_sampler, epoch_end, drop_last, alpha, beta, eps, max_restarts,
             transport, online_nodes, actor_options, storage_device, rate_limiter, local_reads, timeout, transform,
             max_batch_bytes, prefetch)
+        replicas = replicas_option(online_replicas, storage_dir, online_nodes, actor_options or {})
         own_sampler = sampler is not None or offline_sampler is not None
         dataset, self._owned_dirs = _offline_chunks(offline_dataset, batch_size, own_sampler, kinds, dataset_root,
                                                     num_offline_shards, dataset_kwargs)
@@ -193,13 +199,13 @@ class OfflineToOnlineReplayBuffer(BufferClient):
         self._rate_limiter_config = limiter.config()
         name = name or f"rayrb-{uuid.uuid4().hex[:12]}"
         try:
-            coord, shards, read_device, layout = _start_actors(dataset, name, online_capacity, num_offline_shards, num_online_shards,
+            coord, shards, read_device, layout, self._copies = _start_actors(dataset, name, online_capacity, num_offline_shards, num_online_shards,
                                           schedule=schedule, kinds=kinds, epoch_end=epoch_end, seed=seed,
                                           actor_options=actor_options or {}, transport=transport, prio=prio,
                                           online_nodes=online_nodes,
                                           storage_dir=None if storage_dir is None else str(storage_dir),
                                           rate_limiter=limiter.config(), storage_device=storage_device,
-                                          max_restarts=max_restarts)
+                                          max_restarts=max_restarts, replicas=replicas)
         except BaseException:
             self._remove_owned()  # no half-built buffer: what started is killed in _start_actors
             raise
@@ -331,12 +337,10 @@ class OfflineToOnlineReplayBuffer(BufferClient):
             ray.wait(closing, num_returns=len(closing), timeout=5)
         except Exception:
             pass
-        for actor in [*shards, coord]:
+        for actor in [*shards, coord, *self._copies]:  # the shards close their copies; the groups go with them
             if actor is not None:
-                try:
-                    ray.kill(actor)
-                except Exception:
-                    pass
+                _kill(actor)
+        self._copies = []
         self._remove_owned()
 
     def _remove_owned(self) -> None:
@@ -394,16 +398,16 @@ def _start_actors(dataset: ChunkDataset, name: str, capacity: int, m: int, k: in
                   kinds: dict[str, str], epoch_end: str, seed: int | None, actor_options: dict, transport: str,
                   prio: dict[str, float], storage_dir: str | None, rate_limiter: dict,
                   storage_device: str = "cpu", online_nodes: list[str | None] | None = None,
-                  max_restarts: int = -1
-                  ) -> tuple[Any, list, str | None, list[dict]]:
+                  max_restarts: int = -1, replicas: int = 1
+                  ) -> tuple[Any, list, str | None, list[dict], list]:
     """Start ``m`` offline shards, ``k`` online shards and the coordinator; kill them all if one fails to start.
-    Returns them, the device reads go to, and each shard's place on disk (``rayrb.handle.local``)."""
-    import ray
+    Returns them, the device reads go to, each shard's place on disk (``rayrb.handle.local``) and what the
+    shards own besides (their copies and placement groups)."""
 
     from rayrb.actors.coordinator import Coordinator
     from rayrb.actors.lifecycle import actor_class
-    from rayrb.actors.placement import group_options, on_node, shard_placement
-    from rayrb.actors.shards import OfflineShard, OnlineShard
+    from rayrb.actors.placement import group_options, shard_placement
+    from rayrb.actors.shards import OfflineShard
     from rayrb.durability.storage import shard_directory
 
     cls_opts, opts, coord_opts, device = group_options(actor_options, transport, m + k, storage_device)
@@ -417,18 +421,15 @@ def _start_actors(dataset: ChunkDataset, name: str, capacity: int, m: int, k: in
     off_opts = {**restart, **opts}
     on_opts = {**restart, **opts} if storage_dir is not None else opts
     instance = f"{name.replace('/', '_')}-{uuid.uuid4().hex[:8]}"
-    started: list = []
+    started: list = []  # everything started, killed if one start fails
     try:
         for i, (a, b) in enumerate(ranges):
             started.append(actor_class(OfflineShard, **cls_opts).options(
                 name=f"{name}/off-{i}", **shard_placement(dataset, a, b, off_opts))
                            .remote(str(dataset.root), a, b, f"{name}/off-{i}", kinds[OFFLINE], sampler_options=so,
                                    state_dir=shard_directory(storage_dir, instance, f"off-{i}"), device=table))
-        for i, c in enumerate(capacities):
-            started.append(actor_class(OnlineShard, **cls_opts).options(
-                name=f"{name}/on-{i}", **on_node(on_opts, online_nodes[i] if online_nodes else None)).remote(
-                dataset.spec.to_json(), c, f"{name}/on-{i}", kinds[ONLINE], sampler_options=so,
-                state_dir=shard_directory(storage_dir, instance, f"on-{i}"), device=table))
+        extra = _start_online(dataset.spec.to_json(), capacities, name, instance, kinds[ONLINE], so, on_opts,
+                              cls_opts, storage_dir, table, online_nodes, replicas, started)
         # The coordinator restarts too when it can keep its state on disk: the stream, settings and
         # version there, the write counts in the shards.
         coord_restart = restart if storage_dir is not None else {}
@@ -438,17 +439,73 @@ def _start_actors(dataset: ChunkDataset, name: str, capacity: int, m: int, k: in
             [f"{name}/off-{i}" for i in range(m)], [b - a for a, b in ranges],
             [f"{name}/on-{i}" for i in range(k)], capacities, offline_fraction=schedule,
             sampler=dict(kinds), epoch_end=epoch_end, seed=seed, name=name, beta=prio["beta"], rate_limiter=rate_limiter,
-            state_dir=shard_directory(storage_dir, instance, "coordinator"))
+            state_dir=shard_directory(storage_dir, instance, "coordinator"), replicated=replicas > 1)
     except BaseException:
         for actor in started:
-            ray.kill(actor)
+            _kill(actor)
         raise
+    shards = [a for a in started if a not in extra]
     # where each shard's rows lie, for handles on its node that read them themselves (rayrb.handle.local)
     layout = [{"side": OFFLINE, "sampler": kinds[OFFLINE], "root": str(dataset.root), "start": a, "stop": b}
               for a, b in ranges]
     layout += [{"side": ONLINE, "sampler": kinds[ONLINE], "capacity": c,
                 "dir": shard_directory(storage_dir, instance, f"on-{i}")} for i, c in enumerate(capacities)]
-    return coord, started, device, layout
+    return coord, shards, device, layout, extra
+
+
+def _start_online(spec: dict, capacities: list[int], name: str, instance: str, kind: str, so: dict, on_opts: dict,
+                  cls_opts: dict, storage_dir: str | None, table: str | None, online_nodes: list | None,
+                  replicas: int, started: list) -> list:
+    """Start the online shards (appended to ``started``), each with ``replicas - 1`` copies on other nodes, all of
+    a shard's in one placement group; returns the groups and copies (also in ``started``), which the shard owns."""
+    from rayrb.actors.lifecycle import actor_class
+    from rayrb.actors.placement import in_group, on_node, replica_groups
+    from rayrb.actors.shards import OnlineShard
+    from rayrb.durability.storage import shard_directory
+
+    groups = replica_groups(len(capacities), replicas, on_opts) if replicas > 1 else []
+    started += groups
+    extra = list(groups)
+    for i, c in enumerate(capacities):
+        copies = [f"{name}/on-{i}.r{r}" for r in range(1, replicas)]
+        for r, copy in enumerate(copies, 1):  # before the shard, which looks them up by name
+            started.append(actor_class(OnlineShard, **cls_opts).options(
+                name=copy, **in_group(on_opts, groups[i], r)).remote(
+                spec, c, copy, kind, sampler_options=so,
+                state_dir=shard_directory(storage_dir, instance, f"on-{i}.r{r}"), device=table))
+            extra.append(started[-1])
+        place = in_group(on_opts, groups[i], 0) if groups else on_node(on_opts, online_nodes[i] if online_nodes else None)
+        started.append(actor_class(OnlineShard, **cls_opts).options(name=f"{name}/on-{i}", **place).remote(
+            spec, c, f"{name}/on-{i}", kind, sampler_options=so,
+            state_dir=shard_directory(storage_dir, instance, f"on-{i}"), device=table, replicas=copies,
+            coordinator=name))
+    return extra
+
+
+def _kill(actor: Any) -> None:
+    """Kill an actor, or remove a placement group with the actors in it."""
+    import ray
+    from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+    try:
+        if isinstance(actor, PlacementGroup):
+            remove_placement_group(actor)
+        else:
+            ray.kill(actor)
+    except Exception:  # already gone
+        pass
+
+
+def replicas_option(value: Any, storage_dir: Any, online_nodes: Any, actor_options: dict) -> int:
+    """``online_replicas=``: a positive integer; more than one needs a ``storage_dir`` and Ray's placement."""
+    replicas = positive_int("online_replicas", value)
+    if replicas > 1 and storage_dir is None:
+        raise ValueError(f"expected a storage_dir with online_replicas={replicas} (replicated shards restart, and "
+                         "a restarted shard reopens its files), got storage_dir=None")
+    if replicas > 1 and (online_nodes is not None or "scheduling_strategy" in actor_options):
+        raise ValueError(f"online_replicas={replicas} places each copy of an online shard on another node itself: "
+                         "give neither online_nodes nor actor_options['scheduling_strategy'] with it")
+    return replicas
 
 
 def _offline_chunks(offline_dataset: Any, batch_size: int | None, own_sampler: bool, kinds: dict[str, str],

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rayrb.core.plans import OFFLINE, ONLINE
-from rayrb.errors import BufferUnavailableError, HeldBack, HeldBackTimeout
+from rayrb.errors import BufferUnavailableError, HeldBack, HeldBackTimeout, RowsLostError
 
 DIRECT_TRANSPORT: str | None = "cuda_ipc"  # GPU shards to a GPU actor reading directly (None: object store)
 
@@ -50,7 +50,7 @@ class Rpc:
                 f"buffer {self.name!r}: an actor of this buffer is dead (killed, shut down, or its node failed)"
             ) from e
         except RayTaskError as e:
-            if isinstance(e.cause, (ValueError, TypeError, IndexError, PermissionError)):
+            if isinstance(e.cause, (ValueError, TypeError, IndexError, PermissionError, RowsLostError)):
                 raise e.cause from None
             raise
 

@@ -54,10 +54,11 @@ import numpy as np
 
 from rayrb.core.ahead import MAX_AHEAD, GiveBack
 from rayrb.core.plans import GroupPlan, decode_group, provenance, reads_by_plan
-from rayrb.errors import BufferUnavailableError, HeldBack
+from rayrb.errors import BufferUnavailableError, HeldBack, RowsLostError
 
 MAX_BYTES = 64 << 20  # rows a sample() loop holds read ahead
 MAX_DEPTH = 100  # batches a sample() loop reads ahead
+LOST_RETRIES = 3  # plans made again after a read finds its rows lost with a node (kept draws fail again: raise)
 PLAN_ROWS = 1 << 20  # rows one plan call covers: its cost a small share of the batches' own
 MAX_PLAN = 240  # batches one plan call covers: with half of them left when the next is asked for, a stream has at
 # most 360 planned, within what the coordinator can give back (rayrb.core.ahead.MAX_AHEAD)
@@ -243,7 +244,7 @@ class Stream:
         self._lock = threading.Lock()
         self.closed = False
         self.max_in_flight = 0
-        self.stats = {"groups": 0, "reads": 0, "given_back": 0, "dropped": 0, "kept": 0, "stale": 0}
+        self.stats = {"groups": 0, "reads": 0, "given_back": 0, "dropped": 0, "kept": 0, "stale": 0, "lost": 0}
         self._reads = Reads(rpc, spec, direct, local, self.stats)
         _LIVE.add(self)
 
@@ -276,10 +277,19 @@ class Stream:
                 self._resize(batch_size)
             if self._follow:
                 self._check_version()
-            first = self._first()
-            if not self._covered:  # the batch served now and the window beyond it: one read per shard for them all
-                self._cover(min(len(self._planned), self._window() + 1))
-            held = self._reads.read(first)  # a failed read (a timeout) leaves the batch first in line
+            for attempt in range(LOST_RETRIES + 1):
+                first = self._first()
+                if not self._covered:  # the batch served now and the window beyond it: one read per shard for all
+                    self._cover(min(len(self._planned), self._window() + 1))
+                try:
+                    held = self._reads.read(first)  # a failed read (a timeout) leaves the batch first in line
+                    break
+                except RowsLostError:  # planned over rows a lost node took: planned again over what there is
+                    if attempt == LOST_RETRIES:
+                        raise
+                    self.stats["lost"] += 1
+                    self.rpc.get(self.rpc.coord.resync.remote())
+                    self._give_back()
             self._planned.popleft()
             if self._covered:
                 self._covered -= 1

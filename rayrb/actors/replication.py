@@ -1,0 +1,173 @@
+"""An online shard's replicas, as the shard that serves it (its primary) keeps them.
+
+The primary sends every piece it is given to each replica (the same rows ref, so each
+fetches the rows itself) before it copies the piece in, and answers only once every
+*live* replica has applied it and counts as many rows as the primary does. A replica
+is in one of four states:
+
+* ``live``: awaited on every write; a write is acknowledged only when it holds the rows;
+* ``catching``: being rebuilt from a snapshot of the primary (``OnlineShard.merge``), sent
+  ahead of every later piece, which Ray runs in the order one caller sent them. Writes go on
+  without waiting for it; it is live again once the merge and a count check pass;
+* ``waiting``: it did not answer within ``WAIT`` seconds (its node is gone, or it is
+  restarting): nothing more is sent until that call comes back, then it is rebuilt;
+* ``down``: dead for good (Ray will not restart it): a rebuild is tried again every
+  ``RETRY`` seconds.
+
+A replica that answers with another count than the primary's (it restarted empty, or
+missed a piece) is rebuilt. The merge keeps, slot by slot, the newer row
+(``rayrb.durability.copies``), so rebuilding twice, or a piece arriving twice, changes
+nothing. ``docs/durability.md`` says what a node loss takes with and without replicas.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+WAIT = 30.0  # seconds a write waits for a live replica before it goes on without it
+RETRY = 10.0  # seconds between rebuilds of a replica Ray reports dead for good
+LOOKUP = 60.0  # seconds to find a replica by name (it may still be starting)
+LIVE, CATCHING, WAITING, DOWN = "live", "catching", "waiting", "down"
+
+
+@dataclass
+class Replica:
+    name: str
+    actor: Any = None
+    status: str = LIVE
+    pending: Any = None  # the merge (catching) or the call not answered in time (waiting)
+    count: int = 0  # the write count it last answered
+    since: float = field(default_factory=time.monotonic)
+    rebuilds: int = 0
+
+
+def lookup(name: str, timeout: float = LOOKUP) -> Any:
+    """The actor named ``name``, waiting while it may still be being created."""
+    import ray
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return ray.get_actor(name)
+        except ValueError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+class Replication:
+    """The replicas of one online shard, driven by its primary. ``snapshot`` returns the primary's state
+    (``OnlineShard.state``): called between its writes, it is a consistent copy."""
+
+    def __init__(self, names: Sequence[str], snapshot: Callable[[], dict]):
+        self.replicas = [Replica(n) for n in names]
+        self._snapshot = snapshot
+
+    def _actor(self, r: Replica) -> Any:
+        if r.actor is None:
+            r.actor = lookup(r.name)
+        return r.actor
+
+    def send(self, rows_ref: Any, start: int, stop: int, first: int) -> list[tuple[Replica, Any]]:
+        """Send a piece to every replica that takes pieces (live or catching); the calls to await."""
+        self.poll()
+        sent = []
+        for r in self.replicas:
+            if r.status in (LIVE, CATCHING):
+                call = self._actor(r).replicate.remote(rows_ref, start, stop, first=first)
+                if r.status == LIVE:
+                    sent.append((r, call))
+        return sent
+
+    def settle(self, calls: list[tuple[Replica, Any]], count: int, timeout: float = WAIT) -> None:
+        """Wait (up to ``timeout`` s in all) for the live replicas' answers (their write counts); one that fails,
+        is late or counts otherwise than the primary's ``count`` is rebuilt (or waited for) while writes go on."""
+        import ray
+
+        deadline = time.monotonic() + timeout
+        for r, call in calls:
+            ready, _ = ray.wait([call], timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                self._late(r, call)
+                continue
+            try:
+                r.count = int(ray.get(call))
+            except Exception:
+                self._rebuild(r)
+                continue
+            if r.count != count:
+                self._rebuild(r)
+
+    def check(self, count: int) -> None:
+        """Between writes: ask each live replica its count (a replica restarted empty while no write came)."""
+        self.poll()
+        self.settle([(r, self._actor(r).written.remote()) for r in self.replicas if r.status == LIVE], count, 5.0)
+
+    def poll(self) -> None:
+        """Move replicas along: a late call that came back starts a rebuild; a finished rebuild makes the replica
+        live (the next write checks its count); a dead one is tried again after ``RETRY`` s. Never waits."""
+        import ray
+
+        for r in self.replicas:
+            if r.status in (CATCHING, WAITING) and r.pending is not None:
+                ready, _ = ray.wait([r.pending], timeout=0)
+                if not ready:
+                    continue
+                if r.status == WAITING:
+                    self._rebuild(r)
+                    continue
+                try:
+                    r.count = int(ray.get(r.pending))
+                    r.status, r.pending, r.since = LIVE, None, time.monotonic()
+                except Exception as e:
+                    self._failed(r, e)
+            elif r.status == DOWN and time.monotonic() - r.since > RETRY:
+                self._rebuild(r)
+
+    def _late(self, r: Replica, call: Any) -> None:
+        r.status, r.pending, r.since = WAITING, call, time.monotonic()
+
+    def _rebuild(self, r: Replica) -> None:
+        """Send the replica a snapshot of the primary to merge; later pieces follow it in order."""
+        try:
+            r.pending = self._actor(r).merge.remote(self._snapshot())
+        except Exception as e:
+            self._failed(r, e)
+            return
+        r.status, r.since = CATCHING, time.monotonic()
+        r.rebuilds += 1
+
+    @staticmethod
+    def _failed(r: Replica, error: Exception) -> None:
+        from ray.exceptions import ActorDiedError
+
+        if isinstance(error, (ActorDiedError, ValueError)):  # dead for good, or its name is gone
+            r.status, r.pending, r.actor, r.since = DOWN, None, None, time.monotonic()
+        else:
+            r.status, r.pending, r.since = DOWN, None, time.monotonic() - RETRY  # try again at the next poll
+
+    def priorities(self, idx: Any, generation: Any, priority: Any) -> None:
+        """Send a priority update to every replica that takes pieces (not awaited: ordered before later ones)."""
+        for r in self.replicas:
+            if r.status in (LIVE, CATCHING):
+                self._actor(r).update_priority.remote(idx, generation, priority)
+
+    def report(self, count: int) -> list[dict[str, Any]]:
+        """Each replica: name, node, state, rows behind the primary (as last answered; None unless live) and
+        rebuilds so far."""
+        import ray
+
+        out = []
+        for r in self.replicas:
+            try:
+                node = ray.get(self._actor(r).place.remote(), timeout=2.0)["node"] if r.status == LIVE else None
+            except Exception:  # it just went away: the next write says so
+                node = None
+            out.append({"name": r.name, "node": node, "status": r.status, "rebuilds": r.rebuilds,
+                        "behind": max(0, count - r.count) if r.status == LIVE else None})
+        return out
+
+    def live(self) -> int:
+        return sum(r.status == LIVE for r in self.replicas)

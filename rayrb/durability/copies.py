@@ -1,0 +1,42 @@
+"""Two copies of one online shard made one: what a replica takes from another when it is rebuilt.
+
+A shard's ``w``-th row ever written sits in slot ``w mod capacity`` with generation
+``w // capacity + 1`` (``rayrb.durability.writelog.held_runs``), so a slot's generation
+says which row it holds, and a larger one is a newer row. Two copies of a shard that
+took the same writes in whatever order, each missing some, are merged slot by slot:
+each slot keeps the row with the larger generation. The merged copy holds every row
+either held (unless a newer row overwrote it in either), and its write count is the
+larger of the two counts, extended over the runs the merge completed: every row below
+either count is in the copy that counted it.
+
+>>> mine, theirs = np.array([1, 1, 0, 0]), np.array([1, 1, 1, 0])  # capacity 4: they hold row 2 too
+>>> newer(mine, theirs).tolist()
+[False, False, True, False]
+>>> merged_count(np.array([1, 1, 1, 0]), 2, 3)
+3
+>>> merged_count(np.array([1, 1, 0, 1]), 2, 2)  # row 3 held beyond a hole at row 2: not counted
+2
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from rayrb.durability.writelog import held_runs
+
+
+def newer(mine: np.ndarray, theirs: np.ndarray) -> np.ndarray:
+    """Slots where the other copy holds a newer row than this one (a larger generation)."""
+    mine, theirs = np.asarray(mine, np.int64), np.asarray(theirs, np.int64)
+    if mine.shape != theirs.shape:
+        raise ValueError(f"expected two copies of one shard ({mine.shape[0]} slots), got {theirs.shape[0]} slots")
+    return theirs > np.abs(mine)  # a negative generation is a row being written: its row is the absolute value's
+
+
+def merged_count(generation: np.ndarray, mine: int, theirs: int) -> int:
+    """The write count of the merged copy: the larger count, carried over every held run that now joins it."""
+    count = max(int(mine), int(theirs))
+    for a, b in held_runs(generation, count):
+        if a > count:
+            break
+        count = max(count, b)
+    return count

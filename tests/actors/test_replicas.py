@@ -1,0 +1,133 @@
+"""An online shard and its replica (rayrb.actors.replication), here on one node, as two actors: a copy killed
+mid-write (with its files, as a node loss takes them) is rebuilt while writes go on, a write acknowledged while
+only the primary held it survives the primary's loss after the rebuild, and a retry racing the fail-over lands
+once. Each acknowledged row is checked in both copies."""
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+from rayrb.actors.lifecycle import actor_class
+from rayrb.actors.shards import OnlineShard
+from rayrb.core.schema import RowSpec
+
+SPEC = RowSpec.from_arrays({"x": np.zeros(1, np.int64)}).to_json()
+CAPACITY, PIECE = 4096, 16
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+
+def start(ray, tmp_path):
+    """A primary and its replica, each restarting after any crash; ``(primary, replica, their directories)``."""
+    tag = uuid.uuid4().hex[:8]
+    cls = actor_class(OnlineShard)
+    opts = {"num_cpus": 0, "max_restarts": -1, "max_task_retries": 10}
+    dirs = [str(tmp_path / f"{tag}-on-0"), str(tmp_path / f"{tag}-on-0.r1")]
+    replica = cls.options(name=f"{tag}/on-0.r1", **opts).remote(SPEC, CAPACITY, f"{tag}/on-0.r1",
+                                                                 state_dir=dirs[1])
+    primary = cls.options(name=f"{tag}/on-0", **opts).remote(SPEC, CAPACITY, f"{tag}/on-0", state_dir=dirs[0],
+                                                             replicas=[f"{tag}/on-0.r1"])
+    ray.get([replica.ping.remote(), primary.ping.remote()])
+    return primary, replica, dirs
+
+
+def write(ray, primary, first):
+    """One piece, as the coordinator sends it to a replicated shard (the rows' ref nested); acknowledged."""
+    ref = ray.put({"x": np.arange(first, first + PIECE, dtype=np.int64)})
+    ray.get(primary.extend.remote(ref, 0, PIECE, first=first, forward=[ref]))
+
+
+def lose(ray, actor, directory):
+    """The actor's files go (its node's disk), then its process: Ray restarts it empty."""
+    shutil.rmtree(directory)
+    ray.kill(actor, no_restart=False)
+
+
+def copy_of(ray, actor):
+    state = ray.get(actor.state.remote())
+    gen = state["generation"]
+    return int(state["written"]), gen.copy(), state["rows/x"][gen > 0].copy()
+
+
+def level(ray, primary, limit=60.0):
+    """Wait until the replica is live and counts what the primary counts."""
+    t0 = time.monotonic()
+    while True:
+        ray.get(primary.check_replicas.remote())
+        (r,) = ray.get(primary.stats.remote())["replicas"]
+        if r["status"] == "live" and r["behind"] == 0:
+            return r
+        assert time.monotonic() - t0 < limit, r
+        time.sleep(0.2)
+
+
+def test_a_replica_killed_mid_write_with_its_files_is_rebuilt_while_writes_go_on(ray_session, tmp_path):
+    ray = ray_session
+    primary, replica, dirs = start(ray, tmp_path)
+    done, stop = [], threading.Event()
+
+    def writer():
+        w = 0
+        while not stop.is_set() and w < CAPACITY - PIECE:
+            write(ray, primary, w)  # never fails: the primary answers alone while its replica is down
+            done.append(w)
+            w += PIECE
+
+    t = threading.Thread(target=writer)
+    t.start()
+    while len(done) < 20:
+        time.sleep(0.01)
+    lose(ray, replica, dirs[1])
+    while len(done) < 80:
+        time.sleep(0.01)
+    stop.set()
+    t.join()
+    report = level(ray, primary)
+    assert report["rebuilds"] >= 1
+    written, gen, values = copy_of(ray, primary)
+    assert written == len(done) * PIECE
+    assert sorted(values.tolist()) == list(range(written))
+    r_written, r_gen, r_values = copy_of(ray, replica)
+    assert r_written == written and np.array_equal(r_gen, gen) and np.array_equal(r_values, values)
+    for a in (primary, replica):
+        ray.kill(a, no_restart=True)
+
+
+def test_rows_acknowledged_by_the_primary_alone_survive_its_loss_once_the_replica_is_rebuilt(ray_session, tmp_path):
+    ray = ray_session
+    primary, replica, dirs = start(ray, tmp_path)
+    for w in range(0, 10 * PIECE, PIECE):
+        write(ray, primary, w)
+    lose(ray, replica, dirs[1])
+    for w in range(10 * PIECE, 20 * PIECE, PIECE):  # acknowledged while the replica was down
+        write(ray, primary, w)
+    level(ray, primary)
+    lose(ray, primary, dirs[0])  # the primary restarts empty and takes the replica's rows
+    write(ray, primary, 20 * PIECE)
+    written, _, values = copy_of(ray, primary)
+    assert written == 21 * PIECE and sorted(values.tolist()) == list(range(written))
+    assert ray.get(primary.stats.remote())["restarts"] == 1
+    for a in (primary, replica):
+        ray.kill(a, no_restart=True)
+
+
+def test_a_retry_racing_the_primarys_fail_over_lands_once(ray_session, tmp_path):
+    ray = ray_session
+    primary, replica, dirs = start(ray, tmp_path)
+    for w in range(0, 5 * PIECE, PIECE):
+        write(ray, primary, w)
+    ref = ray.put({"x": np.arange(5 * PIECE, 6 * PIECE, dtype=np.int64)})
+    first = primary.extend.remote(ref, 0, PIECE, first=5 * PIECE, forward=[ref])  # in flight when the node goes
+    lose(ray, primary, dirs[0])
+    retry = primary.extend.remote(ref, 0, PIECE, first=5 * PIECE, forward=[ref])  # the writer asks again at once
+    ray.get([first, retry])
+    level(ray, primary)
+    for actor in (primary, replica):
+        written, _, values = copy_of(ray, actor)
+        assert written == 6 * PIECE and sorted(values.tolist()) == list(range(written))  # each row once
+    for a in (primary, replica):
+        ray.kill(a, no_restart=True)

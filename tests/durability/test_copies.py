@@ -1,0 +1,87 @@
+"""Two copies of an online shard that took the same writes in any order, each missing some, merge into one that
+holds every row either held, counted as far as both together reach. No Ray: shards in this process."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from rayrb.actors.shards import OnlineShard
+from rayrb.core.schema import RowSpec
+from rayrb.durability.copies import merged_count, newer
+
+SPEC = RowSpec.from_arrays({"x": np.zeros(1, np.int64)}).to_json()
+
+
+def shard(tmp_path, name, capacity=8, sampler="uniform"):
+    return OnlineShard(SPEC, capacity, name, sampler, state_dir=str(tmp_path / name))
+
+
+def rows(a, b):
+    return {"x": np.arange(a, b, dtype=np.int64)}
+
+
+def held(s):
+    """Row values and generations of what ``s`` counts."""
+    rows_, info = s.gather(np.arange(s.size()))
+    return sorted(rows_["x"].tolist()), s.written()
+
+
+def test_newer_refuses_copies_of_another_capacity():
+    with pytest.raises(ValueError, match="expected two copies of one shard"):
+        newer(np.zeros(4), np.zeros(5))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_merge_holds_every_row_either_copy_held(tmp_path, seed):
+    rng = np.random.default_rng(seed)
+    pieces = [(a, a + 3) for a in range(0, 30, 3)]  # 30 rows through a shard of 8: laps over every slot
+    a, b, whole = shard(tmp_path, "a"), shard(tmp_path, "b"), shard(tmp_path, "whole")
+    for lo, hi in pieces:
+        whole.extend(rows(lo, hi), first=lo)
+        for copy in (a, b):  # each copy misses some pieces, and takes the rest in its own order
+            if rng.random() < 0.7:
+                copy.extend(rows(lo, hi), first=lo)
+    for lo, hi in rng.permutation(np.array(pieces)):  # ... then what the other missed, out of order
+        if rng.random() < 0.5:
+            b.extend(rows(int(lo), int(hi)), first=int(lo))
+    a.merge(b.state())
+    b.merge(a.state())
+    # every row either held is in both now; a row both missed is a hole in both, at the same place
+    assert held(a) == held(b)
+    assert a.write_state() == b.write_state()
+    gen = np.maximum(a.state()["generation"], 0)
+    assert np.array_equal(a.state()["generation"], b.state()["generation"])
+    if a.written() == whole.written():
+        assert held(a) == held(whole) and np.array_equal(gen, whole.state()["generation"])
+    a.merge(b.state())  # taking a copy twice changes nothing
+    assert held(a) == held(b)
+
+
+def test_merged_count_goes_over_held_runs_that_join_and_stops_at_a_hole():
+    gen = np.array([1, 1, 1, 1, 0, 1, 0, 0])  # rows 0-3 and 5 held
+    assert merged_count(gen, 2, 0) == 4
+    assert merged_count(gen, 0, 3) == 4
+    assert merged_count(np.zeros(8, np.int64), 0, 0) == 0
+
+
+def test_a_merge_takes_the_other_copys_priorities_for_the_rows_it_takes(tmp_path):
+    a, b = shard(tmp_path, "a", sampler="prioritized"), shard(tmp_path, "b", sampler="prioritized")
+    for s in (a, b):
+        s.extend(rows(0, 4), first=0)
+    b.extend(rows(4, 6), first=4)
+    b.update_priority(np.array([4, 5]), np.array([1, 1]), np.array([7.0, 9.0]))
+    a.merge(b.state())
+    assert a.written() == 6
+    assert np.allclose(a.state()["sampler/priority"][4:6], b.state()["sampler/priority"][4:6])
+    assert a.state()["sampler/max_priority"] == b.state()["sampler/max_priority"]
+
+
+def test_a_copy_of_other_keys_is_refused_and_changes_nothing(tmp_path):
+    a = shard(tmp_path, "a")
+    a.extend(rows(0, 3), first=0)
+    other = OnlineShard(RowSpec.from_arrays({"y": np.zeros(1, np.int64)}).to_json(), 8, "o",
+                        state_dir=str(tmp_path / "o"))
+    other.extend({"y": np.arange(5, dtype=np.int64)}, first=0)
+    with pytest.raises(ValueError, match=r"expected a copy with keys \['x'\]"):
+        a.merge(other.state())
+    assert held(a) == ([0, 1, 2], 3)
