@@ -973,6 +973,17 @@ def bench_cluster(cfg, results, baseline: str | None = None):
     print("  " + json.dumps(out), flush=True)
 
 
+def bench_replicas(smoke: bool, results) -> None:
+    """What a second copy of each online shard costs (``pipelines/bench_replicas.py``, on its own cluster)."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    p = subprocess.run([sys.executable, str(REPO / "pipelines" / "bench_replicas.py"), *(["--smoke"] if smoke else [])],
+                       capture_output=True, text=True, env=env, timeout=1800)
+    if p.returncode != 0:
+        raise RuntimeError(f"replicas benchmark failed:\n{p.stderr[-2000:]}")
+    results["replicas"] = result_line(p.stdout)
+    print("  " + json.dumps(results["replicas"]), flush=True)
+
+
 # ------------------------------------------------------------------ report
 def ratios(results):
     r = {}
@@ -1078,7 +1089,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--data-home", default=os.environ.get("SCIKIT_LEARN_DATA"))
     p.add_argument("--out", default=str(DEFAULT_OUT))
     p.add_argument("--sections", default="headline,sampling,draw_path,consumers,real,writing,preprocess,cluster",
-                   help="comma-separated; 'call_cost' (Ray's cost per plan call by its shape) and 'gpu' (needs CUDA, "
+                   help="comma-separated; 'call_cost' (Ray's cost per plan call by its shape), 'replicas' (a second copy "
+                        "of each online shard, on a cluster of its own) and 'gpu' (needs CUDA, "
                         "writes results_gpu.json) are not in the default")
     p.add_argument("--batch-sizes", default=None, help="comma-separated, overrides the mode's")
     p.add_argument("--repeats", type=int, default=None, help="overrides the mode's")
@@ -1154,6 +1166,9 @@ def main(argv: list[str] | None = None) -> dict:
         if "cluster" in sections:
             print("cluster...", flush=True)
             bench_cluster(cfg, results, args.baseline)
+        if "replicas" in sections:
+            print("replicas...", flush=True)
+            bench_replicas(args.smoke, results)
 
         results["seconds"] = time.perf_counter() - t0
     results["ratios"] = ratios(results) if "sampling" in results else {}
