@@ -59,6 +59,8 @@ def one(replicas: int, args, writers: list, root: str) -> dict:
     ray.get([w.write.remote(rb, args.batches, args.rows, args.dim, i) for i, w in enumerate(writers)])
     write_rate = capacity / (time.perf_counter() - t0)
     assert rb.write_count == capacity
+    copies = [r for s in rb.stats()["shards"] for r in s.get("replicas", [])]
+    assert all(r["status"] == "live" for r in copies), copies
     for _ in range(3):
         rb.sample(args.batch)
     t0, rows = time.perf_counter(), 0
@@ -67,7 +69,8 @@ def one(replicas: int, args, writers: list, root: str) -> dict:
     sample_rate = rows / (time.perf_counter() - t0)
     disk = state_bytes(state)
     rb.shutdown()
-    return {"extend_rows_per_s": write_rate, "sample_rows_per_s": sample_rate, "disk_bytes_per_row": disk / capacity}
+    return {"extend_rows_per_s": write_rate, "sample_rows_per_s": sample_rate, "disk_bytes_per_row": disk / capacity,
+            "rebuilds": sum(r["rebuilds"] for r in copies)}
 
 
 def main(argv: list[str] | None = None) -> dict:

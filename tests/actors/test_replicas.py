@@ -21,8 +21,16 @@ CAPACITY, PIECE = 4096, 16
 pytestmark = pytest.mark.usefixtures("ray_session")
 
 
-def start(ray, tmp_path):
+@pytest.fixture
+def pair(ray_session, tmp_path):
     """A primary and its replica, each restarting after any crash; ``(primary, replica, their directories)``."""
+    made = start(ray_session, tmp_path)
+    yield made
+    for actor in made[:2]:
+        ray_session.kill(actor, no_restart=True)
+
+
+def start(ray, tmp_path):
     tag = uuid.uuid4().hex[:8]
     cls = actor_class(OnlineShard)
     opts = {"num_cpus": 0, "max_restarts": -1, "max_task_retries": 10}
@@ -65,9 +73,9 @@ def level(ray, primary, limit=60.0):
         time.sleep(0.2)
 
 
-def test_a_replica_killed_mid_write_with_its_files_is_rebuilt_while_writes_go_on(ray_session, tmp_path):
+def test_a_replica_killed_mid_write_with_its_files_is_rebuilt_while_writes_go_on(ray_session, pair):
     ray = ray_session
-    primary, replica, dirs = start(ray, tmp_path)
+    primary, replica, dirs = pair
     done, stop = [], threading.Event()
 
     def writer():
@@ -93,13 +101,11 @@ def test_a_replica_killed_mid_write_with_its_files_is_rebuilt_while_writes_go_on
     assert sorted(values.tolist()) == list(range(written))
     r_written, r_gen, r_values = copy_of(ray, replica)
     assert r_written == written and np.array_equal(r_gen, gen) and np.array_equal(r_values, values)
-    for a in (primary, replica):
-        ray.kill(a, no_restart=True)
 
 
-def test_rows_acknowledged_by_the_primary_alone_survive_its_loss_once_the_replica_is_rebuilt(ray_session, tmp_path):
+def test_rows_acknowledged_by_the_primary_alone_survive_its_loss_once_the_replica_is_rebuilt(ray_session, pair):
     ray = ray_session
-    primary, replica, dirs = start(ray, tmp_path)
+    primary, replica, dirs = pair
     for w in range(0, 10 * PIECE, PIECE):
         write(ray, primary, w)
     lose(ray, replica, dirs[1])
@@ -111,13 +117,11 @@ def test_rows_acknowledged_by_the_primary_alone_survive_its_loss_once_the_replic
     written, _, values = copy_of(ray, primary)
     assert written == 21 * PIECE and sorted(values.tolist()) == list(range(written))
     assert ray.get(primary.stats.remote())["restarts"] == 1
-    for a in (primary, replica):
-        ray.kill(a, no_restart=True)
 
 
-def test_a_retry_racing_the_primarys_fail_over_lands_once(ray_session, tmp_path):
+def test_a_retry_racing_the_primarys_fail_over_lands_once(ray_session, pair):
     ray = ray_session
-    primary, replica, dirs = start(ray, tmp_path)
+    primary, replica, dirs = pair
     for w in range(0, 5 * PIECE, PIECE):
         write(ray, primary, w)
     ref = ray.put({"x": np.arange(5 * PIECE, 6 * PIECE, dtype=np.int64)})
@@ -129,5 +133,3 @@ def test_a_retry_racing_the_primarys_fail_over_lands_once(ray_session, tmp_path)
     for actor in (primary, replica):
         written, _, values = copy_of(ray, actor)
         assert written == 6 * PIECE and sorted(values.tolist()) == list(range(written))  # each row once
-    for a in (primary, replica):
-        ray.kill(a, no_restart=True)
