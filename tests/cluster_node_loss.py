@@ -240,11 +240,43 @@ def stream(tmp: str) -> None:
         twin.sample(BATCH)
         after = [[b.sample(BATCH)["x"].tolist() for _ in range(30)] for b in (rb, twin)]
         moved = where(rb.rpc.coord)[0] != node
+        replica_reads = read_beside_a_replica(rb, twin)
         rb.shutdown()
         twin.shutdown()
         first_diff = next((i for i, (a, b) in enumerate(zip(*after)) if a != b), None)
         report({"same_before": before[0] == before[1], "same_after": after[0] == after[1], "moved": moved,
-                "recovery_s": recovery, "first_different_batch": first_diff})
+                "recovery_s": recovery, "first_different_batch": first_diff, **replica_reads})
+
+
+@ray.remote(num_cpus=0)
+class Reader:
+    """A handle in a process of its own: the batches it samples, and the directories of the online shards it read
+    itself."""
+
+    def run(self, handle, batches: int) -> tuple[list, list[str]]:
+        out = [handle.sample(BATCH)["x"].tolist() for _ in range(batches)]
+        local = handle._local
+        dirs = [] if local is None else [r._dir for r in local._readers.values() if hasattr(r, "_dir")]
+        return out, dirs
+
+
+def read_beside_a_replica(rb, twin) -> dict:
+    """A handle on a node holding a replica of an online shard, and not the shard: it reads the replica's files
+    itself, and samples what the twin's handle samples."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    primaries = {where(s)[0] for s in rb.rpc.shards[1:]}
+    copies = [ray.get_actor(f"{rb._name}/on-{i}.r1") for i in range(2)]
+    node = next((n for n, _, _ in map(where, copies) if n not in primaries), None)
+    if node is None:  # every replica shares its node with a primary: nothing to show
+        return {"replica_node": False}
+    got = {}
+    for name, buffer in (("rb", rb), ("twin", twin)):
+        reader = Reader.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, False)).remote()
+        got[name] = ray.get(reader.run.remote(buffer.client(), 20))
+        ray.kill(reader)
+    return {"replica_node": True, "same_beside_replica": got["rb"][0] == got["twin"][0],
+            "replica_dirs_read": sum(d.rstrip("/").endswith(".r1") for d in got["rb"][1])}
 
 
 if __name__ == "__main__":

@@ -40,4 +40,6 @@ def test_the_seeded_stream_goes_on_through_the_loss_of_the_coordinators_node(tmp
     print("\nnode loss, stream:", result)
     assert result["moved"] and result["same_before"], result
     assert result["same_after"], result  # the same batches as the twin that lost nothing
+    if result["replica_node"]:  # a handle beside a replica (and not its shard) reads the replica's files itself
+        assert result["replica_dirs_read"] >= 1 and result["same_beside_replica"], result
     assert result["recovery_s"] < 60

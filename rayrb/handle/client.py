@@ -107,8 +107,7 @@ class BufferClient(Writes, LearnerPaths, Steering):
             from rayrb.handle.local import LocalReads
 
             rpc = self.rpc
-            self._local = LocalReads(self._layout, self._spec, len(rpc.by_side[OFFLINE]), _node_id(),
-                                     lambda j: rpc.get(rpc.shards[j].place.remote())["node"])
+            self._local = LocalReads(self._layout, self._spec, len(rpc.by_side[OFFLINE]), _node_id(), rpc.node_of)
         return self._local
 
     def _loop(self, batch_size: int) -> Stream:

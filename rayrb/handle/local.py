@@ -10,7 +10,8 @@ and sends, as before.
 
 * **Offline shards**: the chunk files are immutable, so a mapped chunk is never stale;
   a handle maps them once its node is the shard's.
-* **Online shards**: the shard's memory maps under ``storage_dir``. A read goes
+* **Online shards**: the shard's memory maps under ``storage_dir`` (or a replica's, on a node where the
+  shard has a replica and not itself: ``online_replicas``). A read goes
   locally only while the shard's process is alive on this node (it holds its lease's
   lock, ``rayrb.durability.lease.held``: released by the kernel however the process
   dies), its files are those this handle maps (``rayrb.durability.storage.identity``:
@@ -166,8 +167,9 @@ class LocalReads:
     """The readers of one handle, made at first use for the shards this process can read (see the module).
 
     ``layout`` describes each shard, offline first: ``{"side", "sampler", "root", "start", "stop"}`` offline,
-    ``{"side", "sampler", "dir", "capacity"}`` online (None: no state directory). ``node`` is this process's
-    node; ``place(j)`` asks shard ``j`` for its node.
+    ``{"side", "sampler", "dir", "capacity", "copies"}`` online (None: no state directory; ``copies``: each
+    replica's ``{"name", "dir"}``). ``node`` is this process's node; ``place(j)`` asks shard ``j`` for its node,
+    ``place(name)`` the actor of that name.
     """
 
     def __init__(self, layout: Sequence[Mapping[str, Any]], spec: RowSpec, num_offline: int, node: str | None,
@@ -200,15 +202,26 @@ class LocalReads:
         if d is None or d.get("sampler") not in LOCAL_KINDS or self._node is None:
             return None
         try:
-            if self._place(j) != self._node:
+            if d["side"] != OFFLINE and (d.get("dir") is None or not ordered_stores()):
                 return None
+            if self._place(j) != self._node:
+                return None if d["side"] == OFFLINE else self._copy(d)
             if d["side"] == OFFLINE:
                 return OfflineReader(d["root"], d["start"], d["stop"], d["sampler"])
-            if d.get("dir") is None or not ordered_stores():
-                return None
             return OnlineReader(d["dir"], self._spec, d["capacity"], d["sampler"])
         except Exception:  # files this node cannot open, a shard that does not answer: the shard reads
             return None
+
+    def _copy(self, d: Mapping[str, Any]) -> Reader | None:
+        """A replica of online shard ``d`` on this node (``online_replicas`` ≥ 2), read as the shard itself is:
+        it holds every row its primary acknowledged, and a read it cannot serve goes to the primary."""
+        for copy in d.get("copies") or ():
+            try:
+                if self._place(copy["name"]) == self._node:
+                    return OnlineReader(copy["dir"], self._spec, d["capacity"], d["sampler"])
+            except Exception:  # gone, restarting, or its files not here
+                continue
+        return None
 
     def read_into(self, side: str, shard: int, args: tuple, out: Mapping[str, np.ndarray]) -> dict | None:
         """``args`` (counts, seeds, epochs, written) read here into ``out`` (arrays of the rows' length); their

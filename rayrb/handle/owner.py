@@ -449,7 +449,9 @@ def _start_actors(dataset: ChunkDataset, name: str, capacity: int, m: int, k: in
     layout = [{"side": OFFLINE, "sampler": kinds[OFFLINE], "root": str(dataset.root), "start": a, "stop": b}
               for a, b in ranges]
     layout += [{"side": ONLINE, "sampler": kinds[ONLINE], "capacity": c,
-                "dir": shard_directory(storage_dir, instance, f"on-{i}")} for i, c in enumerate(capacities)]
+                "dir": shard_directory(storage_dir, instance, f"on-{i}"),
+                "copies": [{"name": f"{name}/on-{i}.r{r}", "dir": shard_directory(storage_dir, instance, f"on-{i}.r{r}")}
+                           for r in range(1, replicas)]} for i, c in enumerate(capacities)]
     return coord, shards, device, layout, extra
 
 

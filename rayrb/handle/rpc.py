@@ -118,6 +118,13 @@ class Rpc:
             result = self.get(self.read(*read, direct=direct), timeout=left)
         return result
 
+    def node_of(self, actor: int | str) -> str:
+        """The node of shard ``actor`` (its index) or of the actor of that name."""
+        import ray
+
+        target = self.shards[actor] if isinstance(actor, int) else ray.get_actor(actor)
+        return self.get(target.place.remote())["node"]
+
     def answered_at(self, version: int) -> None:
         """An answer of the coordinator's carried ``version``. The map is written before any answer leaves, so a
         map behind it is no longer the coordinator's (restarted on another node): look it up again."""

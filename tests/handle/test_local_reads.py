@@ -159,6 +159,25 @@ def test_online_rows_are_read_here_only_where_stores_are_seen_in_order(tmp_path,
         assert (reads.reader("online", 0) is not None) is local, machine
 
 
+def test_a_handle_beside_a_replica_and_not_its_shard_reads_the_replica(tmp_path):
+    """With online_replicas, a node may hold a shard's replica and not the shard: its handles read the replica's
+    files; a node with neither reads through the shard."""
+    from rayrb.handle.local import LocalReads
+
+    filled(tmp_path)  # the primary, on node-a
+    copy = shard(tmp_path / "on-0.r1")
+    copy.extend(rows_from(0, 64), first=0)
+    layout = [{"side": "online", "sampler": "uniform", "dir": str(tmp_path / "on-0"), "capacity": 64,
+               "copies": [{"name": "t/on-0.r1", "dir": str(tmp_path / "on-0.r1")}]}]
+    nodes = {0: "node-a", "t/on-0.r1": "node-b"}
+    beside = LocalReads(layout, SPEC, 0, "node-b", nodes.get).reader("online", 0)
+    assert beside is not None and beside._dir == str(tmp_path / "on-0.r1")
+    out = out_for(8)
+    assert beside.read([8], [1], [None], 64, out) is not None
+    np.testing.assert_array_equal(out["id"], copy.sample_many([8], [1], None, 64)[0]["id"])
+    assert LocalReads(layout, SPEC, 0, "node-c", nodes.get).reader("online", 0) is None
+
+
 def test_an_offline_reader_draws_what_the_shard_draws(tmp_path):
     from rayrb import write_dataset
     from rayrb.actors.shards import OfflineShard
