@@ -42,6 +42,10 @@ class Writer:
         return time.perf_counter() - t0
 
 
+def workers_nodes() -> list[str]:
+    return [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) > 0]
+
+
 def state_bytes(directory: Path) -> int:
     return sum(f.stat().st_size for f in directory.rglob("*") if f.is_file() and "/coordinator" not in str(f))
 
@@ -52,8 +56,10 @@ def one(replicas: int, args, writers: list, root: str) -> dict:
     capacity = args.writers * args.batches * args.rows
     offline = {"X": np.zeros((1000, args.dim), np.float32), "y": np.zeros(1000, np.int64)}
     state = Path(tempfile.mkdtemp(dir=root))
-    rb = OfflineToOnlineReplayBuffer(offline, online_capacity=capacity, num_online_shards=2, seed=0,
-                                     online_replicas=replicas, storage_dir=state, actor_options=WORKER,
+    # one copy: each online shard on a worker of its own, as Ray places the first copies of two with STRICT_SPREAD
+    placed = {"online_replicas": replicas} if replicas > 1 else {"online_nodes": workers_nodes()[:2]}
+    rb = OfflineToOnlineReplayBuffer(offline, online_capacity=capacity, num_online_shards=2, seed=0, **placed,
+                                     storage_dir=state, actor_options=WORKER,
                                      dataset_root=Path(tempfile.mkdtemp(dir=root)) / "ds")
     t0 = time.perf_counter()
     ray.get([w.write.remote(rb, args.batches, args.rows, args.dim, i) for i, w in enumerate(writers)])
@@ -92,7 +98,8 @@ def main(argv: list[str] | None = None) -> dict:
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, logging_level=logging.WARNING, log_to_driver=False)
     try:
-        writers = [Writer.remote() for _ in range(args.writers)]
+        writers = [Writer.options(scheduling_strategy="SPREAD").remote() for _ in range(args.writers)]  # as
+        # collectors on nodes of their own would: rows cross nodes to every copy
         ray.get([w.__ray_ready__.remote() for w in writers])
         runs: dict[int, list[dict]] = {1: [], 2: []}
         with tempfile.TemporaryDirectory(prefix="rayrb-replicas-") as root:
