@@ -39,6 +39,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from rayrb.io.files import replace_file
+
 FIRST_WAIT = 0.5
 MAX_WAIT = 30.0
 FILE = "restarts.json"
@@ -94,12 +96,10 @@ class RestartLog:
             return
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"restarts": self.restarts, "failed_starts": self.failed_starts,
-                                       "starting": self.starting, "last_cause": self.last_cause,
-                                       # for rayrb.durability.leftovers
-                                       "pid": os.getpid(), "actor": self.actor, "cluster": self.cluster}))
-            os.replace(tmp, self.path)
+            replace_file(self.path, json.dumps({"restarts": self.restarts, "failed_starts": self.failed_starts,
+                                                "starting": self.starting, "last_cause": self.last_cause,
+                                                # for rayrb.durability.leftovers
+                                                "pid": os.getpid(), "actor": self.actor, "cluster": self.cluster}))
         except OSError:  # the count is for stats; a full disk must not stop the actor
             pass
 

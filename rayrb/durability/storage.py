@@ -45,7 +45,7 @@ import xxhash
 from rayrb.core.schema import SEP, RowSpec
 from rayrb.durability.lease import FILE as LEASE_FILE
 from rayrb.durability.restarts import FILE as RESTARTS_FILE
-from rayrb.io.files import pwrite_all
+from rayrb.io.files import pwrite_all, replace_file
 
 LAYOUT = "layout.json"
 
@@ -83,9 +83,7 @@ class OnlineStorage:
         self.priority = _array(d, "priority", (self.capacity,), np.float64, fresh) if priorities else None
         self.max_priority = _array(d, "max_priority", (1,), np.float64, fresh) if priorities else None
         if fresh and d is not None:
-            tmp = d / (LAYOUT + ".tmp")
-            tmp.write_text(json.dumps(layout))
-            os.replace(tmp, d / LAYOUT)
+            replace_file(d / LAYOUT, json.dumps(layout))
 
     @property
     def written(self) -> int:
@@ -154,7 +152,7 @@ class PriorityStore:
         self.priority = _array(self.directory, "priority", (int(capacity),), np.float64, fresh)
         self.max_priority = _array(self.directory, "max_priority", (1,), np.float64, fresh)
         if fresh and self.directory is not None:
-            (self.directory / LAYOUT).write_text(json.dumps(layout))
+            replace_file(self.directory / LAYOUT, json.dumps(layout))
 
     def remove(self) -> None:
         _remove(self.directory)
@@ -292,13 +290,13 @@ class CoordinatorState:
         for slot in (0, 1):
             raw = self._mirror.get(self._key + self._slot(slot).name)
             if raw is not None:
-                self._slot(slot).write_bytes(raw)
-        self._journal.write_bytes(b"".join(self._mirror.get(k) or b"" for k in lines))
+                replace_file(self._slot(slot), raw)
+        replace_file(self._journal, b"".join(self._mirror.get(k) or b"" for k in lines))
         replies = self._mirror.keys(self._key + "replies/")
         if replies:
             (self.directory / "replies").mkdir(exist_ok=True)
         for k in replies:
-            (self.directory / "replies" / k.rsplit("/", 1)[1]).write_bytes(self._mirror.get(k) or b"")
+            replace_file(self.directory / "replies" / k.rsplit("/", 1)[1], self._mirror.get(k) or b"")
 
     def _slot(self, sequence: int) -> Path:
         return self.directory / f"state.{sequence % 2}"
@@ -359,10 +357,8 @@ class CoordinatorState:
         saved after every call, lists the calls and not their answers (a group of 120 batches is ~25 KB)."""
         path = self._reply_path(call)
         path.parent.mkdir(exist_ok=True)
-        tmp = path.with_suffix(".tmp")
         framed = _framed(_REPLY, 0, text.encode())
-        tmp.write_bytes(framed)
-        os.replace(tmp, path)
+        replace_file(path, framed)
         if self._mirror is not None:
             self._mirror.put(self._key + "replies/" + path.name, framed)
 
@@ -396,9 +392,7 @@ class CoordinatorState:
         self._lines += 1
         if self._lines > 2 * self._remember:  # keep the journal about as long as what is remembered
             keep = self.writes()
-            tmp = self.directory / "writes.log.tmp"
-            tmp.write_text("".join(_journal_line(*entry) for entry in keep))
-            os.replace(tmp, self._journal)
+            replace_file(self._journal, "".join(_journal_line(*entry) for entry in keep))
             self._lines = len(keep)
 
     def writes(self) -> list[tuple[str, list[list[int]], str | None]]:

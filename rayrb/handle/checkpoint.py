@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import tempfile
 import uuid
@@ -27,7 +26,7 @@ import numpy as np
 
 from rayrb.core.allocation import split_evenly
 from rayrb.durability.writelog import slots
-from rayrb.io.files import file_digest
+from rayrb.io.files import file_digest, replace_file
 
 # 3: the manifest carries a digest of itself; 4: and the priority exponents its priorities were stored under
 FORMAT, VERSION = "rayrb.buffer", 4
@@ -57,10 +56,7 @@ def save(rb: Any, path: Path) -> None:
                 "sizes": cut["sizes"], "coordinator": cut["state"], "files": files}
         meta = json.loads(json.dumps(meta, default=int))  # as it will be read back
         meta["digest"] = manifest_digest(meta)
-        with open(tmp / MANIFEST, "w") as f:
-            json.dump(meta, f)
-            f.flush()
-            os.fsync(f.fileno())
+        replace_file(tmp / MANIFEST, json.dumps(meta), sync=True)
         old = None
         if path.exists():
             old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"

@@ -19,6 +19,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from rayrb.io.files import replace_file
+
 # Written beside rayrb's own checkpoint files: what the view adds to the buffer's state.
 _VIEW_STATE = "torchrl_view.json"
 
@@ -100,7 +102,7 @@ def _adapter_class() -> type:
         def dumps(self, path: Any) -> None:
             """rayrb's checkpoint of the buffer under ``path``, with the base fraction ``anneal`` decays from."""
             self._rayrb.dumps(path)
-            (Path(path) / _VIEW_STATE).write_text(json.dumps({"base_offline_fraction": self._base}))
+            replace_file(Path(path) / _VIEW_STATE, json.dumps({"base_offline_fraction": self._base}))
 
         def loads(self, path: Any) -> None:
             """rayrb's ``loads``, and the base fraction saved beside it (checked first: a damaged file changes

@@ -48,7 +48,7 @@ import numpy as np
 
 from rayrb.core.schema import SEP, RowSpec, native_order
 from rayrb.errors import ChunkError, ReadOnlyError  # noqa: F401  (re-exported)
-from rayrb.io.files import pwrite_all, reserve
+from rayrb.io.files import pwrite_all, replace_file, reserve
 
 FORMAT = "rayrb.chunks"
 FORMAT_VERSION = 1
@@ -219,13 +219,7 @@ def write_manifest(
         "source": source,
         "recipe": recipe,
     }
-    tmp = root / f".{MANIFEST}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(manifest, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, root / MANIFEST)
-    return root / MANIFEST
+    return replace_file(root / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True), sync=True)
 
 
 def new_dataset_root(root: str | os.PathLike, overwrite: bool = False) -> Path:

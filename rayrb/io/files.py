@@ -1,10 +1,40 @@
-"""Low-level file work shared by chunk writes and durable state: whole ``pwrite`` s, block reservation,
-digests, and this process's resident memory. Linux where it helps, portable where it must be."""
+"""Low-level file work shared by chunk writes and durable state: a file replaced whole, whole ``pwrite`` s, block
+reservation, digests, and this process's resident memory. Linux where it helps, portable where it must be."""
 from __future__ import annotations
 
 import os
+import uuid
 import zlib
+from pathlib import Path
 from typing import Any
+
+
+def replace_file(path: str | os.PathLike, data: bytes | str, *, sync: bool = False) -> Path:
+    """Write ``data`` to ``path`` whole or not at all: into a file of its own beside it, renamed over it.
+
+    Every file rayrb writes for a reader to trust (``docs/durability.md``, "Files and formats") goes through
+    here: a crash leaves the old file or the new one, never part of either, and two writers never share a
+    temporary file. ``sync`` flushes the data to the device before the rename (manifests, whose loss a
+    reader could not tell from their absence); state files rewritten after every call rely on the page
+    cache, which outlives the process.
+
+    >>> import tempfile; d = Path(tempfile.mkdtemp())
+    >>> replace_file(d / "a.json", "{}").read_text(), sorted(p.name for p in d.iterdir())
+    ('{}', ['a.json'])
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+            if sync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
 
 
 def _linux_fallocate():

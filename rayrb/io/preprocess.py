@@ -53,6 +53,7 @@ from rayrb.io.chunks import (
     write_chunk,
     write_manifest,
 )
+from rayrb.io.files import replace_file
 
 JOB_FILE = ".rayrb-job.json"
 
@@ -190,9 +191,7 @@ def _process(unit: tuple, index: int, fn: Callable, batched: bool, dest: str) ->
     # peak RSS of the worker process so far (bounded by the chunk size, not the dataset size)
     info.extra = {"input": [start, stop], "spec": spec.to_json(), "worker_rss_bytes": process_memory()["rss_peak_bytes"]}
     marker = Path(dest) / f"{name}.done.json"
-    tmp = marker.with_suffix(".tmp")
-    tmp.write_text(json.dumps(asdict(info)))
-    os.replace(tmp, marker)
+    replace_file(marker, json.dumps(asdict(info)))
     return asdict(info)
 
 
@@ -307,7 +306,7 @@ def _prepare_dest(dest: Path, job: dict, resume: bool) -> None:
                 shutil.rmtree(p) if p.is_dir() else p.unlink()
     dest.mkdir(parents=True, exist_ok=True)
     if not job_file.exists():
-        job_file.write_text(json.dumps(job))
+        replace_file(job_file, json.dumps(job))
 
 
 def _check_spec(infos: dict[int, dict], i: int) -> None:
