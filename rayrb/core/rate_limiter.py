@@ -104,7 +104,7 @@ class Decision(str, enum.Enum):
 
 AS_PLANNED, ALL_OFFLINE, WAIT = Decision.AS_PLANNED, Decision.ALL_OFFLINE, Decision.WAIT
 BELOW_MIN_SIZE = ("offline", "wait")
-SIDES = ("insert", "sample")
+CALLS = ("insert", "sample")  # the two kinds of call a limiter may hold back (SIDES, in plans, are offline/online)
 _COUNTS = ("inserts", "samples", "prefilled", "insert_blocked_calls", "sample_blocked_calls")
 _SECONDS = ("insert_blocked_seconds", "sample_blocked_seconds")
 
@@ -227,11 +227,11 @@ class RateLimiter:
         self._state["inserts"] += min(n, max(0, self.min_size_to_sample - size))
         self._state["prefilled"] += n
 
-    def record_blocked(self, side: str, seconds: float) -> None:
-        """A call on ``side`` (``"insert"`` or ``"sample"``) that waited ``seconds`` before it went."""
-        side = one_of("side", side, SIDES)
-        self._state[f"{side}_blocked_seconds"] += finite_number("seconds", seconds, minimum=0.0)
-        self._state[f"{side}_blocked_calls"] += 1
+    def record_blocked(self, call: str, seconds: float) -> None:
+        """A call of kind ``call`` (``"insert"`` or ``"sample"``) that waited ``seconds`` before it went."""
+        call = one_of("call", call, CALLS)
+        self._state[f"{call}_blocked_seconds"] += finite_number("seconds", seconds, minimum=0.0)
+        self._state[f"{call}_blocked_calls"] += 1
 
     # -- stats, checkpoints, config -----------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
