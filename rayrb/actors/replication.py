@@ -6,7 +6,7 @@ fetches the rows itself) before it copies the piece in, and answers only once ev
 is in one of four states:
 
 * ``live``: awaited on every write; a write is acknowledged only when it holds the rows;
-* ``catching``: being rebuilt from a snapshot of the primary (``OnlineShard.merge``), sent
+* ``catching``: being rebuilt from a snapshot of the primary (``OnlineShard.replace``), sent
   ahead of every later piece, which Ray runs in the order one caller sent them. Writes go on
   without waiting for it; it is live again once the merge and a count check pass;
 * ``waiting``: it did not answer within ``WAIT`` seconds (its node is gone, or it is
@@ -15,9 +15,10 @@ is in one of four states:
   ``RETRY`` seconds.
 
 A replica that answers with another count than the primary's (it restarted empty, or
-missed a piece) is rebuilt. The merge keeps, slot by slot, the newer row
-(``rayrb.durability.copies``), so rebuilding twice, or a piece arriving twice, changes
-nothing. ``docs/durability.md`` says what a node loss takes with and without replicas.
+missed a piece) is rebuilt: it takes the primary's snapshot whole (so a checkpoint restored
+into the primary reaches its replicas too), and a piece arriving twice changes nothing. A
+primary restarted without its files does the converse with a merge: slot by slot it keeps
+the newer row of its own and each replica's (``rayrb.durability.copies``). ``docs/durability.md`` says what a node loss takes with and without replicas.
 """
 from __future__ import annotations
 
@@ -66,8 +67,8 @@ class Replication:
         self._snapshot = snapshot
 
     def _actor(self, r: Replica) -> Any:
-        if r.actor is None:
-            r.actor = lookup(r.name)
+        if r.actor is None:  # at the first start it may still be being made; later a short look will do
+            r.actor = lookup(r.name, LOOKUP if r.rebuilds == 0 and r.status == LIVE else 1.0)
         return r.actor
 
     def send(self, rows_ref: Any, start: int, stop: int, first: int) -> list[tuple[Replica, Any]]:
@@ -129,10 +130,16 @@ class Replication:
     def _late(self, r: Replica, call: Any) -> None:
         r.status, r.pending, r.since = WAITING, call, time.monotonic()
 
+    def rebuild_all(self) -> None:
+        """Every replica made again from the primary (its state was replaced: a checkpoint restored)."""
+        for r in self.replicas:
+            self._rebuild(r)
+
     def _rebuild(self, r: Replica) -> None:
-        """Send the replica a snapshot of the primary to merge; later pieces follow it in order."""
+        """Send the replica a snapshot of the primary to take in place of its own; later pieces follow it in
+        order."""
         try:
-            r.pending = self._actor(r).merge.remote(self._snapshot())
+            r.pending = self._actor(r).replace.remote(self._snapshot())
         except Exception as e:
             self._failed(r, e)
             return

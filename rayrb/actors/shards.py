@@ -471,6 +471,17 @@ class OnlineShard(_Shard):
         self._metrics.count("rows_merged", int(take.size))
         return count
 
+    def replace(self, state: Mapping[str, np.ndarray]) -> int:
+        """Take another copy's state whole (a replica rebuilt from its primary); the write count after."""
+        self.load_state(state)
+        self._lost = False
+        return self._store.written
+
+    def load_state(self, state: Mapping[str, np.ndarray]) -> None:
+        super().load_state(state)
+        if self._replication is not None:  # replaced (a restore): the replicas take it too
+            self._replication.rebuild_all()
+
     def check_replicas(self) -> None:
         """Between writes: replicas that restarted empty or fell behind are rebuilt (a timer sends this)."""
         if self._replication is not None:

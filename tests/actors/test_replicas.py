@@ -133,3 +133,21 @@ def test_a_retry_racing_the_primarys_fail_over_lands_once(ray_session, pair):
     for actor in (primary, replica):
         written, _, values = copy_of(ray, actor)
         assert written == 6 * PIECE and sorted(values.tolist()) == list(range(written))  # each row once
+
+
+def test_a_restored_state_reaches_the_replica_and_a_later_loss_keeps_it(ray_session, pair):
+    ray = ray_session
+    primary, replica, dirs = pair
+    for w in range(0, 4 * PIECE, PIECE):
+        write(ray, primary, w)
+    saved = ray.get(primary.state.remote())
+    for w in range(4 * PIECE, 8 * PIECE, PIECE):  # rows the restore takes back
+        write(ray, primary, w)
+    ray.get(primary.load_state.remote(saved))
+    level(ray, primary)
+    for actor in (primary, replica):
+        written, _, values = copy_of(ray, actor)
+        assert written == 4 * PIECE and sorted(values.tolist()) == list(range(written))
+    lose(ray, primary, dirs[0])  # the restarted primary merges the replica in: the restore holds
+    written, _, values = copy_of(ray, primary)
+    assert written == 4 * PIECE and sorted(values.tolist()) == list(range(written))
