@@ -69,7 +69,11 @@ def log_offline(splits: dict[str, Any], policy: str, n_features: int, seed: int,
     train = ChunkDataset.open(splits["train"]).read() if policy in FITTED else None
     params, name, accuracy = fit_behaviour(policy, train, test, K, n_features, seed, share)
     root = Path(splits["train"]).parent / f"logged-{name}-seed{seed}"
-    logged = preprocess(splits["train"], LogBehaviour(policy, K, seed, params), root, batched=True)
+    fn = LogBehaviour(policy, K, seed, params)
+    # preprocess names the job by its fn's __module__ (and reuses a log only for the same job): keep the name it had
+    # when the job defined LogBehaviour in __main__, so logs earlier runs left under --root are still reused
+    fn.__module__ = "__main__"
+    logged = preprocess(splits["train"], fn, root, batched=True)
     seconds = time.perf_counter() - t0
     rows = logged.read()
     return OfflineLog(logged, params, accuracy, float(rows["next/reward"].mean()),
