@@ -1,7 +1,7 @@
 """The main job's behaviour policies, without Ray: the narrow policy takes one action per context, not a random one."""
 from __future__ import annotations
 
-import importlib.util
+import importlib
 
 import numpy as np
 import pytest
@@ -10,11 +10,11 @@ from conftest import REPO
 
 @pytest.fixture(scope="module")
 def job():
-    """``pipelines/train_bandit.py`` as a module (it imports ray, but starts nothing)."""
-    spec = importlib.util.spec_from_file_location("train_bandit", REPO / "pipelines" / "train_bandit.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """The main job's behaviour policies, ``pipelines/bandit/behaviour.py``, imported as the job imports them (it
+    imports ray, but starts nothing)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(REPO / "pipelines"))  # what running pipelines/train_bandit.py puts first
+        return importlib.import_module("bandit.behaviour")
 
 
 def table(n: int = 900, d: int = 4, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
