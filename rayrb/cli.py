@@ -31,6 +31,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from rayrb.errors import InvalidArgumentError
+
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
 EXAMPLES = {
@@ -57,7 +59,7 @@ def prepare(dataset: str, data_home: str | None, root: str | None, dtype: str) -
     prefix, _, name = dataset.partition(":")  # another loader's object (TorchRL's): its rows written as chunks
     folder = name.replace("/", "--")
     if folder in ("", ".", ".."):
-        raise ValueError(f"expected a dataset name after {prefix + ':'!r}, got {name!r}")
+        raise InvalidArgumentError(f"expected a dataset name after {prefix + ':'!r}, got {name!r}")
     dest = Path(root or default_root()) / prefix / folder
     if (dest / MANIFEST).is_file():  # prepared before: reused, as openml ids are
         return str(dest)

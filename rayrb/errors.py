@@ -2,7 +2,10 @@
 
 Each also subclasses the builtin it stands for, so code written against the
 builtins keeps working: ``except TimeoutError`` catches ``WriteTimeoutError``,
-``except ValueError`` catches ``SchemaError``.
+``except ValueError`` catches ``SchemaError`` and ``InvalidArgumentError``.
+The few builtins rayrb raises as they are (``NotImplementedError`` in abstract
+methods, ``StopIteration``, a module's ``AttributeError``) are listed, each with
+its reason, in ``tests/test_errors.py``, which fails on any other.
 
 >>> issubclass(WriteTimeoutError, (RayrbError, TimeoutError)), issubclass(SchemaError, ValueError)
 (True, True)
@@ -91,3 +94,43 @@ class UnknownDatasetError(RayrbError, ValueError, RuntimeError):
 
 class DatasetOptionError(RayrbError, TypeError, ValueError):
     """An option a dataset's loader does not take."""
+
+
+class InvalidArgumentError(RayrbError, ValueError):
+    """An argument or option whose value rayrb does not take: out of range, not a choice, or at odds with another."""
+
+
+class InvalidArgumentTypeError(RayrbError, TypeError):
+    """An argument or option of a type rayrb does not take."""
+
+
+class RowIndexError(RayrbError, IndexError):
+    """A row index, or a range of rows, outside those a shard or dataset holds."""
+
+
+class MissingKeyError(RayrbError, KeyError):
+    """A key that rows or a tensordict were expected to carry and do not."""
+
+
+class DrawError(RayrbError, ValueError):
+    """A batch that cannot be drawn as asked: too few rows (left in the epoch), or no weight or priority to draw."""
+
+
+class SavedStateError(RayrbError, ValueError):
+    """A saved state (a ``state_dict``, a checkpoint, a shard's files) that is damaged or does not fit this buffer."""
+
+
+class InvalidStateError(RayrbError, RuntimeError):
+    """A call that cannot be served as things stand: no online shards, no learners connected, a stale write plan."""
+
+
+class ShapeMismatchError(RayrbError, RuntimeError):
+    """Tensors meant to match row for row that do not: an action and its outcome, TD errors and their rows."""
+
+
+class CallTimeoutError(RayrbError, TimeoutError):
+    """A call to the buffer's actors that got no answer within ``timeout``."""
+
+
+class DirectoryNotEmptyError(RayrbError, FileExistsError):
+    """A directory a new dataset was to be written into that already holds files."""

@@ -35,7 +35,7 @@ from rayrb.core.validation import BETA, one_of, positive_int
 from rayrb.durability.mirror import GcsMirror
 from rayrb.durability.storage import CoordinatorState
 from rayrb.durability.writelog import WriteLog
-from rayrb.errors import HeldBack
+from rayrb.errors import HeldBack, InvalidArgumentError, SavedStateError
 
 # The calls after which the coordinator saves its state: those that change the stream, the settings,
 # the version or the write log. Getters, ``served`` and ``undo`` of nothing are not among them.
@@ -276,8 +276,8 @@ class Coordinator:
         updates whose generation no longer matches the slot.
         """
         if not self._planner.alloc.uses_masses:
-            raise ValueError(f"update_priority needs sampler='prioritized', this buffer samples "
-                             f"{self._planner.sampler!r}")
+            raise InvalidArgumentError(f"update_priority needs sampler='prioritized', this buffer samples "
+                                       f"{self._planner.sampler!r}")
         routes = route_priorities(offline, shard, index, generation, priority, self._sizes())
         acks = [self._shards[side][i].update_priority.remote(*args) for side, i, args in routes]
         self._changed()
@@ -306,7 +306,7 @@ class Coordinator:
         import ray
 
         if len(states) != len(self._shards[side]):
-            raise ValueError(f"expected {len(self._shards[side])} {side} shard states, got {len(states)}")
+            raise SavedStateError(f"expected {len(self._shards[side])} {side} shard states, got {len(states)}")
         ray.get([s.check_state.remote(st) for s, st in zip(self._shards[side], states)])
         self._changed()
         return [s.load_state.remote(st) for s, st in zip(self._shards[side], states)]

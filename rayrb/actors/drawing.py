@@ -19,7 +19,7 @@ from rayrb.core.planner import Planner
 from rayrb.core.plans import OFFLINE, ONLINE, SIDES, BatchPlan, GroupPlan, Part, decode_group
 from rayrb.core.validation import positive_int
 from rayrb.durability.replies import ReplyCache
-from rayrb.errors import HeldBack
+from rayrb.errors import DrawError, HeldBack, InvalidArgumentError
 
 Sizes = Mapping[str, np.ndarray]
 
@@ -78,7 +78,7 @@ class Drawing:
         num_batches = positive_int("num_batches", num_batches)
         batch_size = positive_int("batch_size", batch_size)
         if not 1 <= slices <= batch_size:
-            raise ValueError(f"num_slices must be in [1, batch_size={batch_size}], got {slices}")
+            raise InvalidArgumentError(f"num_slices must be in [1, batch_size={batch_size}], got {slices}")
         if self.ahead.orphans and slices == 1:  # batches another handle drew and will never serve go first
             adopted = self._adopt(batch_size, num_batches, stream, version)
             if adopted is not None:
@@ -224,7 +224,7 @@ class Drawing:
         from rayrb.core.allocation import multinomial_counts
 
         if sizes.sum() == 0:
-            raise ValueError(f"cannot sample {batch_size} rows from the {side} side: it holds no rows")
+            raise DrawError(f"cannot sample {batch_size} rows from the {side} side: it holds no rows")
         counts = multinomial_counts(batch_size, sizes, self.side_rng)
         parts = [Part(side, i, int(c)) for i, c in enumerate(counts) if c > 0]
         indices = [self.side_rng.integers(0, sizes[p.shard], p.count) for p in parts]

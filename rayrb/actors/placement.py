@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from rayrb.errors import InvalidArgumentError, InvalidArgumentTypeError
 from rayrb.io.chunks import ChunkDataset
 
 
@@ -37,25 +38,26 @@ def online_nodes_option(nodes: Sequence[str | None] | None, num_online_shards: i
     if nodes is None:
         return None
     if isinstance(nodes, str) or not isinstance(nodes, Sequence):
-        raise TypeError(f"expected online_nodes as a list of node ids (or None), one per online shard, "
-                        f"got {type(nodes).__name__}")
+        raise InvalidArgumentTypeError(f"expected online_nodes as a list of node ids (or None), one per online shard, "
+                                       f"got {type(nodes).__name__}")
     nodes = list(nodes)
     if len(nodes) != num_online_shards:
-        raise ValueError(f"expected one entry of online_nodes per online shard ({num_online_shards}), "
-                         f"got {len(nodes)}: {nodes!r}")
+        raise InvalidArgumentError(f"expected one entry of online_nodes per online shard ({num_online_shards}), "
+                                   f"got {len(nodes)}: {nodes!r}")
     bad = [n for n in nodes if n is not None and not isinstance(n, str)]
     if bad:
-        raise TypeError(f"expected node ids (str) or None in online_nodes, got {bad!r}")
+        raise InvalidArgumentTypeError(f"expected node ids (str) or None in online_nodes, got {bad!r}")
     if "scheduling_strategy" in actor_options and any(n is not None for n in nodes):
-        raise ValueError("online_nodes and actor_options['scheduling_strategy'] both place the online shards: "
-                         "give one of them")
+        raise InvalidArgumentError(
+            "online_nodes and actor_options['scheduling_strategy'] both place the online shards: "
+            "give one of them")
     if all(n is None for n in nodes):  # places nothing: Ray need not have started yet
         return nodes
     alive = _alive_nodes()
     unknown = sorted({n for n in nodes if n is not None and n not in alive})
     if unknown:
-        raise ValueError(f"online_nodes names nodes that are not alive in this cluster: {unknown}; "
-                         f"alive: {sorted(alive)}")
+        raise InvalidArgumentError(f"online_nodes names nodes that are not alive in this cluster: {unknown}; "
+                                   f"alive: {sorted(alive)}")
     return nodes
 
 
@@ -127,8 +129,9 @@ def replica_groups(shards: int, replicas: int, opts: dict, timeout: float = 60.0
 
     alive = len(_alive_nodes())
     if alive < replicas:
-        raise ValueError(f"expected at least online_replicas={replicas} alive nodes (each copy of an online shard "
-                         f"on another node), got {alive}")
+        raise InvalidArgumentError(
+            f"expected at least online_replicas={replicas} alive nodes (each copy of an online shard "
+            f"on another node), got {alive}")
     bundle = {"CPU": max(float(opts.get("num_cpus") or 0), HINTED_CPUS)}
     if opts.get("num_gpus"):
         bundle["GPU"] = float(opts["num_gpus"])
@@ -139,9 +142,10 @@ def replica_groups(shards: int, replicas: int, opts: dict, timeout: float = 60.0
     if len(ready) < len(groups):
         for g in groups:
             remove_placement_group(g)
-        raise ValueError(f"expected room for {replicas} copies of each of {shards} online shards on {replicas} "
-                         f"different nodes ({bundle} each), got none within {timeout:.0f} s on {alive} alive "
-                         f"nodes: add nodes, or lower online_replicas")
+        raise InvalidArgumentError(
+            f"expected room for {replicas} copies of each of {shards} online shards on {replicas} "
+            f"different nodes ({bundle} each), got none within {timeout:.0f} s on {alive} alive "
+            f"nodes: add nodes, or lower online_replicas")
     return groups
 
 

@@ -36,7 +36,7 @@ from rayrb.core.validation import ALPHA, EPS, positive_int
 from rayrb.durability.copies import merged_count, newer
 from rayrb.durability.storage import OnlineStorage, PriorityStore, remove_directory
 from rayrb.durability.writelog import held_runs
-from rayrb.errors import RowsLostError, SchemaError
+from rayrb.errors import InvalidArgumentError, RowIndexError, RowsLostError, SavedStateError, SchemaError
 from rayrb.io.chunks import ChunkDataset, ReadOnlyError
 from rayrb.io.files import process_memory
 
@@ -103,8 +103,8 @@ class _Shard:
         """Raise if ``update_priority`` would refuse these rows; change nothing."""
         idx = np.asarray(idx, dtype=np.int64)
         if idx.size and (idx.min() < 0 or idx.max() >= self.size()):
-            raise IndexError(f"shard {self.shard_id}: expected indices in [0, {self.size()}), "
-                             f"got {int(idx.min())}..{int(idx.max())}")
+            raise RowIndexError(f"shard {self.shard_id}: expected indices in [0, {self.size()}), "
+                                f"got {int(idx.min())}..{int(idx.max())}")
         self._sampler.check_priority(idx, np.asarray(priority, dtype=np.float64))
         return int(idx.size)
 
@@ -200,7 +200,7 @@ class _Shard:
             with np.load(path) as f:
                 return dict(f)
         except (OSError, ValueError) as e:
-            raise ValueError(f"shard {self.shard_id}: cannot read saved state {path}: {e}") from None
+            raise SavedStateError(f"shard {self.shard_id}: cannot read saved state {path}: {e}") from None
 
     def load(self, path: str) -> None:
         """Take the state ``dump`` wrote; a file that does not fit this shard changes nothing."""
@@ -218,7 +218,7 @@ class _Shard:
         """Rows at these local indices, with their provenance; no sampler state is touched."""
         idx = np.asarray(idx, dtype=np.int64)
         if idx.size and (idx.min() < 0 or idx.max() >= self.size()):
-            raise IndexError(f"shard {self.shard_id}: expected indices in [0, {self.size()})")
+            raise RowIndexError(f"shard {self.shard_id}: expected indices in [0, {self.size()})")
         return self._gather(idx), self._info(idx)
 
     def check_state(self, state: dict[str, np.ndarray]) -> None:
@@ -282,7 +282,8 @@ class OfflineShard(_Shard):
                          device=device, state_dir=state_dir)
         self._ds = ChunkDataset.open(root)
         if not 0 <= start < stop <= len(self._ds):
-            raise ValueError(f"shard {shard_id}: expected 0 <= start < stop <= {len(self._ds)}, got [{start}, {stop})")
+            raise InvalidArgumentError(
+                f"shard {shard_id}: expected 0 <= start < stop <= {len(self._ds)}, got [{start}, {stop})")
         self._start, self._stop = int(start), int(stop)
         if device is not None:  # the row range goes to the device once; gathers run there
             from rayrb.io.device_table import DeviceTable
@@ -521,12 +522,12 @@ class OnlineShard(_Shard):
         rows = {k[len("rows/"):]: v for k, v in state.items() if k.startswith("rows/")}
         gen = state.get("generation")
         if set(rows) != set(self._data) or gen is None or gen.shape != self._gen.shape or "written" not in state:
-            raise ValueError(f"shard {self.shard_id}: saved state has keys {sorted(rows)} and capacity "
-                             f"{None if gen is None else gen.shape[0]}, expected {sorted(self._data)} and "
-                             f"{self._capacity}")
+            raise SavedStateError(f"shard {self.shard_id}: saved state has keys {sorted(rows)} and capacity "
+                                  f"{None if gen is None else gen.shape[0]}, expected {sorted(self._data)} and "
+                                  f"{self._capacity}")
         self._spec.validate(rows, what="saved rows")
         if any(v.shape[0] != self._capacity for v in rows.values()):
-            raise ValueError(f"shard {self.shard_id}: saved rows are not {self._capacity} slots")
+            raise SavedStateError(f"shard {self.shard_id}: saved rows are not {self._capacity} slots")
 
         def apply() -> None:
             self._gen[...] = -1  # every row is being replaced: readers on this node leave it to the shard

@@ -14,6 +14,7 @@ import torch
 from tensordict import TensorDict
 
 from rayrb.core.plans import BatchPlan, concat, nest, provenance
+from rayrb.errors import InvalidArgumentError, InvalidStateError
 from rayrb.io.arrays import _tensor
 
 TRANSPORTS = ("object_store", "gloo", "nccl", "cuda_ipc", "auto")
@@ -34,11 +35,11 @@ def check_transport(transport: str) -> str:
     import importlib.util
 
     if transport not in TRANSPORTS:
-        raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        raise InvalidArgumentError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
     if transport == "nccl":
         gpus = _cluster_gpus()
         if gpus < 1 or importlib.util.find_spec("cupy") is None:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"transport='nccl' needs GPUs in the Ray cluster and cupy installed; found {gpus:g} GPUs and "
                 f"cupy {'present' if importlib.util.find_spec('cupy') else 'missing'}. "
                 "Use transport='gloo' (CPU) or 'object_store'")
@@ -48,12 +49,12 @@ def check_transport(transport: str) -> str:
 def check_storage_device(device: str) -> str:
     """Validate ``storage_device=``: ``"cuda"`` needs GPUs in the Ray cluster (else its shards never start)."""
     if device not in STORAGE_DEVICES:
-        raise ValueError(f"storage_device must be one of {STORAGE_DEVICES}, got {device!r}")
+        raise InvalidArgumentError(f"storage_device must be one of {STORAGE_DEVICES}, got {device!r}")
     if device == "cuda":
         gpus = _cluster_gpus()
         if gpus <= 0:
-            raise ValueError(f"storage_device='cuda' needs GPUs in the Ray cluster, found {gpus:g}; "
-                             "use storage_device='cpu'")
+            raise InvalidArgumentError(f"storage_device='cuda' needs GPUs in the Ray cluster, found {gpus:g}; "
+                                       "use storage_device='cpu'")
     return device
 
 
@@ -82,7 +83,7 @@ def refuse_shared_gpus(places: Sequence[Place]) -> None:
     hit = shared_gpu(places)
     if hit is not None:
         a, b, g = hit
-        raise ValueError(
+        raise InvalidArgumentError(
             f"an NCCL group cannot hold {a.name} and {b.name}: both run on GPU {g} of node {a.node[:12]} "
             "(NCCL needs one GPU per rank and refuses two ranks on one device). Use transport='cuda_ipc' "
             "between actors that share a GPU, or 'auto'")
@@ -124,7 +125,7 @@ def plan_routes(transport: str, shards: Sequence[Place], learners: Sequence[Plac
     elif transport == "cuda_ipc":
         for i, j in pairs:
             if choose(shards[i], learners[j]) != "cuda_ipc":
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"transport='cuda_ipc' carries rows only between actors that Ray gave the same GPU of one node; "
                     f"{shards[i].name} (node {shards[i].node[:12]}, GPUs {list(shards[i].gpus)}) and "
                     f"{learners[j].name} (node {learners[j].node[:12]}, GPUs {list(learners[j].gpus)}) do not share "
@@ -133,8 +134,8 @@ def plan_routes(transport: str, shards: Sequence[Place], learners: Sequence[Plac
     elif transport == "nccl":
         for p in (*shards, *learners) if pairs else ():
             if not p.gpus:
-                raise ValueError(f"transport='nccl' carries rows between GPUs, but Ray gave {p.name} (node "
-                                 f"{p.node[:12]}) none; give it num_gpus, or use transport='auto'")
+                raise InvalidArgumentError(f"transport='nccl' carries rows between GPUs, but Ray gave {p.name} (node "
+                                           f"{p.node[:12]}) none; give it num_gpus, or use transport='auto'")
         refuse_shared_gpus([*shards, *learners])
         routes = {pair: "nccl" for pair in pairs}
     elif transport == "auto":
@@ -149,7 +150,7 @@ def plan_routes(transport: str, shards: Sequence[Place], learners: Sequence[Plac
             else:
                 routes[(i, j)] = "object_store"
     else:
-        raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        raise InvalidArgumentError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
     shard_ids, learner_ids = _members(routes, "nccl" if transport in ("nccl", "auto") else "gloo")
     return routes, shard_ids, learner_ids
 
@@ -202,7 +203,7 @@ def connect_group(transport: str, shards: list, learners: list, name: str, previ
     rdt = sorted({j for (_, j), t in route.items() if t in RDT})
     missing = [j for j in rdt if not getattr(learners[j], "_ray_enable_tensor_transport", False)]
     if missing:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"transport={transport!r} needs learner classes declared with "
             f"@ray.remote(enable_tensor_transport=True); learners {missing} are not (without it the "
             "receive deadlocks until Ray's 60 s RDT timeout, ray-project/ray#66264)")
@@ -219,7 +220,7 @@ def connect_group(transport: str, shards: list, learners: list, name: str, previ
         group = create_collective_group([shards[i] for i in shard_ids] + [learners[j] for j in learner_ids],
                                         backend=backend, name=name)
     except Exception as e:
-        raise RuntimeError(
+        raise InvalidStateError(
             f"could not create a {backend} collective group over the shards and learners: {e}. "
             "An actor can join one group per backend, and gloo RDT cannot share an actor with a "
             "torch.distributed default group (DDP, RLlib remote learners): use transport='object_store' "
@@ -242,7 +243,7 @@ def receive(plan: BatchPlan, *parts: Any):
     device they arrived on).
     """
     if len(plan.parts) != len(parts):
-        raise ValueError(f"expected {len(plan.parts)} shard parts for this slice, got {len(parts)}")
+        raise InvalidArgumentError(f"expected {len(plan.parts)} shard parts for this slice, got {len(parts)}")
     rows: list[dict[str, torch.Tensor]] = []
     infos: list[dict[str, torch.Tensor]] = []
     for part in parts:

@@ -19,6 +19,7 @@ import numpy as np
 
 from rayrb.core.validation import positive_int
 from rayrb.durability.writelog import WriteLog
+from rayrb.errors import InvalidStateError
 
 
 class Writing:
@@ -76,7 +77,7 @@ class Writing:
         """``(rows, what an earlier write with this id got)``; raises if this buffer cannot take the write, or if
         ``write_id`` named a write of other rows (``WriteLog.retry_of``)."""
         if self.log is None:
-            raise RuntimeError("this buffer has no online shards")
+            raise InvalidStateError("this buffer has no online shards")
         rows = positive_int("rows", rows)
         return rows, self.log.retry_of(write_id, rows, digest)
 

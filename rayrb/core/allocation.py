@@ -26,6 +26,7 @@ from collections.abc import Collection, Sequence
 import numpy as np
 
 from rayrb.core.validation import fraction, positive_int
+from rayrb.errors import DrawError, InvalidArgumentError
 
 
 def check_batch_size(batch_size: object) -> int:
@@ -62,7 +63,7 @@ def split_checked(batch_size: int, offline_fraction: float, online_size: int) ->
 def _weights(name: str, values: Sequence[float]) -> np.ndarray:
     w = np.asarray(values, dtype=np.float64)
     if w.ndim != 1 or w.size == 0 or np.any(w < 0) or not np.all(np.isfinite(w)):
-        raise ValueError(f"expected a non-empty list of non-negative finite {name}, got {list(values)!r}")
+        raise InvalidArgumentError(f"expected a non-empty list of non-negative finite {name}, got {list(values)!r}")
     return w
 
 
@@ -75,8 +76,8 @@ def multinomial_counts(n: int, weights: Sequence[float], rng: np.random.Generato
         p = _SIZE_PROBS.get(key)
         if p is None:
             if weights.min() < 0:  # integer sizes are finite; the division gives the float path's values
-                raise ValueError(f"expected a non-empty list of non-negative finite weights, "
-                                 f"got {weights.tolist()!r}")
+                raise InvalidArgumentError(f"expected a non-empty list of non-negative finite weights, "
+                                           f"got {weights.tolist()!r}")
             total = weights.sum()
             p = weights / total if total > 0 else None
             if len(_SIZE_PROBS) >= 64:
@@ -85,7 +86,7 @@ def multinomial_counts(n: int, weights: Sequence[float], rng: np.random.Generato
         if n == 0:
             return np.zeros(weights.size, dtype=np.int64)
         if p is None:
-            raise ValueError(f"cannot draw {n} rows from shards whose weights sum to 0: {weights.tolist()}")
+            raise DrawError(f"cannot draw {n} rows from shards whose weights sum to 0: {weights.tolist()}")
         if weights.size == 1:  # what multinomial returns for one shard, and it draws nothing from rng then
             return np.array([n], dtype=np.int64)
         if weights.size == 2:  # Multinomial over two is Binomial: half the cost of numpy's multinomial call
@@ -97,7 +98,7 @@ def multinomial_counts(n: int, weights: Sequence[float], rng: np.random.Generato
     if n == 0:
         return np.zeros(w.size, dtype=np.int64)
     if total <= 0:
-        raise ValueError(f"cannot draw {n} rows from shards whose weights sum to 0: {w.tolist()}")
+        raise DrawError(f"cannot draw {n} rows from shards whose weights sum to 0: {w.tolist()}")
     return rng.multinomial(n, w / total).astype(np.int64)
 
 
@@ -108,9 +109,9 @@ def hypergeometric_counts(n: int, remaining: Sequence[int], rng: np.random.Gener
     """Per-shard counts without replacement: multivariate hypergeometric over rows left per shard."""
     left = np.asarray(remaining, dtype=np.int64)
     if left.ndim != 1 or left.size == 0 or np.any(left < 0):
-        raise ValueError(f"expected non-negative rows left per shard, got {list(remaining)!r}")
+        raise InvalidArgumentError(f"expected non-negative rows left per shard, got {list(remaining)!r}")
     if n > left.sum():
-        raise ValueError(f"cannot draw {n} rows without replacement: only {int(left.sum())} left in the epoch")
+        raise DrawError(f"cannot draw {n} rows without replacement: only {int(left.sum())} left in the epoch")
     if n == 0:
         return np.zeros(left.size, dtype=np.int64)
     return rng.multivariate_hypergeometric(left, n).astype(np.int64)

@@ -26,7 +26,7 @@ Examples:
     (4, 1)
     >>> a.check({"offline": 2, "online": 0}, sizes)
     Traceback (most recent call last):
-    ValueError: cannot draw 2 offline rows without replacement: 1 left in the epoch; ...
+    rayrb.errors.DrawError: cannot draw 2 offline rows without replacement: 1 left in the epoch; ...
 """
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ import numpy as np
 from rayrb.core.allocation import hypergeometric_counts, multinomial_counts
 from rayrb.core.plans import OFFLINE, ONLINE, SIDES, Epoch, ImportanceWeights
 from rayrb.core.validation import BETA, finite_number
+from rayrb.errors import DrawError, InvalidArgumentError, SavedStateError
 
 Sizes = Mapping[str, np.ndarray]
 
@@ -101,7 +102,8 @@ def epoch_end_option(epoch_end: str | None, drop_last: bool | None) -> str:
     if drop_last is not None:
         implied = "drop" if drop_last else "short"
         if epoch_end is not None and epoch_end != implied:
-            raise ValueError(f"drop_last={drop_last!r} means epoch_end={implied!r}, got epoch_end={epoch_end!r}")
+            raise InvalidArgumentError(
+                f"drop_last={drop_last!r} means epoch_end={implied!r}, got epoch_end={epoch_end!r}")
         return implied
     return one_of("epoch_end", "short" if epoch_end is None else epoch_end, EPOCH_ENDS)
 
@@ -134,14 +136,14 @@ class WithoutReplacementAllocator(Allocator):
 
     def _needs_epoch(self, side: str, n: int, sizes: np.ndarray) -> bool:
         if n > sizes.sum():
-            raise ValueError(f"cannot draw {n} {side} rows without replacement: "
-                             f"the {side} side holds {int(sizes.sum())} rows")
+            raise DrawError(f"cannot draw {n} {side} rows without replacement: "
+                            f"the {side} side holds {int(sizes.sum())} rows")
         left = self._left[side]
         if left is None or left.sum() == 0:
             return True
         if n > left.sum():
             if self.epoch_end != "drop":
-                raise ValueError(
+                raise DrawError(
                     f"cannot draw {n} {side} rows without replacement: {int(left.sum())} left in the epoch; "
                     f"pass drop_last=True (epoch_end='drop') to drop them and start the next epoch, or "
                     f"epoch_end='short' for a short final batch")
@@ -200,8 +202,8 @@ class WithoutReplacementAllocator(Allocator):
                                                   "sizes": np.asarray(e["sizes"], np.int64)}
             for arr in (left[side], None if e is None else epoch[side]["sizes"]):
                 if arr is not None and arr.shape != (self.num_shards[side],):
-                    raise ValueError(f"saved {side} epoch has {arr.shape[0]} shards, this buffer has "
-                                     f"{self.num_shards[side]}")
+                    raise SavedStateError(f"saved {side} epoch has {arr.shape[0]} shards, this buffer has "
+                                          f"{self.num_shards[side]}")
         self._left, self._epoch = left, epoch
         self.epochs = {side: int(state["epochs"][side]) for side in SIDES}
 
@@ -302,7 +304,7 @@ def register_allocator(name: str, cls: type[Allocator]) -> None:
 
 def allocator_class(name: str) -> type[Allocator]:
     if not isinstance(name, str) or name not in ALLOCATORS:
-        raise ValueError(f"sampler must be one of {tuple(ALLOCATORS)}, got {name!r}")
+        raise InvalidArgumentError(f"sampler must be one of {tuple(ALLOCATORS)}, got {name!r}")
     return ALLOCATORS[name]
 
 

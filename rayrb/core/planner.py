@@ -43,7 +43,7 @@ from rayrb.core.plans import OFFLINE, ONLINE, SIDES, BatchPlan, Part
 from rayrb.core.rate_limiter import ALL_OFFLINE, WAIT, make_rate_limiter
 from rayrb.core.schedules import Constant, Linear, make_schedule
 from rayrb.core.validation import BETA, non_negative_int, positive_int
-from rayrb.errors import HeldBack
+from rayrb.errors import HeldBack, InvalidArgumentError, SavedStateError
 
 Sizes = Mapping[str, np.ndarray]
 Reads = list[tuple[int, dict]]
@@ -145,7 +145,7 @@ class Planner:
         if not checked:
             batch_size = positive_int("batch_size", batch_size)
             if not 1 <= num_slices <= batch_size:
-                raise ValueError(f"num_slices must be in [1, batch_size={batch_size}], got {num_slices}")
+                raise InvalidArgumentError(f"num_slices must be in [1, batch_size={batch_size}], got {num_slices}")
         saved = self.snapshot()
         try:
             out = self._draw(batch_size, num_slices, sizes, totals)
@@ -286,21 +286,21 @@ class Planner:
         except (HeldBack, ValueError):
             pass  # a state may be held back or at an epoch's end; it is not damaged for that
         except Exception as e:
-            raise ValueError(f"the sampling state cannot draw a batch: {type(e).__name__}: {e}") from None
+            raise SavedStateError(f"the sampling state cannot draw a batch: {type(e).__name__}: {e}") from None
 
     def _checked(self, state: Any) -> tuple:
-        def bad(key: str, value: Any, expected: str, error: Exception | None = None) -> ValueError:
+        def bad(key: str, value: Any, expected: str, error: Exception | None = None) -> SavedStateError:
             why = f" ({type(error).__name__}: {error})" if error is not None else ""
-            return ValueError(f"sampling state[{key}] = {value!r:.200}: expected {expected}{why}")
+            return SavedStateError(f"sampling state[{key}] = {value!r:.200}: expected {expected}{why}")
 
         if not isinstance(state, Mapping):
-            raise ValueError(f"expected a sampling state dict, got {type(state).__name__}")
+            raise SavedStateError(f"expected a sampling state dict, got {type(state).__name__}")
         for key in ("step", "schedule", "rng"):
             if key not in state:
-                raise ValueError(f"sampling state is missing {key!r}; it has {sorted(state)}")
+                raise SavedStateError(f"sampling state is missing {key!r}; it has {sorted(state)}")
         if state.get("sampler", self.sampler) != self.sampler:
-            raise ValueError(f"state was saved by a buffer sampling {state['sampler']!r}, this one samples "
-                             f"{self.sampler!r}")
+            raise SavedStateError(f"state was saved by a buffer sampling {state['sampler']!r}, this one samples "
+                                  f"{self.sampler!r}")
         step = non_negative_int("sampling state['step']", state["step"])
         try:
             schedule = make_schedule(state["schedule"])

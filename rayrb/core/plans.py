@@ -35,6 +35,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from rayrb.core.schema import SEP
+from rayrb.errors import InvalidArgumentError, InvalidArgumentTypeError, RowIndexError
 
 OFFLINE, ONLINE = "offline", "online"
 SIDES = (OFFLINE, ONLINE)
@@ -146,7 +147,7 @@ def _plain(value: Any) -> Any:
     """A numpy scalar as the Python number JSON takes (``json.dumps``'s ``default``: only for other types)."""
     if isinstance(value, np.generic):
         return value.item()
-    raise TypeError(f"a plan holds ints, floats, strings and lists, got {type(value).__name__}")
+    raise InvalidArgumentTypeError(f"a plan holds ints, floats, strings and lists, got {type(value).__name__}")
 
 
 def group_to_json(group: GroupPlan) -> dict[str, Any]:
@@ -251,7 +252,7 @@ def provenance(plan: BatchPlan, infos: Sequence[Mapping[str, Any]], cat: Callabl
 def assemble(plan: BatchPlan, results: Sequence[tuple[Rows, Info]], return_info: bool = False):
     """Concatenate the parts' rows into one flat batch, with provenance if asked."""
     if len(results) != len(plan.parts):
-        raise ValueError(f"expected {len(plan.parts)} shard parts for this batch, got {len(results)}")
+        raise InvalidArgumentError(f"expected {len(plan.parts)} shard parts for this batch, got {len(results)}")
     rows = concat([r[0] for r in results])
     if not return_info:
         return rows
@@ -302,18 +303,20 @@ def route_priorities(offline: Any, shard: Any, index: Any, generation: Any, prio
     priority = np.asarray(priority, np.float64).reshape(-1)
     lengths = [len(offline), len(shard), len(index), len(generation), len(priority)]
     if len(set(lengths)) != 1:
-        raise ValueError(f"expected offline, shard, index, generation and priority of the same length, got {lengths}")
+        raise InvalidArgumentError(
+            f"expected offline, shard, index, generation and priority of the same length, got {lengths}")
     if not np.all(np.isfinite(priority)):
-        raise ValueError(f"priorities must be finite numbers, got {priority[~np.isfinite(priority)][:3].tolist()}")
+        raise InvalidArgumentError(
+            f"priorities must be finite numbers, got {priority[~np.isfinite(priority)][:3].tolist()}")
     routes = []
     for side, on_side in ((OFFLINE, offline), (ONLINE, ~offline)):
         for i in np.unique(shard[on_side]):
             if not 0 <= i < len(sizes[side]):
-                raise ValueError(f"no {side} shard {i}: the buffer has {len(sizes[side])}")
+                raise InvalidArgumentError(f"no {side} shard {i}: the buffer has {len(sizes[side])}")
             sel = on_side & (shard == i)
             bad = index[sel][(index[sel] < 0) | (index[sel] >= sizes[side][i])]
             if bad.size:
-                raise IndexError(f"{side} shard {i} holds {int(sizes[side][i])} rows, got index {int(bad[0])}")
+                raise RowIndexError(f"{side} shard {i} holds {int(sizes[side][i])} rows, got index {int(bad[0])}")
             routes.append((side, int(i), (index[sel], generation[sel], priority[sel])))
     return routes
 
@@ -323,13 +326,13 @@ def _integers(name: str, values: Any) -> np.ndarray:
 
     >>> _integers("index", [3.0, 45.5])
     Traceback (most recent call last):
-    ValueError: index must hold integers, got 45.5 (float64)
+    rayrb.errors.InvalidArgumentError: index must hold integers, got 45.5 (float64)
     >>> _integers("index", np.array([2**64 - 4], np.uint64))
     Traceback (most recent call last):
-    ValueError: index must hold int64 integers, got 18446744073709551612
+    rayrb.errors.InvalidArgumentError: index must hold int64 integers, got 18446744073709551612
     >>> _integers("index", np.array([3, "a"], object))
     Traceback (most recent call last):
-    ValueError: index must hold integers, got 3 (object)
+    rayrb.errors.InvalidArgumentError: index must hold integers, got 3 (object)
     """
     a = np.asarray(values).reshape(-1)
     if a.dtype.kind == "f":
@@ -337,11 +340,11 @@ def _integers(name: str, values: Any) -> np.ndarray:
     else:
         bad = a[:0] if a.dtype.kind in "iu" else a  # bools, strings, objects: none is an index
     if bad.size:
-        raise ValueError(f"{name} must hold integers, got {_show(bad[0])} ({a.dtype})")
+        raise InvalidArgumentError(f"{name} must hold integers, got {_show(bad[0])} ({a.dtype})")
     if a.size:
         low, high = a.min().item(), a.max().item()  # Python numbers: compared exactly
         if not -(2**63) <= low <= high < 2**63:  # int64 would wrap them around
-            raise ValueError(f"{name} must hold int64 integers, got {high if high >= 2**63 else low!r}")
+            raise InvalidArgumentError(f"{name} must hold int64 integers, got {high if high >= 2**63 else low!r}")
     return a.astype(np.int64)
 
 
@@ -350,13 +353,13 @@ def _flags(name: str, values: Any) -> np.ndarray:
 
     >>> _flags("offline", [1, 0, 3])
     Traceback (most recent call last):
-    ValueError: offline must hold booleans (or 0 and 1), got 3 (int64)
+    rayrb.errors.InvalidArgumentError: offline must hold booleans (or 0 and 1), got 3 (int64)
     """
     a = np.asarray(values).reshape(-1)
     if a.dtype.kind != "b":
         bad = a[(a != 0) & (a != 1)] if a.dtype.kind in "iuf" else a
         if bad.size:
-            raise ValueError(f"{name} must hold booleans (or 0 and 1), got {_show(bad[0])} ({a.dtype})")
+            raise InvalidArgumentError(f"{name} must hold booleans (or 0 and 1), got {_show(bad[0])} ({a.dtype})")
     return a.astype(bool)
 
 

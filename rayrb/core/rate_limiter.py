@@ -92,6 +92,7 @@ from numbers import Real
 from typing import Any
 
 from rayrb.core.validation import finite_number, non_negative_int, one_of, positive_int
+from rayrb.errors import InvalidArgumentError, InvalidArgumentTypeError, SavedStateError
 
 
 class Decision(str, enum.Enum):
@@ -115,7 +116,7 @@ def _error_buffer(value: Any) -> float | tuple[float, float]:
     if isinstance(value, (tuple, list)) and len(value) == 2:
         return (finite_number("error_buffer[0] (min_diff)", value[0]),
                 finite_number("error_buffer[1] (max_diff)", value[1]))
-    raise TypeError(f"error_buffer must be a number or a (min_diff, max_diff) pair, got {value!r}")
+    raise InvalidArgumentTypeError(f"error_buffer must be a number or a (min_diff, max_diff) pair, got {value!r}")
 
 
 class RateLimiter:
@@ -128,15 +129,16 @@ class RateLimiter:
         self.when_below_min_size = one_of("when_below_min_size", when_below_min_size, BELOW_MIN_SIZE)
         if samples_per_insert is None:
             if error_buffer is not None:
-                raise ValueError(f"error_buffer needs samples_per_insert, got error_buffer={error_buffer!r} "
-                                 "with samples_per_insert=None")
+                raise InvalidArgumentError(f"error_buffer needs samples_per_insert, got error_buffer={error_buffer!r} "
+                                           "with samples_per_insert=None")
             self.samples_per_insert, self.error_buffer = None, None
             self.min_diff, self.max_diff = -math.inf, math.inf
         else:
             self.samples_per_insert = finite_number("samples_per_insert", samples_per_insert, minimum=0.0, strict=True)
             if error_buffer is None:
-                raise ValueError("samples_per_insert needs an error_buffer (a number or a (min_diff, max_diff) "
-                                 "pair), got None")
+                raise InvalidArgumentError(
+                    "samples_per_insert needs an error_buffer (a number or a (min_diff, max_diff) "
+                    "pair), got None")
             self.error_buffer = _error_buffer(error_buffer)
             if isinstance(self.error_buffer, tuple):
                 self.min_diff, self.max_diff = self.error_buffer
@@ -156,21 +158,24 @@ class RateLimiter:
         spi, lo, hi, m = self.samples_per_insert, self.min_diff, self.max_diff, self.min_size_to_sample
         if spi is not None:
             if hi - lo < 2 * max(1.0, spi):
-                raise ValueError(f"the error_buffer window [min_diff, max_diff] = [{lo}, {hi}] must be at least "
-                                 f"2 * max(1, samples_per_insert) = {2 * max(1.0, spi)} wide (Reverb's rule), "
-                                 f"got {hi - lo}: a narrower one leaves too little room for one inserted and one "
-                                 "sampled row")
+                raise InvalidArgumentError(
+                    f"the error_buffer window [min_diff, max_diff] = [{lo}, {hi}] must be at least "
+                    f"2 * max(1, samples_per_insert) = {2 * max(1.0, spi)} wide (Reverb's rule), "
+                    f"got {hi - lo}: a narrower one leaves too little room for one inserted and one "
+                    "sampled row")
             if lo > spi * m:
-                raise ValueError(f"min_diff ({lo}) must be <= samples_per_insert * min_size_to_sample "
-                                 f"({spi} * {m} = {spi * m}): sampling could not start once min_size_to_sample "
-                                 "rows are in")
+                raise InvalidArgumentError(
+                    f"min_diff ({lo}) must be <= samples_per_insert * min_size_to_sample "
+                    f"({spi} * {m} = {spi * m}): sampling could not start once min_size_to_sample "
+                    "rows are in")
             if hi < spi * m:
                 warnings.warn(f"max_diff ({hi}) is below samples_per_insert * min_size_to_sample ({spi * m}): once "
                               "min_size_to_sample rows are in, inserts wait for samples, so a program that "
                               "samples only after its writes return hangs", stacklevel=3)
         if online_capacity is not None and positive_int("online_capacity", online_capacity) < m:
-            raise ValueError(f"online_capacity ({online_capacity}) must be >= min_size_to_sample ({m}): the online "
-                             "side could never be sampled")
+            raise InvalidArgumentError(
+                f"online_capacity ({online_capacity}) must be >= min_size_to_sample ({m}): the online "
+                "side could never be sampled")
 
     # -- queries ------------------------------------------------------------------------------------
     @property
@@ -243,10 +248,10 @@ class RateLimiter:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Counters from ``state_dict()``; on any error raises ValueError and changes nothing."""
         if not isinstance(state, Mapping):
-            raise ValueError(f"expected a rate limiter state dict, got {type(state).__name__}")
+            raise SavedStateError(f"expected a rate limiter state dict, got {type(state).__name__}")
         missing, unknown = sorted(set(_COUNTS + _SECONDS) - set(state)), sorted(set(state) - set(_COUNTS + _SECONDS))
         if missing or unknown:
-            raise ValueError(f"rate limiter state has missing keys {missing} and unknown keys {unknown}")
+            raise SavedStateError(f"rate limiter state has missing keys {missing} and unknown keys {unknown}")
         new = {k: non_negative_int(f"state[{k!r}]", state[k]) for k in _COUNTS}
         new |= {k: finite_number(f"state[{k!r}]", state[k], minimum=0.0) for k in _SECONDS}
         self._state = new
@@ -285,6 +290,6 @@ def make_rate_limiter(spec: None | RateLimiter | Mapping[str, Any]) -> RateLimit
         known = ("min_size_to_sample", "samples_per_insert", "error_buffer", "when_below_min_size")
         unknown = sorted(set(spec) - set(known))
         if unknown:
-            raise ValueError(f"unknown rate limiter options {unknown}; expected some of {list(known)}")
+            raise InvalidArgumentError(f"unknown rate limiter options {unknown}; expected some of {list(known)}")
         return RateLimiter(**spec)
-    raise TypeError(f"expected None, a RateLimiter or a config dict, got {type(spec).__name__}")
+    raise InvalidArgumentTypeError(f"expected None, a RateLimiter or a config dict, got {type(spec).__name__}")

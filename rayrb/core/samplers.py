@@ -50,6 +50,7 @@ from rayrb.core.allocators import (
 )
 from rayrb.core.plans import Epoch
 from rayrb.core.validation import ALPHA, EPS, positive_int, priority_options
+from rayrb.errors import DrawError, InvalidArgumentError, SavedStateError
 
 _MIX = 0x9E3779B97F4A7C15F39CC0605CEDC835  # odd: spreads 63-bit seeds over PCG64's 128-bit states
 _INC = 0xDA3E39CB94B95BDB
@@ -111,7 +112,7 @@ class Sampler:
         return float(size), 1.0
 
     def update_priority(self, idx: np.ndarray, priority: np.ndarray) -> None:
-        raise ValueError(f"update_priority needs sampler='prioritized', this shard samples {self.name!r}")
+        raise InvalidArgumentError(f"update_priority needs sampler='prioritized', this shard samples {self.name!r}")
 
     def check_priority(self, idx: np.ndarray, priority: np.ndarray) -> None:
         """Raise before anything changes if ``update_priority`` would refuse these values."""
@@ -135,7 +136,7 @@ class UniformSampler(Sampler):
 
     def sample(self, count: int, size: int, rng: np.random.Generator | None, epoch: Epoch | None = None) -> np.ndarray:
         if count > 0 and size <= 0:
-            raise ValueError(f"cannot draw {count} rows from an empty shard")
+            raise DrawError(f"cannot draw {count} rows from an empty shard")
         # floor(u * size) for 53-bit uniforms u: twice as fast as rng.integers for a read's few rows (its
         # argument handling costs more than the draw), and off uniform by at most size / 2**53
         idx = (rng.random(count) * size).astype(np.int64)
@@ -175,7 +176,7 @@ class WithoutReplacementSampler(Sampler):
         if epoch is not None:
             self._sync(epoch)
         if count > self.remaining():
-            raise ValueError(f"cannot draw {count} rows without replacement: {self.remaining()} left in the epoch")
+            raise DrawError(f"cannot draw {count} rows without replacement: {self.remaining()} left in the epoch")
         out = self._perm[self._cursor:self._cursor + count]
         self._cursor += count
         return out
@@ -291,7 +292,8 @@ class PrioritizedSampler(Sampler):
     def check_priority(self, idx: np.ndarray, priority: np.ndarray) -> None:
         priority = np.asarray(priority, dtype=np.float64)
         if not np.all(np.isfinite(priority)):
-            raise ValueError(f"priorities must be finite numbers, got {priority[~np.isfinite(priority)][:3].tolist()}")
+            raise InvalidArgumentError(
+                f"priorities must be finite numbers, got {priority[~np.isfinite(priority)][:3].tolist()}")
 
     def set_priority(self, idx: np.ndarray, priority: np.ndarray) -> None:
         priority = np.abs(np.asarray(priority, dtype=np.float64)) + self.eps
@@ -315,7 +317,7 @@ class PrioritizedSampler(Sampler):
     def sample(self, count: int, size: int, rng: np.random.Generator, epoch: Epoch | None = None) -> np.ndarray:
         total = self._total(size)
         if count > 0 and (size <= 0 or total <= 0):
-            raise ValueError(f"cannot draw {count} rows from a shard with no priority mass")
+            raise DrawError(f"cannot draw {count} rows from a shard with no priority mass")
         u = rng.uniform(0.0, total, count) * (1.0 - 1e-12)
         return np.minimum(self.tree.find(u), size - 1)
 
@@ -326,8 +328,8 @@ class PrioritizedSampler(Sampler):
     def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
         priority = np.asarray(state["priority"], dtype=np.float64)
         if priority.shape != (self.tree.capacity,) or not np.all(np.isfinite(priority)) or np.any(priority < 0):
-            raise ValueError(f"expected {self.tree.capacity} finite non-negative priorities, got shape "
-                             f"{priority.shape}")
+            raise SavedStateError(f"expected {self.tree.capacity} finite non-negative priorities, got shape "
+                                  f"{priority.shape}")
         self.max_priority = float(state["max_priority"])
         self._set(np.arange(self.tree.capacity), priority)
 
@@ -348,7 +350,7 @@ for _cls in (UniformSampler, WithoutReplacementSampler, PrioritizedSampler):
 
 def sampler_class(name: str) -> type[Sampler]:
     if not isinstance(name, str) or name not in SAMPLERS:
-        raise ValueError(f"sampler must be one of {tuple(SAMPLERS)}, got {name!r}")
+        raise InvalidArgumentError(f"sampler must be one of {tuple(SAMPLERS)}, got {name!r}")
     return SAMPLERS[name]
 
 

@@ -25,6 +25,7 @@ from typing import Any
 
 from rayrb.core.allocation import check_fraction
 from rayrb.core.validation import positive_int
+from rayrb.errors import InvalidArgumentError, InvalidArgumentTypeError
 
 
 class Schedule:
@@ -91,11 +92,11 @@ class Step(Schedule):
     def __init__(self, boundaries: Sequence[int], values: Sequence[float]):
         boundaries, values = list(boundaries), [check_fraction(v) for v in values]
         if len(values) != len(boundaries) + 1:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"expected one more value than boundaries, got {len(values)} values for {len(boundaries)} boundaries"
             )
         if boundaries != sorted(boundaries):
-            raise ValueError(f"boundaries must be increasing, got {boundaries}")
+            raise InvalidArgumentError(f"boundaries must be increasing, got {boundaries}")
         self.boundaries, self.values = boundaries, values
 
     def __call__(self, step: int, n_offline: int, n_online: int) -> float:
@@ -128,14 +129,16 @@ def make_schedule(spec: float | str | Mapping[str, Any] | Schedule) -> Schedule:
         cfg = dict(spec)
         kind = cfg.pop("kind", None)
         if kind not in _KINDS:
-            raise ValueError(f"schedule kind must be one of {sorted(_KINDS)}, got {kind!r}")
+            raise InvalidArgumentError(f"schedule kind must be one of {sorted(_KINDS)}, got {kind!r}")
         params = list(inspect.signature(_KINDS[kind]).parameters)
         unknown = sorted(set(cfg) - set(params))
         if unknown:
-            raise ValueError(f"the {kind!r} schedule takes no {', '.join(map(repr, unknown))}: expected some of "
-                             f"{params}, got {sorted(cfg)}")
+            raise InvalidArgumentError(
+                f"the {kind!r} schedule takes no {', '.join(map(repr, unknown))}: expected some of "
+                f"{params}, got {sorted(cfg)}")
         try:
             return _KINDS[kind](**cfg)
         except TypeError as e:  # a required parameter missing
-            raise ValueError(f"the {kind!r} schedule expects {params}, got {sorted(cfg)}: {e}") from None
-    raise TypeError(f"expected a fraction, a schedule kind, a config dict or a Schedule, got {type(spec).__name__}")
+            raise InvalidArgumentError(f"the {kind!r} schedule expects {params}, got {sorted(cfg)}: {e}") from None
+    raise InvalidArgumentTypeError(
+        f"expected a fraction, a schedule kind, a config dict or a Schedule, got {type(spec).__name__}")

@@ -10,15 +10,15 @@ Examples:
     (32, 8)
     >>> positive_int("chunk_rows", True)
     Traceback (most recent call last):
-    ValueError: chunk_rows must be a positive integer, got True
+    rayrb.errors.InvalidArgumentError: chunk_rows must be a positive integer, got True
     >>> non_negative_int("step", 2.5)
     Traceback (most recent call last):
-    ValueError: step must be a non-negative integer, got 2.5
+    rayrb.errors.InvalidArgumentError: step must be a non-negative integer, got 2.5
     >>> fraction("offline_fraction", 0.25)
     0.25
     >>> finite_number("beta", float("inf"), minimum=0.0)
     Traceback (most recent call last):
-    ValueError: beta must be a finite number >= 0.0, got inf
+    rayrb.errors.InvalidArgumentError: beta must be a finite number >= 0.0, got inf
 """
 from __future__ import annotations
 
@@ -27,6 +27,8 @@ from numbers import Integral, Real
 from typing import Any
 
 import numpy as np
+
+from rayrb.errors import InvalidArgumentError, InvalidArgumentTypeError
 
 # Prioritized replay's defaults (TorchRL's PrioritizedSampler takes alpha and beta; eps is its floor).
 ALPHA, BETA, EPS = 0.6, 0.4, 1e-8
@@ -47,14 +49,14 @@ def _finite(value: Real) -> bool:
 def positive_int(name: str, value: Any) -> int:
     """``value`` as an ``int`` > 0."""
     if not _is_int(value) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        raise InvalidArgumentError(f"{name} must be a positive integer, got {value!r}")
     return int(value)
 
 
 def non_negative_int(name: str, value: Any) -> int:
     """``value`` as an ``int`` >= 0."""
     if not _is_int(value) or value < 0:
-        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        raise InvalidArgumentError(f"{name} must be a non-negative integer, got {value!r}")
     return int(value)
 
 
@@ -69,14 +71,14 @@ def finite_number(name: str, value: Any, *, minimum: float | None = None, strict
     if ok and minimum is not None:
         ok = float(value) > minimum if strict else float(value) >= minimum
     if not ok:
-        raise ValueError(f"{name} must be a finite number{bound}, got {value!r}")
+        raise InvalidArgumentError(f"{name} must be a finite number{bound}, got {value!r}")
     return float(value)
 
 
 def fraction(name: str, value: Any) -> float:
     """``value`` as a ``float`` in ``[0, 1]``."""
     if not isinstance(value, Real) or isinstance(value, bool) or not _finite(value) or not 0.0 <= float(value) <= 1.0:
-        raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
+        raise InvalidArgumentError(f"{name} must be a number in [0, 1], got {value!r}")
     return float(value)
 
 
@@ -98,10 +100,10 @@ def boolean(name: str, value: Any) -> bool:
     True
     >>> boolean("prefill", "false")
     Traceback (most recent call last):
-    TypeError: prefill must be True or False, got 'false'
+    rayrb.errors.InvalidArgumentTypeError: prefill must be True or False, got 'false'
     """
     if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be True or False, got {value!r}")
+        raise InvalidArgumentTypeError(f"{name} must be True or False, got {value!r}")
     return bool(value)
 
 
@@ -110,20 +112,20 @@ def optional_str(name: str, value: Any) -> str | None:
 
     >>> optional_str("write_id", ["w"])
     Traceback (most recent call last):
-    TypeError: write_id must be a string or None, got list ['w']
+    rayrb.errors.InvalidArgumentTypeError: write_id must be a string or None, got list ['w']
     """
     if value is not None and not isinstance(value, str):
-        raise TypeError(f"{name} must be a string or None, got {type(value).__name__} {value!r:.100}")
+        raise InvalidArgumentTypeError(f"{name} must be a string or None, got {type(value).__name__} {value!r:.100}")
     return value
 
 
 def one_of(name: str, value: Any, choices: Any) -> Any:
     if value not in tuple(choices):
-        raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}")
+        raise InvalidArgumentError(f"{name} must be one of {tuple(choices)}, got {value!r}")
     return value
 
 
 def callable_or_none(name: str, value: Any) -> Any:
     if value is not None and not callable(value):
-        raise TypeError(f"{name} must be callable, got {type(value).__name__}")
+        raise InvalidArgumentTypeError(f"{name} must be callable, got {type(value).__name__}")
     return value

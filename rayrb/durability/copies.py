@@ -22,13 +22,15 @@ from __future__ import annotations
 import numpy as np
 
 from rayrb.durability.writelog import held_runs
+from rayrb.errors import InvalidArgumentError
 
 
 def newer(mine: np.ndarray, theirs: np.ndarray) -> np.ndarray:
     """Slots where the other copy holds a newer row than this one (a larger generation)."""
     mine, theirs = np.asarray(mine, np.int64), np.asarray(theirs, np.int64)
     if mine.shape != theirs.shape:
-        raise ValueError(f"expected two copies of one shard ({mine.shape[0]} slots), got {theirs.shape[0]} slots")
+        raise InvalidArgumentError(
+            f"expected two copies of one shard ({mine.shape[0]} slots), got {theirs.shape[0]} slots")
     return theirs > np.abs(mine)  # a negative generation is a row being written: its row is the absolute value's
 
 

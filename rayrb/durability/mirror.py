@@ -18,6 +18,8 @@ its controller's checkpoints there for the same reason.
 """
 from __future__ import annotations
 
+from rayrb.errors import InvalidStateError
+
 NAMESPACE = "rayrb"
 
 
@@ -65,8 +67,8 @@ class GcsMirror(Mirror):
         from ray.experimental import internal_kv
 
         if not internal_kv._internal_kv_initialized():
-            raise RuntimeError("expected to run inside a Ray cluster (the GCS keeps the coordinator's copy), "
-                               "got no connection to one")
+            raise InvalidStateError("expected to run inside a Ray cluster (the GCS keeps the coordinator's copy), "
+                                    "got no connection to one")
         self._kv = internal_kv
 
     def put(self, key: str, value: bytes) -> None:

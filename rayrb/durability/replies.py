@@ -12,7 +12,7 @@ replies the crash lost come back mixed with new calls from every other handle.
 (True, 'plan-c')
 >>> cache.get("c", (32, 1))
 Traceback (most recent call last):
-ValueError: call 'c' was answered for (16, 1), got (32, 1): a call id names one call; use a new id for a new call
+rayrb.errors.InvalidArgumentError: call 'c' was answered for (16, 1), got (32, 1): a call id names one call; ...
 """
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ import json
 from collections import OrderedDict
 from collections.abc import Hashable
 from typing import Any
+
+from rayrb.errors import InvalidArgumentError
 
 # Calls whose reply one crash can lose: each handle has at most two plan calls in flight
 # (rayrb.handle.stream), so this covers four handles caught mid-call at once.
@@ -48,8 +50,9 @@ class ReplyCache:
             return None
         asked, answer, _ = self._answers[call]
         if asked != request:
-            raise ValueError(f"call {call!r} was answered for {asked}, got {request}: a call id names one call; "
-                             "use a new id for a new call")
+            raise InvalidArgumentError(
+                f"call {call!r} was answered for {asked}, got {request}: a call id names one call; "
+                "use a new id for a new call")
         return self._decode(answer)
 
     def put(self, call: str | None, request: Hashable, answer: Any) -> None:

@@ -45,6 +45,7 @@ import xxhash
 from rayrb.core.schema import SEP, RowSpec
 from rayrb.durability.lease import FILE as LEASE_FILE
 from rayrb.durability.restarts import FILE as RESTARTS_FILE
+from rayrb.errors import SavedStateError
 from rayrb.io.files import pwrite_all, replace_file
 
 LAYOUT = "layout.json"
@@ -344,9 +345,10 @@ class CoordinatorState:
             saved = None
         schema = saved.get("schema") if isinstance(saved, dict) else None
         if schema != STATE_SCHEMA:
-            raise ValueError(f"coordinator state in {self.directory} has schema {schema!r}; this rayrb reads schema "
-                             f"{STATE_SCHEMA} only (docs/durability.md): start the buffer afresh or restore a "
-                             "checkpoint")
+            raise SavedStateError(
+                f"coordinator state in {self.directory} has schema {schema!r}; this rayrb reads schema "
+                f"{STATE_SCHEMA} only (docs/durability.md): start the buffer afresh or restore a "
+                "checkpoint")
         return saved["state"]
 
     def _reply_path(self, call: str) -> Path:

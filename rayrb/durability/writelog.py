@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 
 from rayrb.core.allocation import assign_pieces, split_evenly, write_pieces
-from rayrb.errors import WriteIdError
+from rayrb.errors import InvalidArgumentError, InvalidStateError, WriteIdError
 
 
 def slots(first: int, n: int, capacity: int) -> np.ndarray:
@@ -81,7 +81,7 @@ class WriteLog:
     def __init__(self, capacities: Sequence[int], remember: int = 4096):
         self.capacity = np.asarray(capacities, dtype=np.int64)
         if self.capacity.ndim != 1 or np.any(self.capacity <= 0):
-            raise ValueError(f"expected positive shard capacities, got {list(capacities)!r}")
+            raise InvalidArgumentError(f"expected positive shard capacities, got {list(capacities)!r}")
         self.offsets = np.concatenate([[0], np.cumsum(self.capacity)[:-1]]).astype(np.int64)
         self.written = np.zeros(self.capacity.size, dtype=np.int64)
         # per shard: rows [a, b) below ``written`` that no write holds (pieces that never landed)
@@ -130,10 +130,10 @@ class WriteLog:
         """Where each piece of a write goes, preferring the shards in ``local`` within ``slack``;
         changes nothing."""
         if len(piece_rows) > self.capacity.size:
-            raise ValueError(f"expected at most {self.capacity.size} pieces, one per online shard, "
-                             f"got {len(piece_rows)}")
+            raise InvalidArgumentError(f"expected at most {self.capacity.size} pieces, one per online shard, "
+                                       f"got {len(piece_rows)}")
         if any(int(r) <= 0 for r in piece_rows):
-            raise ValueError(f"expected positive piece sizes, got {list(piece_rows)!r}")
+            raise InvalidArgumentError(f"expected positive piece sizes, got {list(piece_rows)!r}")
         out, start = [], 0
         for rows, shard in zip(piece_rows, assign_pieces(piece_rows, self.written, local, self.slack)):
             first = int(self.written[shard])
@@ -176,8 +176,8 @@ class WriteLog:
                digest: str | None = None) -> None:
         for w in plan:
             if self.written[w.shard] != w.first and not self._in_hole(w):
-                raise RuntimeError(f"write to online shard {w.shard} planned at row {w.first}, but the shard "
-                                   f"is at row {int(self.written[w.shard])} with holes {self.holes[w.shard]}")
+                raise InvalidStateError(f"write to online shard {w.shard} planned at row {w.first}, but the shard "
+                                        f"is at row {int(self.written[w.shard])} with holes {self.holes[w.shard]}")
         for w in plan:
             if self._in_hole(w):
                 self.holes[w.shard] = _cut_out(self.holes[w.shard], w.first, w.first + w.rows)
@@ -331,9 +331,10 @@ class WriteLog:
         """
         written = np.asarray(written, dtype=np.int64)
         if written.shape != self.written.shape or np.any(written < 0):
-            raise ValueError(f"expected {self.written.size} non-negative write counts, got {written.tolist()}")
-        bad = ValueError(f"expected per shard runs [a, b) of rows at or beyond its count {written.tolist()}, "
-                         f"got {held!r}")
+            raise InvalidArgumentError(
+                f"expected {self.written.size} non-negative write counts, got {written.tolist()}")
+        bad = InvalidArgumentError(f"expected per shard runs [a, b) of rows at or beyond its count {written.tolist()}, "
+                                   f"got {held!r}")
         try:
             held = [sorted((int(a), int(b)) for a, b in runs) for runs in (held or [[] for _ in written])]
         except (TypeError, ValueError):  # a run that is not a pair of integers

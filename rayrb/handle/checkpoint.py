@@ -26,6 +26,7 @@ import numpy as np
 
 from rayrb.core.allocation import split_evenly
 from rayrb.durability.writelog import slots
+from rayrb.errors import SavedStateError
 from rayrb.io.files import file_digest, replace_file
 
 # 3: the manifest carries a digest of itself; 4: and the priority exponents its priorities were stored under
@@ -81,27 +82,27 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
     try:
         meta = json.loads((path / MANIFEST).read_text())
     except FileNotFoundError:
-        raise ValueError(f"expected a rayrb checkpoint at {path}, but {path / MANIFEST} does not exist") from None
+        raise SavedStateError(f"expected a rayrb checkpoint at {path}, but {path / MANIFEST} does not exist") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"checkpoint manifest {path / MANIFEST} is not valid JSON ({e}): the checkpoint is "
-                         "damaged") from None
+        raise SavedStateError(f"checkpoint manifest {path / MANIFEST} is not valid JSON ({e}): the checkpoint is "
+                              "damaged") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") not in READABLE:
         got = (meta.get("format"), meta.get("version")) if isinstance(meta, dict) else type(meta).__name__
-        raise ValueError(f"expected a {FORMAT} checkpoint of version {' or '.join(map(str, READABLE))} at {path}, "
-                         f"got {got}")
+        raise SavedStateError(f"expected a {FORMAT} checkpoint of version {' or '.join(map(str, READABLE))} at {path}, "
+                              f"got {got}")
     if meta["version"] >= 3 and meta.get("digest") != manifest_digest(meta):
-        raise ValueError(f"checkpoint manifest {path / MANIFEST} was changed after it was written: its digest "
-                         f"{meta.get('digest')!r} does not match its contents ({manifest_digest(meta)})")
+        raise SavedStateError(f"checkpoint manifest {path / MANIFEST} was changed after it was written: its digest "
+                              f"{meta.get('digest')!r} does not match its contents ({manifest_digest(meta)})")
     missing = [k for k in ("dataset_fingerprint", "spec", "sampler", "sizes", "coordinator", "files") if k not in meta]
     if missing:
-        raise ValueError(f"checkpoint manifest {path / MANIFEST} lacks {missing}")
+        raise SavedStateError(f"checkpoint manifest {path / MANIFEST} lacks {missing}")
     for name, want in meta["files"].items():
         f = path / name
         if not f.is_file():
-            raise ValueError(f"checkpoint {path} is missing {name}")
+            raise SavedStateError(f"checkpoint {path} is missing {name}")
         got = file_digest(f)
         if got != want:
-            raise ValueError(f"checkpoint file {f} is damaged: expected {want}, got {got}")
+            raise SavedStateError(f"checkpoint file {f} is damaged: expected {want}, got {got}")
     return meta
 
 
@@ -135,7 +136,7 @@ def check_compatible(meta: dict[str, Any], rb: Any, sizes: dict[str, list[int]])
                      f"({saved['online_capacity']}) vs {sum(sizes['online_capacity'])} ({sizes['online_capacity']}); "
                      "shard counts may differ, the total capacity may not")
     if diffs:
-        raise ValueError("the checkpoint does not fit this buffer: " + "; ".join(diffs))
+        raise SavedStateError("the checkpoint does not fit this buffer: " + "; ".join(diffs))
 
 
 def _plain(value: Any) -> Any:

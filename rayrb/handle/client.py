@@ -21,7 +21,11 @@ import torch
 from rayrb.core.plans import OFFLINE
 from rayrb.core.schema import RowSpec
 from rayrb.core.validation import non_negative_int, positive_int
-from rayrb.errors import BufferUnavailableError, WriteTimeoutError  # noqa: F401  (re-exported: rayrb.client)
+from rayrb.errors import (
+    BufferUnavailableError,  # noqa: F401  (re-exported: rayrb.client)
+    InvalidArgumentError,
+    WriteTimeoutError,  # noqa: F401  (re-exported: rayrb.client)
+)
 from rayrb.handle.learners import LearnerPaths
 from rayrb.handle.rpc import Rpc
 from rayrb.handle.steering import Steering
@@ -71,12 +75,12 @@ class BufferClient(Writes, LearnerPaths, Steering):
         if batch_size is None:
             batch_size = self._batch_size
         if batch_size is None:
-            raise ValueError("batch_size must be provided either in __init__ or sample(), got None in both")
+            raise InvalidArgumentError("batch_size must be provided either in __init__ or sample(), got None in both")
         batch_size = positive_int("batch_size", batch_size)
         nbytes = batch_size * max(1, self._spec.row_bytes)
         if nbytes > self._max_batch_bytes:
-            raise ValueError(f"batch_size={batch_size} needs {nbytes:,} bytes of rows, over max_batch_bytes="
-                             f"{self._max_batch_bytes:,}; sample smaller batches or raise max_batch_bytes")
+            raise InvalidArgumentError(f"batch_size={batch_size} needs {nbytes:,} bytes of rows, over max_batch_bytes="
+                                       f"{self._max_batch_bytes:,}; sample smaller batches or raise max_batch_bytes")
         return batch_size
 
     def finish(self, out: Any, return_info: bool, device: Any = None):

@@ -14,6 +14,7 @@ from typing import Any
 
 from rayrb.core.plans import OFFLINE, ONLINE, reads_by_plan
 from rayrb.core.validation import positive_int
+from rayrb.errors import InvalidArgumentError, InvalidStateError
 
 
 class LearnerPaths:
@@ -72,7 +73,7 @@ class LearnerPaths:
         nodes = None
         if learners is not None:
             if len(learners) != num_slices:
-                raise ValueError(f"expected {num_slices} learners, one per slice, got {len(learners)}")
+                raise InvalidArgumentError(f"expected {num_slices} learners, one per slice, got {len(learners)}")
             nodes = actor_nodes(learners)
         return self._slices(batch_size, num_slices, return_info=return_info, nodes=nodes, postprocess=postprocess,
                             split_info=split_info)
@@ -112,7 +113,7 @@ class LearnerPaths:
 
         learners = list(learners)
         if not learners:
-            raise ValueError("expected at least one learner actor handle, got none")
+            raise InvalidArgumentError("expected at least one learner actor handle, got none")
         m = len(self.rpc.by_side[OFFLINE])
         names = [f"{self._name}/off-{i}" for i in range(m)] + \
                 [f"{self._name}/on-{i}" for i in range(len(self.rpc.by_side[ONLINE]))]
@@ -144,7 +145,7 @@ class LearnerPaths:
             RuntimeError: no learners were connected to this handle.
         """
         if not self._learners:
-            raise RuntimeError("no learners connected to this handle: call connect_learners(learners) first")
+            raise InvalidStateError("no learners connected to this handle: call connect_learners(learners) first")
         group = self._plan_once(self.batch(batch_size), len(self._learners))
         m = len(self.rpc.by_side[OFFLINE])
         refs = []

@@ -35,6 +35,7 @@ from rayrb.core.validation import (
     priority_options,
 )
 from rayrb.core.validation import timeout as check_timeout
+from rayrb.errors import InvalidArgumentError
 from rayrb.handle.client import PREFETCH, BufferClient, BufferUnavailableError
 from rayrb.handle.prefill import prefill_replay_buffer  # its home before it had a module of its own
 from rayrb.io.chunks import ChunkDataset
@@ -367,8 +368,9 @@ def _checked_options(offline_dataset: Any, num_offline_shards: Any, num_online_s
         fraction("offline_fraction", offline_fraction)
     schedule = make_schedule(offline_fraction)
     if batch_size is None and _is_dataset_id(offline_dataset):  # TorchRL's rule, and its words
-        raise ValueError(f"batch_size must be provided when offline_dataset is a string, so the dataset can be "
-                         f"constructed. Got batch_size=None for {offline_dataset!r}")
+        raise InvalidArgumentError(
+            f"batch_size must be provided when offline_dataset is a string, so the dataset can be "
+            f"constructed. Got batch_size=None for {offline_dataset!r}")
     batch_size = None if batch_size is None else positive_int("batch_size", batch_size)
     kinds = _sampler_kinds(offline_dataset, sampler, offline_sampler, online_sampler)
     if drop_last is None and epoch_end is None:  # a TorchRL buffer's SamplerWithoutReplacement(drop_last=...)
@@ -502,11 +504,13 @@ def replicas_option(value: Any, storage_dir: Any, online_nodes: Any, actor_optio
     """``online_replicas=``: a positive integer; more than one needs a ``storage_dir`` and Ray's placement."""
     replicas = positive_int("online_replicas", value)
     if replicas > 1 and storage_dir is None:
-        raise ValueError(f"expected a storage_dir with online_replicas={replicas} (replicated shards restart, and "
-                         "a restarted shard reopens its files), got storage_dir=None")
+        raise InvalidArgumentError(
+            f"expected a storage_dir with online_replicas={replicas} (replicated shards restart, and "
+            "a restarted shard reopens its files), got storage_dir=None")
     if replicas > 1 and (online_nodes is not None or "scheduling_strategy" in actor_options):
-        raise ValueError(f"online_replicas={replicas} places each copy of an online shard on another node itself: "
-                         "give neither online_nodes nor actor_options['scheduling_strategy'] with it")
+        raise InvalidArgumentError(
+            f"online_replicas={replicas} places each copy of an online shard on another node itself: "
+            "give neither online_nodes nor actor_options['scheduling_strategy'] with it")
     return replicas
 
 
@@ -535,7 +539,7 @@ def _offline_chunks(offline_dataset: Any, batch_size: int | None, own_sampler: b
     if problem is not None:
         for d in owned_dirs:
             shutil.rmtree(d, ignore_errors=True)
-        raise ValueError(problem)
+        raise InvalidArgumentError(problem)
     return dataset, owned_dirs
 
 
@@ -543,15 +547,16 @@ def _capacity_option(online_capacity: Any, online_storage: Any, num_online_shard
     """The online capacity: ``online_capacity``, or a TorchRL ``online_storage``'s ``max_size`` (one of them)."""
     if (online_capacity is None) == (online_storage is None):
         how = "not both" if online_capacity is not None else "one of them is needed"
-        raise ValueError(f"provide exactly one of online_capacity or online_storage ({how}): Provide "
-                         f"{'online_storage OR online_capacity, not both' if online_capacity is not None else 'one of online_storage or online_capacity'}; "
-                         f"got online_capacity={online_capacity!r}, online_storage={type(online_storage).__name__}")
+        raise InvalidArgumentError(
+            f"provide exactly one of online_capacity or online_storage ({how}): Provide "
+            f"{'online_storage OR online_capacity, not both' if online_capacity is not None else 'one of online_storage or online_capacity'}; "
+            f"got online_capacity={online_capacity!r}, online_storage={type(online_storage).__name__}")
     if online_storage is not None:
         online_capacity = getattr(online_storage, "max_size", None)
     online_capacity = positive_int("online_capacity", online_capacity)
     if online_capacity < num_online_shards:
-        raise ValueError(f"online_capacity must be at least num_online_shards ({num_online_shards}), "
-                         f"got {online_capacity}")
+        raise InvalidArgumentError(f"online_capacity must be at least num_online_shards ({num_online_shards}), "
+                                   f"got {online_capacity}")
     return online_capacity
 
 
@@ -561,9 +566,9 @@ def _check_nccl_gpus(shards: int) -> None:
 
     gpus = ray.cluster_resources().get("GPU", 0)
     if gpus < shards:
-        raise ValueError(f"transport='nccl' gives each shard a GPU of its own (NCCL needs one GPU per rank): "
-                         f"{shards} shards need {shards} GPUs, the cluster has {gpus:g}; use fewer shards, "
-                         "transport='cuda_ipc' within a node, or 'auto'")
+        raise InvalidArgumentError(f"transport='nccl' gives each shard a GPU of its own (NCCL needs one GPU per rank): "
+                                   f"{shards} shards need {shards} GPUs, the cluster has {gpus:g}; use fewer shards, "
+                                   "transport='cuda_ipc' within a node, or 'auto'")
 
 
 def _remove_leftovers(storage_dir: Any) -> None:
@@ -580,7 +585,8 @@ def _remove_leftovers(storage_dir: Any) -> None:
 def restarts_option(value: Any) -> int:
     """``max_restarts=``: -1 (without end) or a non-negative integer."""
     if isinstance(value, bool) or not isinstance(value, int) or value < -1:
-        raise ValueError(f"max_restarts must be -1 (restart without end) or a non-negative integer, got {value!r}")
+        raise InvalidArgumentError(
+            f"max_restarts must be -1 (restart without end) or a non-negative integer, got {value!r}")
     return int(value)
 
 

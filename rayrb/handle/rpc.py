@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rayrb.core.plans import OFFLINE, ONLINE
-from rayrb.errors import BufferUnavailableError, HeldBack, HeldBackTimeout, RowsLostError
+from rayrb.errors import BufferUnavailableError, CallTimeoutError, HeldBack, HeldBackTimeout, RowsLostError
 
 DIRECT_TRANSPORT: str | None = "cuda_ipc"  # GPU shards to a GPU actor reading directly (None: object store)
 
@@ -44,7 +44,7 @@ class Rpc:
         try:
             return ray.get(refs, timeout=timeout)
         except GetTimeoutError as e:
-            raise TimeoutError(f"buffer {self.name!r}: no answer within timeout={timeout}s") from e
+            raise CallTimeoutError(f"buffer {self.name!r}: no answer within timeout={timeout}s") from e
         except (RayActorError, ObjectLostError) as e:
             raise BufferUnavailableError(
                 f"buffer {self.name!r}: an actor of this buffer is dead (killed, shut down, or its node failed)"
@@ -111,8 +111,8 @@ class Rpc:
         result = self.get(ref)
         while result is None or (direct is not None and "behind" in result):
             if self.timeout is not None and time.monotonic() - t0 > self.timeout:
-                raise TimeoutError(f"buffer {self.name!r}: online shard {read[:2]} did not apply the writes this "
-                                   f"read was planned with within timeout={self.timeout}s")
+                raise CallTimeoutError(f"buffer {self.name!r}: online shard {read[:2]} did not apply the writes this "
+                                       f"read was planned with within timeout={self.timeout}s")
             time.sleep(0.001)
             left = None if self.timeout is None else max(0.0, self.timeout - (time.monotonic() - t0))
             result = self.get(self.read(*read, direct=direct), timeout=left)

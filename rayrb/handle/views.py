@@ -15,6 +15,7 @@ import numpy as np
 
 from rayrb.core.plans import OFFLINE, ONLINE
 from rayrb.core.validation import one_of
+from rayrb.errors import SavedStateError
 
 
 class _Storage:
@@ -74,7 +75,7 @@ class SideView:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("side") != self.side:
-            raise ValueError(f"expected a state_dict of the {self.side} side, got one of {state.get('side')!r}")
+            raise SavedStateError(f"expected a state_dict of the {self.side} side, got one of {state.get('side')!r}")
         states = [{k: np.asarray(v) for k, v in st.items()} for st in state["shards"]]
         self._rb.load_side_states(self.side, states)  # gives back batches drawn ahead: they hold rows this replaces
 

@@ -18,7 +18,7 @@ from tensordict import TensorDictBase
 
 from rayrb.core.schema import strip_bookkeeping
 from rayrb.core.validation import boolean, optional_str
-from rayrb.errors import BufferUnavailableError, WriteTimeoutError
+from rayrb.errors import BufferUnavailableError, InvalidArgumentError, InvalidArgumentTypeError, WriteTimeoutError
 from rayrb.io.arrays import rows_digest, to_numpy_dict
 
 
@@ -31,11 +31,12 @@ class Writes:
 
     def _rows(self, data: Any, what: str) -> dict[str, np.ndarray]:
         if isinstance(data, (list, tuple)):
-            raise TypeError(f"expected one TensorDict or dict of arrays for {what}, got a {type(data).__name__} "
-                            f"of {len(data)}: concatenate them first (torch.cat)")
+            raise InvalidArgumentTypeError(
+                f"expected one TensorDict or dict of arrays for {what}, got a {type(data).__name__} "
+                f"of {len(data)}: concatenate them first (torch.cat)")
         if not isinstance(data, (TensorDictBase, Mapping)):
-            raise TypeError(f"expected {what} as a TensorDict or a dict of tensors or arrays, got "
-                            f"{type(data).__name__}")
+            raise InvalidArgumentTypeError(f"expected {what} as a TensorDict or a dict of tensors or arrays, got "
+                                           f"{type(data).__name__}")
         arrays = strip_bookkeeping(to_numpy_dict(data), keep=self._spec.keys)
         self._spec.validate(arrays, what=what)
         return arrays
@@ -143,7 +144,7 @@ class Writes:
         """
         missing = [k for k in ("offline", "shard", "index", "generation") if k not in info]
         if missing:
-            raise ValueError(f"info must come from sample(return_info=True); missing keys {missing}")
+            raise InvalidArgumentError(f"info must come from sample(return_info=True); missing keys {missing}")
         n, acks = self.rpc.get(self.rpc.coord.update_priority.remote(
             _numpy(info["offline"]), _numpy(info["shard"]), _numpy(info["index"]), _numpy(info["generation"]),
             _numpy(priority).reshape(-1)))

@@ -29,6 +29,7 @@ from tensordict import TensorDict, TensorDictBase
 from torchrl.data.tensor_specs import Categorical, Composite, Unbounded
 from torchrl.envs.common import EnvBase
 
+from rayrb.errors import InvalidArgumentError, MissingKeyError, ShapeMismatchError
 from rayrb.io.arrays import from_numpy_dict
 from rayrb.io.datasets.openml import OPENML_DATASETS, load_openml
 
@@ -51,7 +52,7 @@ class EpochOrder:
 
     def take(self, n: int) -> np.ndarray:
         if n > self.rows:
-            raise ValueError(f"expected at most {self.rows} rows per draw without replacement, got {n}")
+            raise InvalidArgumentError(f"expected at most {self.rows} rows per draw without replacement, got {n}")
         if self._pos + n > len(self._order):
             self._order, self._pos = self._rng.permutation(self.rows), 0
             self.epochs += 1
@@ -85,8 +86,9 @@ class OpenMLEnv(EnvBase):
         self._data = load_openml(dataset_name, data_home=data_home, root=root, pbar=False)
         n = batch_size.numel()
         if n > len(self._data):
-            raise ValueError(f"batch_size {list(batch_size)} asks for {n} rows per reset; {dataset_name!r} has "
-                             f"{len(self._data)}")
+            raise InvalidArgumentError(
+                f"batch_size {list(batch_size)} asks for {n} rows per reset; {dataset_name!r} has "
+                f"{len(self._data)}")
         self._order = EpochOrder(len(self._data), seed)
         self.max_outcome_val = int(self._data.read()["y"].max())
         super().__init__(device=device, batch_size=batch_size)
@@ -108,10 +110,11 @@ class OpenMLEnv(EnvBase):
     def _step(self, tensordict: TensorDictBase) -> TensorDictBase:
         action, y = tensordict.get("action"), tensordict.get("y", None)
         if y is None:
-            raise KeyError("did not find the 'y' key in the input tensordict: call env.step() on a tensordict "
-                           "that env.reset() returned")
+            raise MissingKeyError("did not find the 'y' key in the input tensordict: call env.step() on a tensordict "
+                                  "that env.reset() returned")
         if action.shape != y.shape:
-            raise RuntimeError(f"expected an action of the outcome's shape {tuple(y.shape)}, got {tuple(action.shape)}")
+            raise ShapeMismatchError(
+                f"expected an action of the outcome's shape {tuple(y.shape)}, got {tuple(action.shape)}")
         reward = (action == y).float().unsqueeze(-1)
         return TensorDict({"done": torch.ones_like(reward, dtype=torch.bool), "reward": reward,
                            **tensordict.select(*self.observation_spec.keys())}, self.batch_size, device=self.device)

@@ -19,6 +19,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from rayrb.errors import SavedStateError
 from rayrb.io.files import replace_file
 
 # Written beside rayrb's own checkpoint files: what the view adds to the buffer's state.
@@ -129,8 +130,8 @@ def _saved_base(path: Path) -> float | None:
     try:
         return fraction("base_offline_fraction", json.loads(path.read_text())["base_offline_fraction"])
     except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"expected {path} to hold a JSON object with base_offline_fraction in [0, 1], "
-                         f"got {path.read_text()[:200]!r}") from e
+        raise SavedStateError(f"expected {path} to hold a JSON object with base_offline_fraction in [0, 1], "
+                              f"got {path.read_text()[:200]!r}") from e
 
 
 def as_torchrl(rb: Any) -> Any:

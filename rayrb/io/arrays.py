@@ -27,6 +27,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from rayrb.core.plans import nest
 from rayrb.core.schema import SEP, native_order
+from rayrb.errors import InvalidArgumentTypeError
 
 _TORCH_TO_NUMPY = {
     torch.float64: np.float64, torch.float32: np.float32, torch.float16: np.float16,
@@ -39,7 +40,7 @@ def numpy_dtype(dtype: torch.dtype | str | np.dtype) -> np.dtype:
     """numpy dtype for a torch dtype (or anything numpy understands)."""
     if isinstance(dtype, torch.dtype):
         if dtype not in _TORCH_TO_NUMPY:
-            raise TypeError(f"expected a torch dtype with a numpy equivalent, got {dtype}")
+            raise InvalidArgumentTypeError(f"expected a torch dtype with a numpy equivalent, got {dtype}")
         return np.dtype(_TORCH_TO_NUMPY[dtype])
     if isinstance(dtype, str) and dtype.startswith("torch."):
         return numpy_dtype(getattr(torch, dtype[len("torch."):]))

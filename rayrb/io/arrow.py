@@ -6,6 +6,8 @@ from typing import Any
 
 import numpy as np
 
+from rayrb.errors import InvalidArgumentTypeError
+
 
 def arrow_to_arrays(table: Any) -> dict[str, np.ndarray]:
     """Fixed-width Arrow columns to flat numpy arrays (``a/b`` for struct fields).
@@ -28,8 +30,9 @@ def arrow_to_arrays(table: Any) -> dict[str, np.ndarray]:
 
             lengths = pc.list_value_length(col)
             if len(col) and pc.min(lengths).as_py() != pc.max(lengths).as_py():  # would reshape silently wrong
-                raise TypeError(f"column {name!r}: expected lists of one length per row, got lengths from "
-                                f"{pc.min(lengths).as_py()} to {pc.max(lengths).as_py()}")
+                raise InvalidArgumentTypeError(
+                    f"column {name!r}: expected lists of one length per row, got lengths from "
+                    f"{pc.min(lengths).as_py()} to {pc.max(lengths).as_py()}")
         if pa.types.is_fixed_size_list(col.type) or pa.types.is_list(col.type) or pa.types.is_large_list(col.type):
             values = col.flatten()
             while pa.types.is_fixed_size_list(values.type) or pa.types.is_list(values.type):
@@ -39,7 +42,8 @@ def arrow_to_arrays(table: Any) -> dict[str, np.ndarray]:
         else:
             arr = col.to_numpy(zero_copy_only=False)
         if arr.dtype == object:
-            raise TypeError(f"column {name!r}: expected a fixed-width numeric column, got Arrow type {col.type}")
+            raise InvalidArgumentTypeError(
+                f"column {name!r}: expected a fixed-width numeric column, got Arrow type {col.type}")
         if key in spec:
             arr = arr.reshape(len(col), *spec[key]["shape"]).astype(spec[key]["dtype"], copy=False)
         out[key] = arr

@@ -47,7 +47,13 @@ from typing import Any
 import numpy as np
 
 from rayrb.core.schema import SEP, RowSpec, native_order
-from rayrb.errors import ChunkError, ReadOnlyError  # noqa: F401  (re-exported)
+from rayrb.errors import (
+    ChunkError,  # noqa: F401  (re-exported)
+    DirectoryNotEmptyError,
+    InvalidArgumentError,
+    ReadOnlyError,  # noqa: F401  (re-exported)
+    RowIndexError,
+)
 from rayrb.io.files import pwrite_all, replace_file, reserve
 
 FORMAT = "rayrb.chunks"
@@ -227,7 +233,8 @@ def new_dataset_root(root: str | os.PathLike, overwrite: bool = False) -> Path:
     root = Path(root)
     if root.exists() and any(root.iterdir()):
         if not overwrite:
-            raise FileExistsError(f"expected an absent or empty directory for a new chunk dataset, got non-empty {root}")
+            raise DirectoryNotEmptyError(
+                f"expected an absent or empty directory for a new chunk dataset, got non-empty {root}")
         shutil.rmtree(root)
     root.mkdir(parents=True, exist_ok=True)
     return root
@@ -263,7 +270,7 @@ def write_dataset(
     spec = RowSpec.from_arrays(arrays)
     rows = spec.validate(arrays)
     if rows == 0:
-        raise ValueError("expected at least one row to write a chunk dataset, got 0 rows")
+        raise InvalidArgumentError("expected at least one row to write a chunk dataset, got 0 rows")
     if chunk_rows is None:
         chunk_rows = default_chunk_rows(spec)
     from rayrb.core.validation import positive_int
@@ -327,7 +334,7 @@ def map_chunk(directory: str | os.PathLike, spec: RowSpec, rows: int, mode: str 
     Raises ``ChunkError`` naming the chunk if a file is missing or short.
     """
     if mode not in ("r", "c"):
-        raise ValueError(f"mode must be 'r' (read-only) or 'c' (copy-on-write), got {mode!r}")
+        raise InvalidArgumentError(f"mode must be 'r' (read-only) or 'c' (copy-on-write), got {mode!r}")
     out = {}
     for k, (path, shape, dtype) in _chunk_files(directory, spec, rows).items():
         want = int(np.prod(shape, dtype=np.int64))
@@ -431,7 +438,7 @@ class ChunkDataset:
         Writes to the result stay private to this process; the files never change.
         """
         if not 0 <= start <= stop <= len(self):
-            raise IndexError(f"expected 0 <= start <= stop <= {len(self)}, got [{start}, {stop})")
+            raise RowIndexError(f"expected 0 <= start <= stop <= {len(self)}, got [{start}, {stop})")
         first = int(np.searchsorted(self.offsets, start, side="right") - 1)
         last = int(np.searchsorted(self.offsets, max(start, stop - 1), side="right") - 1)
         pieces = []
@@ -448,7 +455,8 @@ class ChunkDataset:
         ``checked=False``: the caller drew the indices within the rows itself."""
         indices = np.asarray(indices, dtype=np.int64)
         if checked and indices.size and (indices.min() < 0 or indices.max() >= len(self)):
-            raise IndexError(f"expected row indices in [0, {len(self)}), got range [{indices.min()}, {indices.max()}]")
+            raise RowIndexError(
+                f"expected row indices in [0, {len(self)}), got range [{indices.min()}, {indices.max()}]")
         if out is None:
             out = {k: np.empty((indices.size, *f.shape), dtype=f.dtype) for k, f in self.spec.items()}
         if len(self.chunks) == 1:  # the common case: no chunk lookups, no selection masks

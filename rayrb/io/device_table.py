@@ -27,6 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from rayrb.errors import InvalidArgumentError, SchemaError
+
 BLOCK_BYTES = 32 << 20
 
 Gather = Callable[[np.ndarray], Mapping[str, np.ndarray]]
@@ -35,7 +37,8 @@ Gather = Callable[[np.ndarray], Mapping[str, np.ndarray]]
 def _device(device: str | torch.device) -> torch.device:
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"storage device {str(device)!r} needs CUDA, but torch.cuda.is_available() is False here")
+        raise InvalidArgumentError(
+            f"storage device {str(device)!r} needs CUDA, but torch.cuda.is_available() is False here")
     return device
 
 
@@ -45,10 +48,10 @@ class DeviceTable:
     def __init__(self, columns: Mapping[str, torch.Tensor], dtypes: Mapping[str, np.dtype] | None = None):
         lengths = {k: v.shape[0] for k, v in columns.items()}
         if not columns or len(set(lengths.values())) != 1:
-            raise ValueError(f"expected at least one column, all of one length, got lengths {lengths}")
+            raise InvalidArgumentError(f"expected at least one column, all of one length, got lengths {lengths}")
         devices = {str(v.device) for v in columns.values()}
         if len(devices) != 1:
-            raise ValueError(f"expected every column on one device, got {sorted(devices)}")
+            raise InvalidArgumentError(f"expected every column on one device, got {sorted(devices)}")
         self.columns = dict(columns)
         self.device = next(iter(columns.values())).device
         self.rows = next(iter(lengths.values()))
@@ -116,8 +119,8 @@ class DeviceTable:
         for k, dst in self.columns.items():
             a = np.asarray(rows[k])
             if a.shape[1:] != tuple(dst.shape[1:]) or np.dtype(a.dtype.name) != self.dtypes[k]:
-                raise ValueError(f"column {k!r}: expected rows of shape {tuple(dst.shape[1:])} and dtype "
-                                 f"{self.dtypes[k]}, got {a.shape[1:]} and {a.dtype}")
+                raise SchemaError(f"column {k!r}: expected rows of shape {tuple(dst.shape[1:])} and dtype "
+                                  f"{self.dtypes[k]}, got {a.shape[1:]} and {a.dtype}")
             a = np.ascontiguousarray(a, dtype=self.dtypes[k]).view(_stored(self.dtypes[k]))
             out[k] = torch.from_numpy(a)
         return out

@@ -38,7 +38,11 @@ from typing import Any
 import numpy as np
 
 from rayrb.core.schema import RowSpec
-from rayrb.errors import PreprocessError  # noqa: F401  (re-exported)
+from rayrb.errors import (
+    InvalidArgumentError,
+    InvalidArgumentTypeError,
+    PreprocessError,  # noqa: F401  (re-exported)
+)
 from rayrb.io.arrow import arrow_to_arrays  # re-exported: part of this module's API
 from rayrb.io.chunks import (
     MANIFEST,
@@ -63,7 +67,7 @@ JOB_FILE = ".rayrb-job.json"
 def _parquet_files(path: Path) -> list[Path]:
     files = sorted(path.glob("*.parquet")) if path.is_dir() else [path]
     if not files:
-        raise ValueError(f"expected Parquet files in {path}, found none")
+        raise InvalidArgumentError(f"expected Parquet files in {path}, found none")
     return files
 
 
@@ -257,7 +261,7 @@ def preprocess(
     from rayrb.core.validation import optional_positive_int, positive_int
 
     if not callable(fn):
-        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+        raise InvalidArgumentTypeError(f"fn must be callable, got {type(fn).__name__}")
     num_frames = optional_positive_int("num_frames", num_frames)
     chunk_rows = optional_positive_int("chunk_rows", chunk_rows)
     if num_workers is None:
@@ -267,10 +271,11 @@ def preprocess(
     dest = Path(dest).resolve()
     src_root = _source_root(source)
     if src_root is not None and (dest == src_root or src_root in dest.parents):
-        raise ValueError(f"dest must not be the source dataset or inside it, got dest={dest} for source {src_root}")
+        raise InvalidArgumentError(
+            f"dest must not be the source dataset or inside it, got dest={dest} for source {src_root}")
     units, fingerprint, owned = _units(source, chunk_rows, num_workers, num_frames)
     if not units:
-        raise ValueError("expected at least one row to preprocess, got 0")
+        raise InvalidArgumentError("expected at least one row to preprocess, got 0")
     job = {"source": fingerprint, "fn": _fn_fingerprint(fn), "batched": bool(batched),
            "units": [list(u[2:]) for u in units], "num_frames": num_frames}
     try:
@@ -296,7 +301,7 @@ def _prepare_dest(dest: Path, job: dict, resume: bool) -> None:
         except (OSError, ValueError):
             previous = None
         if previous != job:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"dest {dest} is not empty and is not an interrupted run of this job "
                 f"({'no ' + JOB_FILE if previous is None else 'different source, fn or arguments'}); "
                 "choose an empty directory"

@@ -33,8 +33,10 @@ import ray.data
 from ray.data.block import BlockAccessor, BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
+from rayrb import errors
 from rayrb.core.schema import RowSpec
 from rayrb.core.validation import optional_positive_int
+from rayrb.errors import InvalidArgumentError, InvalidArgumentTypeError, RayrbError, SchemaError
 from rayrb.io.chunks import ChunkDataset, ChunkInfo, new_dataset_root, write_chunk, write_manifest
 
 SOURCE_KIND = "ray.data.Dataset"
@@ -102,7 +104,8 @@ def block_arrays(table: Any) -> dict[str, np.ndarray]:
         if isinstance(col.type, pa.ExtensionType):  # Ray's tensor columns
             arr = np.asarray(col.combine_chunks().to_numpy())
             if arr.dtype == object:
-                raise TypeError(f"column {name!r}: expected fixed-shape tensors, got ragged ones ({col.type})")
+                raise InvalidArgumentTypeError(
+                    f"column {name!r}: expected fixed-shape tensors, got ragged ones ({col.type})")
             out[name] = arr
         else:
             plain.append(name)
@@ -114,7 +117,7 @@ def block_arrays(table: Any) -> dict[str, np.ndarray]:
 def _write_block(table: Any, root: str) -> Any:
     """map_batches UDF: write one batch as a chunk under ``root``; return a one-row table describing it.
 
-    A block rayrb cannot store comes back as an error row, so that the caller gets the plain
+    A block rayrb cannot store comes back as an error row, so that the caller gets rayrb's own
     TypeError or ValueError rather than Ray Data's wrapped traceback.
     """
     import pyarrow as pa
@@ -124,12 +127,22 @@ def _write_block(table: Any, root: str) -> Any:
     try:
         arrays = block_arrays(table)
         spec = RowSpec.from_arrays(arrays)
-    except (TypeError, ValueError) as e:
-        return pa.table({"info": [json.dumps({"error": [type(e).__name__, str(e)]})]})
+    except (TypeError, ValueError) as e:  # named by its rayrb class, else by the builtin it is
+        builtin = "TypeError" if isinstance(e, TypeError) else "ValueError"
+        kind = type(e).__name__ if isinstance(e, RayrbError) else builtin
+        return pa.table({"info": [json.dumps({"error": [kind, str(e)]})]})
     info = write_chunk(arrays, Path(root) / f"chunk-{uuid.uuid4().hex[:12]}", spec)
     info.node = ray.get_runtime_context().get_node_id()
     info.extra = {"spec": spec.to_json()}
     return pa.table({"info": [json.dumps(info.__dict__)]})
+
+
+def _error_class(kind: str) -> type[RayrbError]:
+    """The error ``_write_block`` named ``kind``: a rayrb error class, or one standing for a TypeError or ValueError."""
+    found = getattr(errors, kind, None)
+    if isinstance(found, type) and issubclass(found, RayrbError) and issubclass(found, (TypeError, ValueError)):
+        return found
+    return InvalidArgumentTypeError if kind == "TypeError" else InvalidArgumentError
 
 
 def write_ray_dataset(
@@ -149,7 +162,7 @@ def write_ray_dataset(
     removed, so an interrupted call leaves no dataset.
     """
     if not isinstance(dataset, ray.data.Dataset):
-        raise TypeError(f"expected a ray.data.Dataset, got {type(dataset).__name__}")
+        raise InvalidArgumentTypeError(f"expected a ray.data.Dataset, got {type(dataset).__name__}")
     chunk_rows = optional_positive_int("chunk_rows", chunk_rows)
     root = new_dataset_root(Path(root).resolve(), overwrite)
     written = dataset.map_batches(_write_block, batch_format="pyarrow", batch_size=chunk_rows,
@@ -162,15 +175,16 @@ def write_ray_dataset(
         for info in infos:
             if "error" in info:
                 kind, message = info["error"]
-                raise (TypeError if kind == "TypeError" else ValueError)(message)
+                raise _error_class(kind)(message)
         if not infos:
-            raise ValueError("expected at least one row to write a chunk dataset, got an empty ray.data.Dataset")
+            raise InvalidArgumentError(
+                "expected at least one row to write a chunk dataset, got an empty ray.data.Dataset")
         specs = [RowSpec.from_json(i["extra"]["spec"]) for i in infos]
         for info, spec in zip(infos, specs):
             if spec != specs[0]:
-                raise ValueError(f"Ray Data blocks disagree: {info['path']} has {spec!r}, "
-                                 f"{infos[0]['path']} has {specs[0]!r}; every block must have the same columns, "
-                                 "shapes and dtypes")
+                raise SchemaError(f"Ray Data blocks disagree: {info['path']} has {spec!r}, "
+                                  f"{infos[0]['path']} has {specs[0]!r}; every block must have the same columns, "
+                                  "shapes and dtypes")
         write_manifest(root, specs[0], [ChunkInfo(**i) for i in infos], source=source or {"kind": SOURCE_KIND})
     except BaseException:
         shutil.rmtree(root, ignore_errors=True)

@@ -90,3 +90,24 @@ def test_a_version_map_behind_an_answer_is_dropped_and_looked_up_again():
     rpc._version_map = False  # another node: no map, nothing to drop
     rpc.answered_at(7)
     assert rpc._version_map is False
+
+
+def test_an_actors_refusal_reaches_the_caller_as_itself_and_as_its_builtin(monkeypatch):
+    """A ``ValueError``, ``TypeError`` or ``IndexError`` an actor raised is raised as it was (rayrb's own errors
+    subclass those builtins); other errors stay wrapped by Ray, and are still instances of their class."""
+    import ray
+    from ray.exceptions import RayTaskError
+
+    from rayrb.errors import DrawError, InvalidStateError, RowIndexError
+
+    rpc = Rpc(None, [], 0, name="t", timeout=1.0)
+    for cause, builtin in [(DrawError("no rows"), ValueError), (RowIndexError("got index 9"), IndexError),
+                           (InvalidStateError("no online shards"), RuntimeError)]:
+        def failed(refs, timeout=None, cause=cause):
+            raise RayTaskError("sample", "traceback", cause).as_instanceof_cause()
+
+        monkeypatch.setattr(ray, "get", failed)
+        with pytest.raises(builtin) as e:
+            rpc.get("ref")
+        assert isinstance(e.value, type(cause))
+        assert (e.value is cause) == (builtin is not RuntimeError)

@@ -26,6 +26,7 @@ from ray.rllib.utils import force_list
 from ray.rllib.utils.replay_buffers.episode_replay_buffer import EpisodeReplayBuffer
 from ray.rllib.utils.replay_buffers.prioritized_episode_buffer import PrioritizedEpisodeReplayBuffer
 
+from rayrb.errors import InvalidArgumentError
 from rayrb.integrations.rllib.transitions import (
     KEYS,
     EpisodeRows,
@@ -71,14 +72,15 @@ class OfflineToOnlineEpisodeReplayBuffer(EpisodeReplayBuffer):
                  metrics_num_episodes_for_smoothing: int = 100, **kwargs: Any):
         self._check_settings(kwargs)
         if isinstance(rows_per_write, bool) or not isinstance(rows_per_write, int) or rows_per_write < 1:
-            raise ValueError(f"expected rows_per_write to be a positive int, got {rows_per_write!r}")
+            raise InvalidArgumentError(f"expected rows_per_write to be a positive int, got {rows_per_write!r}")
         if batch_length_T not in (0, 1, None):
-            raise ValueError(f"expected batch_length_T 0 or 1 (rows are one-step transitions), got {batch_length_T}")
+            raise InvalidArgumentError(
+                f"expected batch_length_T 0 or 1 (rows are one-step transitions), got {batch_length_T}")
         EpisodeReplayBuffer.__init__(self, capacity=capacity, batch_size_B=batch_size_B, batch_length_T=1,
                                      metrics_num_episodes_for_smoothing=metrics_num_episodes_for_smoothing)
         if (buffer is None) == (offline_dataset is None):
-            raise ValueError("expected either buffer (a rayrb buffer or its client) or offline_dataset, got "
-                             + ("both" if buffer is not None else "neither"))
+            raise InvalidArgumentError("expected either buffer (a rayrb buffer or its client) or offline_dataset, got "
+                                       + ("both" if buffer is not None else "neither"))
         self._owned = buffer is None
         if buffer is None:
             from rayrb.handle.owner import OfflineToOnlineReplayBuffer
@@ -90,13 +92,14 @@ class OfflineToOnlineEpisodeReplayBuffer(EpisodeReplayBuffer):
             buffer = OfflineToOnlineReplayBuffer(offline_dataset, online_capacity=capacity,
                                                  offline_fraction=offline_fraction, seed=seed, **options)
         elif buffer_kwargs:
-            raise ValueError(f"expected no buffer_kwargs with a given buffer (its settings are its own), "
-                             f"got {sorted(buffer_kwargs)}")
+            raise InvalidArgumentError(f"expected no buffer_kwargs with a given buffer (its settings are its own), "
+                                       f"got {sorted(buffer_kwargs)}")
         self.rb = buffer
         try:
             self.n_step = row_n_step(buffer.spec)
             if n_step is not None and n_step != self.n_step:
-                raise ValueError(f"expected n_step={self.n_step} (how far the buffer's rows look ahead), got {n_step}")
+                raise InvalidArgumentError(
+                    f"expected n_step={self.n_step} (how far the buffer's rows look ahead), got {n_step}")
         except BaseException:
             self.shutdown()  # a buffer built here and refused here is not left running
             raise
@@ -150,11 +153,12 @@ class OfflineToOnlineEpisodeReplayBuffer(EpisodeReplayBuffer):
         }
         for name, (bad, expected, got) in refused.items():
             if bad:
-                raise ValueError(f"expected {name}={expected}, got {got!r}")
+                raise InvalidArgumentError(f"expected {name}={expected}, got {got!r}")
         if kwargs:
-            raise ValueError(f"expected only RLlib's EpisodeReplayBuffer.sample arguments, got {sorted(kwargs)}")
+            raise InvalidArgumentError(
+                f"expected only RLlib's EpisodeReplayBuffer.sample arguments, got {sorted(kwargs)}")
         if num_items is not None and batch_size_B is not None:
-            raise ValueError(f"expected num_items or batch_size_B, got both ({num_items}, {batch_size_B})")
+            raise InvalidArgumentError(f"expected num_items or batch_size_B, got both ({num_items}, {batch_size_B})")
         self._check_beta(beta)
         check_n_step(n_step, self.n_step)  # before drawing: a refused call leaves the stream as it was
         b = int(num_items or batch_size_B or self.batch_size_B)
@@ -209,8 +213,9 @@ class OfflineToOnlineEpisodeReplayBuffer(EpisodeReplayBuffer):
     # internals ---------------------------------------------------------------------------------------------
     def _check_settings(self, kwargs: dict) -> None:
         if kwargs:
-            raise ValueError(f"expected only this buffer's settings, got {sorted(kwargs)}: prioritized sampling "
-                             "(alpha, beta) is PrioritizedOfflineToOnlineEpisodeReplayBuffer's")
+            raise InvalidArgumentError(
+                f"expected only this buffer's settings, got {sorted(kwargs)}: prioritized sampling "
+                "(alpha, beta) is PrioritizedOfflineToOnlineEpisodeReplayBuffer's")
 
     def _priority_settings(self) -> dict:
         return {}
@@ -258,7 +263,8 @@ class PrioritizedOfflineToOnlineEpisodeReplayBuffer(OfflineToOnlineEpisodeReplay
                  eps: float | None = None, **kwargs: Any):
         given = {k: v for k, v in {"alpha": alpha, "beta": beta, "eps": eps}.items() if v is not None}
         if kwargs.get("buffer") is not None and given:
-            raise ValueError(f"expected no {sorted(given)} with a given buffer (its settings are its own), got {given}")
+            raise InvalidArgumentError(
+                f"expected no {sorted(given)} with a given buffer (its settings are its own), got {given}")
         # RLlib's prioritized buffer's alpha, DQN's beta; a given buffer's beta is not checked against.
         self._alpha, self._eps = float(given.get("alpha", 1.0)), float(given.get("eps", 1e-6))
         self._beta = None if kwargs.get("buffer") is not None else float(given.get("beta", 0.4))
@@ -266,29 +272,30 @@ class PrioritizedOfflineToOnlineEpisodeReplayBuffer(OfflineToOnlineEpisodeReplay
 
     def _check_settings(self, kwargs: dict) -> None:
         if kwargs:
-            raise ValueError(f"expected only this buffer's settings, got {sorted(kwargs)}")
+            raise InvalidArgumentError(f"expected only this buffer's settings, got {sorted(kwargs)}")
 
     def _priority_settings(self) -> dict:
         return {"alpha": self._alpha, "beta": self._beta, "eps": self._eps}
 
     def _check_beta(self, beta: Any) -> None:
         if beta is not None and self._beta is not None and float(beta) != self._beta:
-            raise ValueError(f"expected beta={self._beta} (fixed when the buffer was built), got {beta}")
+            raise InvalidArgumentError(f"expected beta={self._beta} (fixed when the buffer was built), got {beta}")
 
     def _weights(self, info: dict, b: int) -> np.ndarray:
         if "weight" not in info:
-            raise ValueError("expected a rayrb buffer that samples by priority (sampler='prioritized'), got one "
-                             "whose batches carry no importance weights")
+            raise InvalidArgumentError(
+                "expected a rayrb buffer that samples by priority (sampler='prioritized'), got one "
+                "whose batches carry no importance weights")
         return np.asarray(info["weight"], dtype=np.float32).reshape(b)
 
     def update_priorities(self, priorities: Any, module_id: Any = None) -> None:
         """Set the last batch's rows' priorities (``|td_error|``), on the shards that own them."""
         if self._last_info is None:
-            raise ValueError("expected a sample() before update_priorities, got none since the last update")
+            raise InvalidArgumentError("expected a sample() before update_priorities, got none since the last update")
         p = np.abs(np.asarray(priorities, dtype=np.float64)).reshape(-1)
         if p.shape[0] != len(self._last_info["index"]):
-            raise ValueError(f"expected one priority per sampled row ({len(self._last_info['index'])}), "
-                             f"got {p.shape[0]}")
+            raise InvalidArgumentError(f"expected one priority per sampled row ({len(self._last_info['index'])}), "
+                                       f"got {p.shape[0]}")
         self.rb.update_priority(self._last_info, p)
         self._last_info = None
 

@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from rayrb.errors import MissingKeyError, ShapeMismatchError
+
 # RLlib column -> rayrb key, for data stored in TorchRL's TED layout.
 DQN_COLUMNS: dict[str, str] = {
     "obs": "observation",
@@ -45,7 +47,7 @@ def to_multi_agent_batch(rows: Mapping[str, np.ndarray], info: Mapping[str, np.n
 
     missing = sorted(v for v in columns.values() if v not in rows)
     if missing:
-        raise KeyError(f"columns map to keys {missing} that the rows do not have; rows have {sorted(rows)}")
+        raise MissingKeyError(f"columns map to keys {missing} that the rows do not have; rows have {sorted(rows)}")
     cols = {}
     for col, key in columns.items():
         a = np.asarray(rows[key])
@@ -102,5 +104,5 @@ def update(learner_group: Any, rb: Any, batch_size: int | None = None, *, num_le
     info = {k: np.concatenate([i[k] for i in infos]) for k in infos[0]}
     errors = td_errors(results, module_id)
     if errors.shape[0] != info["index"].shape[0]:
-        raise RuntimeError(f"expected one TD error per row ({info['index'].shape[0]}), got {errors.shape[0]}")
+        raise ShapeMismatchError(f"expected one TD error per row ({info['index'].shape[0]}), got {errors.shape[0]}")
     return UpdateResult(results, errors, info)

@@ -13,6 +13,7 @@ from typing import Any
 from ray.rllib.offline.offline_data import OfflineData
 from ray.rllib.offline.offline_prelearner import OfflinePreLearner
 
+from rayrb.errors import InvalidArgumentError
 from rayrb.integrations.rllib.transitions import one_step_columns
 
 
@@ -33,13 +34,14 @@ class ChunkOfflineData(OfflineData):
         if isinstance(root, (list, tuple)) and len(root) == 1:
             root = root[0]
         if not isinstance(root, str) and not hasattr(root, "__fspath__"):
-            raise ValueError(f"expected config.input_ to be one chunk-dataset directory, got {config.input_!r}")
+            raise InvalidArgumentError(
+                f"expected config.input_ to be one chunk-dataset directory, got {config.input_!r}")
         dataset = ChunkDataset.open(root)
         row_n_step(dataset.spec)  # the rows write_episodes writes, refused otherwise
         self.config = config
         self.is_multi_agent = config.is_multi_agent
         if self.is_multi_agent:
-            raise ValueError("expected a single-agent config, got a multi-agent one")
+            raise InvalidArgumentError("expected a single-agent config, got a multi-agent one")
         self.path = root
         self.data_read_method, self.data_read_method_kwargs = "rayrb.to_ray_dataset", {}
         self.data_read_batch_size = config.input_read_batch_size

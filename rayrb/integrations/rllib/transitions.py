@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from rayrb.errors import InvalidArgumentError, SchemaError
+
 KEYS = ("obs", "actions", "rewards", "new_obs", "horizon", "terminateds", "truncateds", "t")
 
 
@@ -26,11 +28,11 @@ def row_n_step(spec: Any) -> int:
     """The largest n-step rows of this spec (a ``RowSpec``) can serve: the trailing size of ``rewards``."""
     missing = [k for k in KEYS if k not in spec.keys]
     if missing:
-        raise ValueError(f"expected rows with the keys {list(KEYS)} (written by rayrb.integrations.rllib."
-                         f"episode_rows or write_episodes), got keys {spec.keys}: missing {missing}")
+        raise SchemaError(f"expected rows with the keys {list(KEYS)} (written by rayrb.integrations.rllib."
+                          f"episode_rows or write_episodes), got keys {spec.keys}: missing {missing}")
     shape = tuple(spec["rewards"].shape)
     if len(shape) != 1 or shape[0] < 1:
-        raise ValueError(f"expected 'rewards' rows of shape [n_step], got {list(shape)}")
+        raise SchemaError(f"expected 'rewards' rows of shape [n_step], got {list(shape)}")
     return int(shape[0])
 
 
@@ -55,7 +57,7 @@ class EpisodeRows:
 
     def __init__(self, n_step: int = 1):
         if isinstance(n_step, bool) or not isinstance(n_step, (int, np.integer)) or n_step < 1:
-            raise ValueError(f"expected n_step to be a positive int, got {n_step!r}")
+            raise InvalidArgumentError(f"expected n_step to be a positive int, got {n_step!r}")
         self.n_step = int(n_step)
         self._open: dict[str, _Open] = {}
 
@@ -77,14 +79,15 @@ class EpisodeRows:
             return None
         obs = list(eps.get_observations())
         if len(obs) != steps + 1:
-            raise ValueError(f"expected an episode chunk with one more observation than steps ({steps + 1}), "
-                             f"got {len(obs)}")
+            raise InvalidArgumentError(f"expected an episode chunk with one more observation than steps ({steps + 1}), "
+                                       f"got {len(obs)}")
         held = self._open.pop(eps.id_, None)
         if held is None:
             held = _Open(int(eps.t_started), obs[:1])
         elif held.t0 + len(held.actions) != eps.t_started:
-            raise ValueError(f"episode {eps.id_}: expected its chunk starting at t={held.t0 + len(held.actions)}, "
-                             f"got t_started={eps.t_started}")
+            raise InvalidArgumentError(
+                f"episode {eps.id_}: expected its chunk starting at t={held.t0 + len(held.actions)}, "
+                f"got t_started={eps.t_started}")
         held.obs.extend(obs[1:])
         held.actions.extend(eps.get_actions())
         held.rewards.extend(eps.get_rewards())
@@ -138,7 +141,7 @@ def episode_rows(episodes: Iterable[Any], n_step: int = 1) -> dict[str, np.ndarr
     """Rows of whole episodes (each ended, or taken as it is: a running one's held-back steps are dropped)."""
     rows = EpisodeRows(n_step).add(episodes)
     if rows is None:
-        raise ValueError("expected episodes with at least one step each to write, got none")
+        raise InvalidArgumentError("expected episodes with at least one step each to write, got none")
     return rows
 
 
@@ -146,15 +149,15 @@ def check_n_step(n_step: Any, stored: int) -> int | tuple[int, int]:
     """``n_step`` as an int or a ``(low, high)`` range, if rows that look ``stored`` steps ahead can serve it."""
     if isinstance(n_step, (tuple, list)):
         if len(n_step) != 2 or not 1 <= int(n_step[0]) < int(n_step[1]):
-            raise ValueError(f"expected an n_step range (low, high) with 1 <= low < high, got {n_step!r}")
+            raise InvalidArgumentError(f"expected an n_step range (low, high) with 1 <= low < high, got {n_step!r}")
         if int(n_step[1]) - 1 > stored:
-            raise ValueError(f"expected an n_step range up to {stored + 1} (high excluded: the rows look "
-                             f"{stored} steps ahead), got {tuple(n_step)}")
+            raise InvalidArgumentError(f"expected an n_step range up to {stored + 1} (high excluded: the rows look "
+                                       f"{stored} steps ahead), got {tuple(n_step)}")
         return int(n_step[0]), int(n_step[1])
     n_step = 1 if n_step is None else n_step
     if isinstance(n_step, bool) or int(n_step) != n_step or not 1 <= int(n_step) <= stored:
-        raise ValueError(f"expected n_step between 1 and {stored} (the rows look {stored} steps ahead; write "
-                         f"them with a larger n_step for more), got {n_step!r}")
+        raise InvalidArgumentError(f"expected n_step between 1 and {stored} (the rows look {stored} steps ahead; write "
+                                   f"them with a larger n_step for more), got {n_step!r}")
     return int(n_step)
 
 

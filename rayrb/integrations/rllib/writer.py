@@ -14,6 +14,7 @@ from typing import Any
 
 from ray.rllib.callbacks.callbacks import RLlibCallback
 
+from rayrb.errors import InvalidArgumentError
 from rayrb.integrations.rllib.transitions import EpisodeRows, match_dtypes, row_n_step
 
 ROWS_WRITTEN = "rayrb_rows_written"
@@ -34,8 +35,9 @@ class EnvRunnerWriter(RLlibCallback):
         if self._client is None:
             client = (env_runner.config.replay_buffer_config or {}).get("buffer")
             if client is None or not hasattr(client, "extend"):
-                raise ValueError("expected replay_buffer_config['buffer'] to be a rayrb buffer client for env "
-                                 f"runners to write into, got {client!r}")
+                raise InvalidArgumentError(
+                    "expected replay_buffer_config['buffer'] to be a rayrb buffer client for env "
+                    f"runners to write into, got {client!r}")
             self._client, self._rows = client, EpisodeRows(row_n_step(client.spec))
         rows = self._rows.add(samples)
         if rows is not None:

@@ -28,7 +28,11 @@ from urllib.error import URLError
 
 import numpy as np
 
-from rayrb.errors import DatasetUnavailableError, UnknownDatasetError  # noqa: F401  (re-exported)
+from rayrb.errors import (
+    DatasetUnavailableError,  # noqa: F401  (re-exported)
+    InvalidArgumentError,
+    UnknownDatasetError,  # noqa: F401  (re-exported)
+)
 from rayrb.io.chunks import ChunkDataset, ChunkError, build_in_place, read_manifest, write_dataset
 
 RECIPE_VERSION = 1
@@ -153,7 +157,7 @@ def recipe(name: str, dtype: str) -> dict[str, Any]:
 def _dtype_name(dtype: Any) -> str:
     name = str(dtype).removeprefix("torch.")
     if name not in ("float32", "float64"):
-        raise ValueError(f"dtype must be float32 or float64, got {dtype!r}")
+        raise InvalidArgumentError(f"dtype must be float32 or float64, got {dtype!r}")
     return name
 
 

@@ -27,7 +27,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rayrb.errors import DatasetOptionError  # noqa: F401  (re-exported)
+from rayrb.errors import (
+    DatasetOptionError,  # noqa: F401  (re-exported)
+    InvalidArgumentError,
+    InvalidArgumentTypeError,
+    UnknownDatasetError,
+)
 from rayrb.io.chunks import MANIFEST, ChunkDataset
 
 Factory = Callable[..., Any]
@@ -46,16 +51,17 @@ def register_dataset(prefix: str, factory: Factory | str, *, overwrite: bool = F
     """
     overwrite = overwrite or replace
     if not prefix or ":" in prefix or not prefix.isidentifier():
-        raise ValueError(f"expected a prefix like 'openml' (an identifier, no ':'), got {prefix!r}")
+        raise InvalidArgumentError(f"expected a prefix like 'openml' (an identifier, no ':'), got {prefix!r}")
     if isinstance(factory, str):
         module, _, attribute = factory.partition(":")
         if not module or not attribute:
-            raise ValueError(f"expected a factory string 'module:attribute', got {factory!r}")
+            raise InvalidArgumentError(f"expected a factory string 'module:attribute', got {factory!r}")
     elif not callable(factory):
-        raise TypeError(f"expected a callable factory(name, **kwargs) or a 'module:attribute' string, "
-                        f"got {type(factory).__name__}")
+        raise InvalidArgumentTypeError(f"expected a callable factory(name, **kwargs) or a 'module:attribute' string, "
+                                       f"got {type(factory).__name__}")
     if prefix in _REGISTRY and not overwrite:
-        raise ValueError(f"dataset prefix {prefix!r} is already registered; pass overwrite=True to replace it")
+        raise InvalidArgumentError(
+            f"dataset prefix {prefix!r} is already registered; pass overwrite=True to replace it")
     _REGISTRY[prefix] = factory
 
 
@@ -82,12 +88,13 @@ def load_dataset(dataset_id: str | os.PathLike, **kwargs: Any) -> Any:
     if sep and prefix in _REGISTRY:
         return _factory(prefix)(name, **kwargs)
     if not sep:
-        raise ValueError(f"dataset_id must be prefixed with a source identifier ('<prefix>:<name>', prefix in "
-                         f"{registered_prefixes()}) or be a chunk-dataset directory holding {MANIFEST}; "
-                         f"got {dataset_id!r}")
-    raise ValueError(f"Unknown dataset source {prefix!r} in {dataset_id!r}: expected a dataset id "
-                     f"'<prefix>:<name>' with prefix in {registered_prefixes()}, or a chunk-dataset directory "
-                     f"holding {MANIFEST}")
+        raise InvalidArgumentError(
+            f"dataset_id must be prefixed with a source identifier ('<prefix>:<name>', prefix in "
+            f"{registered_prefixes()}) or be a chunk-dataset directory holding {MANIFEST}; "
+            f"got {dataset_id!r}")
+    raise UnknownDatasetError(f"Unknown dataset source {prefix!r} in {dataset_id!r}: expected a dataset id "
+                              f"'<prefix>:<name>' with prefix in {registered_prefixes()}, or a chunk-dataset directory "
+                              f"holding {MANIFEST}")
 
 
 def _openml(name: str, **kwargs: Any) -> ChunkDataset:
@@ -108,8 +115,9 @@ def _factory(prefix: str) -> Factory:
         raise ImportError(f"dataset prefix {prefix!r} loads through {factory}, which could not be imported ({e}); "
                           "TorchRL's loaders need `pip install torchrl` and their own extras") from e
     if not callable(found):
-        raise TypeError(f"dataset prefix {prefix!r} loads through {factory}: expected a callable factory(name, "
-                        f"**kwargs) there, got {type(found).__name__}")
+        raise InvalidArgumentTypeError(
+            f"dataset prefix {prefix!r} loads through {factory}: expected a callable factory(name, "
+            f"**kwargs) there, got {type(found).__name__}")
     return found
 
 
@@ -139,15 +147,15 @@ def torchrl_rows(obj: Any):
     storage = obj.storage if hasattr(obj, "storage") and hasattr(obj, "sample") else obj
     n = len(storage)
     if n == 0:
-        raise ValueError(f"expected a non-empty offline dataset, got an empty {type(obj).__name__}")
+        raise InvalidArgumentError(f"expected a non-empty offline dataset, got an empty {type(obj).__name__}")
     rows = storage.get(torch.arange(n))
     transform = getattr(obj, "_transform", None) if storage is not obj else None
     if transform is not None and len(transform):
         with rows.unlock_() if hasattr(rows, "unlock_") else contextlib.nullcontext():
             rows = transform(rows)
         if rows.shape[:1] != (n,):
-            raise ValueError(f"expected the buffer's transforms to keep one row per stored row ({n}), "
-                             f"got a batch of shape {tuple(rows.shape)}")
+            raise InvalidArgumentError(f"expected the buffer's transforms to keep one row per stored row ({n}), "
+                                       f"got a batch of shape {tuple(rows.shape)}")
     return rows
 
 
@@ -176,8 +184,8 @@ def as_chunk_dataset(source: Any, *, root: str | os.PathLike | None = None, **kw
         if isinstance(loaded, ChunkDataset):
             return loaded, False
         if isinstance(loaded, (str, os.PathLike)):  # taken as an id again, it could name itself without end
-            raise TypeError(f"expected the loader of {str(source)!r} to return a dataset, got the "
-                            f"{type(loaded).__name__} {str(loaded)!r}")
+            raise InvalidArgumentTypeError(f"expected the loader of {str(source)!r} to return a dataset, got the "
+                                           f"{type(loaded).__name__} {str(loaded)!r}")
         return as_chunk_dataset(loaded)  # a TorchRL dataset's rows, copied into chunks
     if kwargs:
         raise DatasetOptionError(f"dataset options {sorted(kwargs)} apply only to dataset ids (dataset_kwargs are "
@@ -195,7 +203,7 @@ def as_chunk_dataset(source: Any, *, root: str | os.PathLike | None = None, **kw
         elif hasattr(source, "storage") or (hasattr(source, "get") and hasattr(source, "__len__")):
             rows = torchrl_rows(source)
         else:
-            raise TypeError(
+            raise InvalidArgumentTypeError(
                 "expected an offline dataset as a dataset id, a chunk-dataset path, a ChunkDataset, a TensorDict, "
                 f"a dict of arrays, a ray.data.Dataset or a TorchRL replay buffer/storage, got {type(source).__name__}"
             )
