@@ -23,7 +23,7 @@ def med(v: dict, f: str = "{:,.0f}") -> str:
 
 
 def headline(h: dict) -> list[str]:
-    """Default arguments against the peers (``bench_headline``)."""
+    """Default arguments against the peers (``bench_headline``, ``pipelines/bench/headline.py``)."""
     out = ["### Default arguments: one process's `sample()` loop (rows/s, median (min–max))", "",
            "| B | rayrb | × TorchRL O2O (best of 1–2 threads) | TorchRL O2O | × RayReplayBuffer | RayReplayBuffer | "
            "shards read (`local_reads=False`) | prioritized | gather limit |", "|---|---|---|---|---|---|---|---|---|"]

@@ -48,8 +48,8 @@ def outcome(fn):
     """``fn()``'s result, or the type and message of what it raised: both twins must agree on either."""
     try:
         return "ok", fn()
-    except (ValueError, TimeoutError) as e:
-        return type(e).__name__, str(e)
+    except (ValueError, TimeoutError) as e:  # named by the builtin it is (rayrb's errors subclass one)
+        return ("ValueError" if isinstance(e, ValueError) else "TimeoutError"), str(e)
 
 
 def twins(make_buffer, data, **kwargs):
