@@ -408,7 +408,7 @@ def _start_actors(dataset: ChunkDataset, name: str, capacity: int, m: int, k: in
 
     from rayrb.actors.coordinator import Coordinator
     from rayrb.actors.lifecycle import actor_class
-    from rayrb.actors.placement import group_options, shard_placement
+    from rayrb.actors.placement import group_options, replica_groups, shard_placement
     from rayrb.actors.shards import OfflineShard
     from rayrb.durability.storage import shard_directory
 
@@ -425,13 +425,16 @@ def _start_actors(dataset: ChunkDataset, name: str, capacity: int, m: int, k: in
     instance = f"{name.replace('/', '_')}-{uuid.uuid4().hex[:8]}"
     started: list = []  # everything started, killed if one start fails
     try:
+        # first: a cluster that cannot hold the copies refuses the buffer before any actor starts
+        groups = replica_groups(k, replicas, on_opts) if replicas > 1 else []
+        started += groups
         for i, (a, b) in enumerate(ranges):
             started.append(actor_class(OfflineShard, **cls_opts).options(
                 name=f"{name}/off-{i}", **shard_placement(dataset, a, b, off_opts))
                            .remote(str(dataset.root), a, b, f"{name}/off-{i}", kinds[OFFLINE], sampler_options=so,
                                    state_dir=shard_directory(storage_dir, instance, f"off-{i}"), device=table))
         extra = _start_online(dataset.spec.to_json(), capacities, name, instance, kinds[ONLINE], so, on_opts,
-                              cls_opts, storage_dir, table, online_nodes, replicas, started)
+                              cls_opts, storage_dir, table, online_nodes, groups, replicas, started)
         # The coordinator restarts too when it can keep its state on disk: the stream, settings and
         # version there, the write counts in the shards.
         coord_restart = restart if storage_dir is not None else {}
@@ -459,16 +462,14 @@ def _start_actors(dataset: ChunkDataset, name: str, capacity: int, m: int, k: in
 
 def _start_online(spec: dict, capacities: list[int], name: str, instance: str, kind: str, so: dict, on_opts: dict,
                   cls_opts: dict, storage_dir: str | None, table: str | None, online_nodes: list | None,
-                  replicas: int, started: list) -> list:
+                  groups: list, replicas: int, started: list) -> list:
     """Start the online shards (appended to ``started``), each with ``replicas - 1`` copies on other nodes, all of
-    a shard's in one placement group; returns the groups and copies (also in ``started``), which the shard owns."""
+    a shard's in its placement group of ``groups``; returns the groups and copies, which the shard owns."""
     from rayrb.actors.lifecycle import actor_class
-    from rayrb.actors.placement import in_group, on_node, replica_groups
+    from rayrb.actors.placement import in_group, on_node
     from rayrb.actors.shards import OnlineShard
     from rayrb.durability.storage import shard_directory
 
-    groups = replica_groups(len(capacities), replicas, on_opts) if replicas > 1 else []
-    started += groups
     extra = list(groups)
     for i, c in enumerate(capacities):
         copies = [f"{name}/on-{i}.r{r}" for r in range(1, replicas)]

@@ -151,3 +151,22 @@ def test_a_restored_state_reaches_the_replica_and_a_later_loss_keeps_it(ray_sess
     lose(ray, primary, dirs[0])  # the restarted primary merges the replica in: the restore holds
     written, _, values = copy_of(ray, primary)
     assert written == 4 * PIECE and sorted(values.tolist()) == list(range(written))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"online_replicas": 2}, r"expected at least online_replicas=2 alive nodes .* got 1"),
+    ({"online_replicas": 2, "storage_dir": None}, r"expected a storage_dir with online_replicas=2"),
+    ({"online_replicas": 2, "online_nodes": [None]}, r"places each copy of an online shard on another node"),
+    ({"online_replicas": 0}, r"online_replicas"),
+])
+def test_replicas_the_cluster_cannot_hold_or_settings_that_clash_are_refused_before_anything_starts(
+        ray_session, make_buffer, kwargs, message):
+    from ray._private.state import actors
+
+    def made():
+        return set(actors()), {k for k, g in ray_session.util.placement_group_table().items() if g["state"] != "REMOVED"}
+
+    before = made()
+    with pytest.raises(ValueError, match=message):
+        make_buffer({"x": np.arange(10)}, online_capacity=10, **kwargs)
+    assert made() == before  # no actor was started, no placement group is left
