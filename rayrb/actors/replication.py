@@ -22,11 +22,13 @@ the newer row of its own and each replica's (``rayrb.durability.copies``). ``doc
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+logger = logging.getLogger(__name__)
 WAIT = 30.0  # seconds a write waits for a live replica before it goes on without it
 RETRY = 10.0  # seconds between rebuilds of a replica Ray reports dead for good
 LOOKUP = 60.0  # seconds to find a replica by name (it may still be starting)
@@ -154,6 +156,19 @@ class Replication:
             r.status, r.pending, r.actor, r.since = DOWN, None, None, time.monotonic()
         else:
             r.status, r.pending, r.since = DOWN, None, time.monotonic() - RETRY  # try again at the next poll
+
+    def take_all(self, merge: Callable[[dict], int], what: str) -> bool:
+        """``merge`` each replica's state into the primary (restarted without its files); whether one answered."""
+        import ray
+
+        took = False
+        for r in self.replicas:
+            try:
+                merge(ray.get(lookup(r.name).state.remote(), timeout=WAIT))
+                took = True
+            except Exception as e:  # that copy is gone too (a second loss before it was rebuilt)
+                logger.warning("rayrb: shard %s could not take the rows of its replica %s: %r", what, r.name, e)
+        return took
 
     def priorities(self, idx: Any, generation: Any, priority: Any) -> None:
         """Send a priority update to every replica that takes pieces (not awaited: ordered before later ones)."""

@@ -17,7 +17,6 @@ those writes have landed draws nothing and is asked again (``docs/architecture.m
 from __future__ import annotations
 
 import copy
-import logging
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -27,20 +26,19 @@ import numpy as np
 
 from rayrb.actors.lifecycle import begin
 from rayrb.actors.metrics import ActorMetrics
-from rayrb.actors.replication import WAIT, Replication, lookup
+from rayrb.actors.replication import Replication, lookup
 from rayrb.actors.timer import every
 from rayrb.core.plans import Epoch
 from rayrb.core.samplers import make_sampler, read_indices
 from rayrb.core.schema import RowSpec
 from rayrb.core.validation import ALPHA, EPS, positive_int
-from rayrb.durability.copies import merged_count, newer
+from rayrb.durability.copies import merged_count, take_newer
 from rayrb.durability.storage import OnlineStorage, PriorityStore, remove_directory
 from rayrb.durability.writelog import held_runs
-from rayrb.errors import InvalidArgumentError, RowIndexError, RowsLostError, SavedStateError, SchemaError
+from rayrb.errors import InvalidArgumentError, RowIndexError, RowsLostError, SavedStateError
 from rayrb.io.chunks import ChunkDataset, ReadOnlyError
 from rayrb.io.files import process_memory
 
-logger = logging.getLogger(__name__)
 CHECK_EVERY = 2.0  # seconds between a primary's checks of its replicas when no write comes
 Rows = dict[str, np.ndarray]
 Info = dict[str, np.ndarray]
@@ -342,26 +340,12 @@ class OnlineShard(_Shard):
         # Restarted without its files (its node was lost): its rows come from its replicas, or are lost
         self._lost = bool(self._lives.restarts) and not self._store.reopened
         if self._replication is not None:
-            if self._lost:
-                self._lost = not self._take_from_replicas()
+            if self._lost:  # restarted without its files: the replicas' rows are taken before any call
+                self._lost = not self._replication.take_all(self.merge, self.shard_id)
             every(CHECK_EVERY, "check_replicas")
         if self._lost and coordinator is not None:  # its count went back: the coordinator takes it again
             lookup(coordinator).resync.remote()
         self._lives.ready()
-
-    def _take_from_replicas(self) -> bool:
-        """Merge in what each replica holds (a primary restarted without its files); whether one answered."""
-        import ray
-
-        took = False
-        for r in self._replication.replicas:
-            try:
-                self.merge(ray.get(lookup(r.name).state.remote(), timeout=WAIT))
-                took = True
-            except Exception as e:  # that copy is gone too (a second loss before it was rebuilt)
-                logger.warning("rayrb: shard %s could not take the rows of its replica %s: %r", self.shard_id,
-                               r.name, e)
-        return took
 
     @property
     def _written(self) -> int:
@@ -446,17 +430,8 @@ class OnlineShard(_Shard):
     def merge(self, state: Mapping[str, np.ndarray]) -> int:
         """Take, slot by slot, the newer rows of another copy of this shard (``state()`` of its primary or of a
         replica; ``rayrb.durability.copies``); return the write count after. Taking a copy twice changes nothing."""
-        gen = np.asarray(state["generation"], np.int64)
-        take = np.flatnonzero(newer(self._gen, gen))
-        rows = {k[len("rows/"):]: v for k, v in state.items() if k.startswith("rows/")}
-        if set(rows) != set(self._data):
-            raise SchemaError(f"shard {self.shard_id}: expected a copy with keys {sorted(self._data)}, "
-                              f"got {sorted(rows)}")
+        take = take_newer(self._data, self._gen, state, f"shard {self.shard_id}")
         if take.size:
-            self._gen[take] = -gen[take]  # readers on this node leave rows being replaced to the shard
-            for k, dst in self._data.items():
-                dst[take] = rows[k][take]
-            self._gen[take] = gen[take]
             self._sampler.on_write(take)
             if "sampler/priority" in state:  # the copy's priorities for the rows taken from it
                 mine = self._sampler.state_dict()

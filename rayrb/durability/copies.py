@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from rayrb.durability.writelog import held_runs
-from rayrb.errors import InvalidArgumentError
+from rayrb.errors import InvalidArgumentError, SchemaError
 
 
 def newer(mine: np.ndarray, theirs: np.ndarray) -> np.ndarray:
@@ -42,3 +42,21 @@ def merged_count(generation: np.ndarray, mine: int, theirs: int) -> int:
             break
         count = max(count, b)
     return count
+
+
+def take_newer(rows: dict[str, np.ndarray], generation: np.ndarray, copy: dict[str, np.ndarray],
+               what: str = "shard") -> np.ndarray:
+    """Copy into ``rows`` and ``generation`` (a shard's arrays) the slots where ``copy`` (``state()`` of another
+    copy of it) holds newer rows; the slots taken. A slot's generation is negative while its row is replaced, so
+    readers in other processes leave it to the shard (``rayrb.handle.local``)."""
+    gen = np.asarray(copy["generation"], np.int64)
+    take = np.flatnonzero(newer(generation, gen))
+    theirs = {k[len("rows/"):]: v for k, v in copy.items() if k.startswith("rows/")}
+    if set(theirs) != set(rows):
+        raise SchemaError(f"{what}: expected a copy with keys {sorted(rows)}, got {sorted(theirs)}")
+    if take.size:
+        generation[take] = -gen[take]
+        for k, dst in rows.items():
+            dst[take] = theirs[k][take]
+        generation[take] = gen[take]
+    return take
