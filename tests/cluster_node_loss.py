@@ -142,6 +142,27 @@ def held(rb, num_offline: int) -> tuple[list[int], int]:
     return out, beyond
 
 
+def tally(rb, load: Load, lost: int, first_loss: float) -> dict:
+    """What the online shards hold against what was acknowledged (``lost``: the shard whose node went first)."""
+    values, beyond = held(rb, 1)
+    counts = {}
+    for v in values:
+        counts[v] = counts.get(v, 0) + 1
+    acked = load.acked
+    missing = [v for v in acked if v not in counts]
+    per_shard = rb.stats()["coordinator"]["online_capacity"]
+    shard_of = {v: int(np.searchsorted(np.cumsum(per_shard), i, side="right")) for v, i in acked.items()}
+    return {"acked": len(acked), "held": len(values), "held_beyond_a_gap": beyond, "lost": len(missing),
+            # rows on the lost shard whose write was sent before the loss (some were in flight)
+            "on_lost_shard_before": sum(shard_of[v] == lost and load.started[v] < first_loss for v in acked),
+            "lost_written_after_first_loss": sum(load.started[v] >= first_loss for v in missing),
+            "lost_elsewhere": sum(shard_of[v] != lost for v in missing), "in_flight_max": 2 * ROWS,
+            "doubled": sum(c > 1 for c in counts.values()), "unacked_held": sum(v not in acked for v in counts),
+            "batches": len(load.splits), "inexact": sum(s != BATCH // 2 for s in load.splits),
+            "errors": sorted(set(load.errors)), "messages": load.messages[:3],
+            "odd": [(n, k, t - first_loss) for n, k, t in load.odd][:10]}
+
+
 def main(tmp: str, replicas: int) -> None:
     from rayrb import OfflineToOnlineReplayBuffer
 
@@ -182,26 +203,8 @@ def main(tmp: str, replicas: int) -> None:
             result["losses"].append(entry)
             time.sleep(2)
         load.close()
-        values, beyond = held(rb, 1)
-        counts = {}
-        for v in values:
-            counts[v] = counts.get(v, 0) + 1
-        acked = load.acked
-        missing = [v for v in acked if v not in counts]
-        per_shard = rb.stats()["coordinator"]["online_capacity"]
-        shard_of = {v: int(np.searchsorted(np.cumsum(per_shard), i, side="right")) for v, i in acked.items()}
-        result.update({"acked": len(acked), "held": len(values), "held_beyond_a_gap": beyond, "lost": len(missing),
-                       "coordinator_lost": coordinator_node == result["losses"][0]["node"],
-                       # rows on the lost shard whose write was sent before the loss (some were in flight)
-                       "on_lost_shard_before": sum(shard_of[v] == lost and load.started[v] < first_loss
-                                                   for v in acked),
-                       "lost_written_after_first_loss": sum(load.started[v] >= first_loss for v in missing),
-                       "lost_elsewhere": sum(shard_of[v] != lost for v in missing), "in_flight_max": 2 * ROWS,
-                       "doubled": sum(c > 1 for c in counts.values()),
-                       "unacked_held": sum(v not in acked for v in counts),
-                       "batches": len(load.splits), "inexact": sum(s != BATCH // 2 for s in load.splits),
-                       "errors": sorted(set(load.errors)), "messages": load.messages[:3],
-                       "odd": [(n, k, t - first_loss) for n, k, t in load.odd][:10]})
+        result.update(tally(rb, load, lost, first_loss))
+        result["coordinator_lost"] = coordinator_node == result["losses"][0]["node"]
         rb.shutdown()
         report(result)
 

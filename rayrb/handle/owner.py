@@ -450,14 +450,22 @@ def _start_actors(dataset: ChunkDataset, name: str, capacity: int, m: int, k: in
             _kill(actor)
         raise
     shards = [a for a in started if a not in extra]
-    # where each shard's rows lie, for handles on its node that read them themselves (rayrb.handle.local)
+    return coord, shards, device, _layout(dataset, name, instance, kinds, ranges, capacities, storage_dir,
+                                          replicas), extra
+
+
+def _layout(dataset: ChunkDataset, name: str, instance: str, kinds: dict[str, str], ranges: list, capacities: list,
+            storage_dir: str | None, replicas: int) -> list[dict]:
+    """Where each shard's rows lie, for handles on its node that read them themselves (``rayrb.handle.local``)."""
+    from rayrb.durability.storage import shard_directory
+
     layout = [{"side": OFFLINE, "sampler": kinds[OFFLINE], "root": str(dataset.root), "start": a, "stop": b}
               for a, b in ranges]
-    layout += [{"side": ONLINE, "sampler": kinds[ONLINE], "capacity": c,
-                "dir": shard_directory(storage_dir, instance, f"on-{i}"),
-                "copies": [{"name": f"{name}/on-{i}.r{r}", "dir": shard_directory(storage_dir, instance, f"on-{i}.r{r}")}
-                           for r in range(1, replicas)]} for i, c in enumerate(capacities)]
-    return coord, shards, device, layout, extra
+    return layout + [{"side": ONLINE, "sampler": kinds[ONLINE], "capacity": c,
+                      "dir": shard_directory(storage_dir, instance, f"on-{i}"),
+                      "copies": [{"name": f"{name}/on-{i}.r{r}",
+                                  "dir": shard_directory(storage_dir, instance, f"on-{i}.r{r}")}
+                                 for r in range(1, replicas)]} for i, c in enumerate(capacities)]
 
 
 def _start_online(spec: dict, capacities: list[int], name: str, instance: str, kind: str, so: dict, on_opts: dict,
