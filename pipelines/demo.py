@@ -43,7 +43,7 @@ class Collector:
         return steps * rows
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dataset", default="openml:shuttle")
     p.add_argument("--data-home", default=os.environ.get("SCIKIT_LEARN_DATA"),
@@ -54,34 +54,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--offline-shards", type=int, default=2)
     p.add_argument("--online-shards", type=int, default=2)
     p.add_argument("--collectors", type=int, default=2)
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
 
-    ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, logging_level=logging.WARNING)
 
-    @ray.remote(num_cpus=1)
-    def prepare(dataset: str, data_home: str | None, root: str | None) -> str:
-        from rayrb import load_dataset
-
-        kw = {"data_home": data_home, "root": root} if dataset.startswith("openml:") else {}
-        return str(load_dataset(dataset, **kw).root)
-
+def train(rb, ds, args: argparse.Namespace) -> tuple[dict[str, int], float]:
+    """Softmax regression on ``rb``'s batches, the offline fraction annealed to 0.25; every batch's split checked."""
     import torch
 
-    from rayrb import ChunkDataset, OfflineToOnlineReplayBuffer
     from rayrb.core.allocation import offline_count
-
-    t0 = time.perf_counter()
-    data_home = os.path.abspath(args.data_home) if args.data_home else None
-    root = ray.get(prepare.remote(args.dataset, data_home, args.root))
-    ds = ChunkDataset.open(root, verify=True)
-    print(f"prepared {args.dataset} in {time.perf_counter() - t0:.1f}s: {ds}")
-
-    rb = OfflineToOnlineReplayBuffer(root, online_capacity=20_000, offline_fraction=1.0, batch_size=args.batch_size,
-                                     num_offline_shards=args.offline_shards, num_online_shards=args.online_shards,
-                                     seed=0)
-    collectors = [Collector.remote(rb, root, seed) for seed in range(args.collectors)]
-    warmup = sum(ray.get([c.collect.remote(1, 256) for c in collectors]))  # online side non-empty from step 0
-    pending = [c.collect.remote(args.steps // 4, 64) for c in collectors]
 
     n_classes = int(ds.read()["y"].max()) + 1
     model = torch.nn.Linear(ds.spec["X"].shape[0], n_classes)
@@ -106,7 +86,36 @@ def main(argv: list[str] | None = None) -> None:
             acc = (model(batch["X"]).argmax(-1) == batch["y"]).float().mean().item()
             print(f"step {step:4d}  offline_fraction {f:.3f}  offline/online rows {n_off}/{args.batch_size - n_off}"
                   f"  loss {loss.item():.4f}  batch acc {acc:.3f}")
-    elapsed = time.perf_counter() - t0
+    return counts, time.perf_counter() - t0
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, logging_level=logging.WARNING)
+
+    @ray.remote(num_cpus=1)
+    def prepare(dataset: str, data_home: str | None, root: str | None) -> str:
+        from rayrb import load_dataset
+
+        kw = {"data_home": data_home, "root": root} if dataset.startswith("openml:") else {}
+        return str(load_dataset(dataset, **kw).root)
+
+    from rayrb import ChunkDataset, OfflineToOnlineReplayBuffer
+
+    t0 = time.perf_counter()
+    data_home = os.path.abspath(args.data_home) if args.data_home else None
+    root = ray.get(prepare.remote(args.dataset, data_home, args.root))
+    ds = ChunkDataset.open(root, verify=True)
+    print(f"prepared {args.dataset} in {time.perf_counter() - t0:.1f}s: {ds}")
+
+    rb = OfflineToOnlineReplayBuffer(root, online_capacity=20_000, offline_fraction=1.0, batch_size=args.batch_size,
+                                     num_offline_shards=args.offline_shards, num_online_shards=args.online_shards,
+                                     seed=0)
+    collectors = [Collector.remote(rb, root, seed) for seed in range(args.collectors)]
+    warmup = sum(ray.get([c.collect.remote(1, 256) for c in collectors]))  # online side non-empty from step 0
+    pending = [c.collect.remote(args.steps // 4, 64) for c in collectors]
+
+    counts, elapsed = train(rb, ds, args)
     written = warmup + sum(ray.get(pending))
     print(f"trained {args.steps} steps in {elapsed:.1f}s ({args.steps * args.batch_size / elapsed:,.0f} rows/s)"
           f"; provenance totals {counts}; collectors wrote {written} rows; buffer holds {len(rb)} rows")

@@ -49,96 +49,137 @@ def headline(h: dict) -> list[str]:
     return out + [""]
 
 
-def render(r: dict) -> str:
-    out = [f"Command: `{r['command']}`  ", f"Mode: {r['mode']}, {r['config']['repeats']} repeats; "
-           f"data: {r['data']}  ",
-           f"Machine: {r['machine']['cpus']} CPUs, {r['machine']['mem_gib']} GiB, {r['machine']['platform']}; "
-           + ", ".join(f"{k} {v}" for k, v in r["versions"].items()), ""]
-    if "headline" in r:
-        out += headline(r["headline"])
-    s = r.get("sampling", {})
-    if s:
-        out += ["### Sampling (rows/s, median (min–max); p50/p99 ms per batch)", "",
-                "| B | peer | rows/s | batches/s | p50 ms | p99 ms |", "|---|---|---|---|---|---|"]
+def preamble(r: dict) -> list[str]:
+    """The command, mode, data, machine and versions."""
+    return [f"Command: `{r['command']}`  ", f"Mode: {r['mode']}, {r['config']['repeats']} repeats; "
+            f"data: {r['data']}  ",
+            f"Machine: {r['machine']['cpus']} CPUs, {r['machine']['mem_gib']} GiB, {r['machine']['platform']}; "
+            + ", ".join(f"{k} {v}" for k, v in r["versions"].items()), ""]
+
+
+def sampling(s: dict) -> list[str]:
+    out = ["### Sampling (rows/s, median (min–max); p50/p99 ms per batch)", "",
+           "| B | peer | rows/s | batches/s | p50 ms | p99 ms |", "|---|---|---|---|---|---|"] if s else []
     for B, row in s.items():
         for k, v in row.items():
             out.append(f"| {B} | {k} | {rng(v['rows_per_s'])} | {v['batches_per_s']:,.1f} | {v['p50_ms']:.2f} | "
                        f"{v['p99_ms']:.2f} |")
-    if "prefetch_sweep" in r:
-        out += ["", "### Prefetch depth (1 offline shard, iter_batches)", "", "| setting | rows/s | p50 ms |",
-                "|---|---|---|"]
-        for k, v in r["prefetch_sweep"].items():
-            out.append(f"| {k} | {fmt(v['rows_per_s'])} | {v['p50_ms']:.2f} |")
-    if "consumers" in r:
-        c = r["consumers"]
-        out += ["", f"### Consumers at once (actors iterating with prefetch {c['prefetch']}, B={c['batch_size']}, "
-                "2 offline and 2 online shards)", "",
-                "| consumers | rows/s in all | × one | plans/s | coordinator ms per plan | coordinator busy | "
-                "coordinator ceiling, plans/s | machine CPU busy |", "|---|---|---|---|---|---|---|---|"]
-        for n, v in c.items():
-            if isinstance(v, dict):
-                out.append(f"| {n} | {rng(v['rows_per_s'])} | {v['speedup_vs_one']:.2f} | "
-                           f"{v['plans_per_s']['median']:,.0f} | {v['coordinator_ms_per_plan']['median']:.3f} | "
-                           f"{v['coordinator_busy_fraction']['median']:.2f} | "
-                           f"{v['coordinator_plans_per_s_ceiling']['median']:,.0f} | "
-                           f"{v['machine_cpu_busy_fraction']['median']:.2f} |")
-        shares = [k for k in next(v for v in c.values() if isinstance(v, dict)) if k.startswith("cpu_share_")]
-        if shares:
-            out += ["", "Where the machine's CPU time went (share of all busy CPU time while the consumers ran):", "",
-                    "| consumers | " + " | ".join(k[len("cpu_share_"):].replace("_", " ") for k in shares) + " |",
-                    "|---|" + "---|" * len(shares)]
-            out += [f"| {n} | " + " | ".join(f"{v[k]['median']:.2f}" for k in shares) + " |"
-                    for n, v in c.items() if isinstance(v, dict)]
-    if "sampling_real" in r:
-        sr = r["sampling_real"]
-        out += ["", f"### Real data: {sr['dataset']}, B={sr['batch_size']}", "", "| peer | rows/s |", "|---|---|"]
-        out += [f"| {k} | {rng(v['rows_per_s'])} |" for k, v in sr.items() if isinstance(v, dict)]
-    if "writing" in r:
-        out += ["", "### Writing (online `extend`, rows/s)", "", "| writers | rayrb | TorchRL RayReplayBuffer |",
-                "|---|---|---|"]
-        for n, row in r["writing"].items():
-            out.append(f"| {n} | {rng(row['rayrb']['rows_per_s'])} | {rng(row['torchrl_ray']['rows_per_s'])} |")
-    if "preprocess" in r:
-        p = r["preprocess"]
-        out += ["", f"### Preprocess ({fmt(p['rows'])} rows, 2 workers; rows/s)", "", "| method | rows/s |", "|---|---|"]
-        out += [f"| {k} | {rng(v['rows_per_s'])} |" for k, v in p.items() if isinstance(v, dict)]
-        out.append(f"\nFirst use of the workers (imports; reported apart): {r.get('preprocess_cold_start_s', 0):.1f} s. "
-                   f"Peak RSS of a preprocess worker: {p['peak_worker_rss_bytes'] / 2**20:,.0f} MiB. "
-                   f"Equal to TorchRL's output: {r.get('checks', {}).get('preprocess_equal_to_torchrl')}.")
-    if "memory" in r:
-        m = r["memory"]
-        out += ["", "### Memory", "",
-                f"- dataset bytes: {m['dataset_bytes'] / 2**20:,.1f} MiB over {m['offline_shards']} offline shards",
-                f"- offline shards' private (anonymous) RSS: {m['rss_anon_bytes_total'] / 2**20:,.1f} MiB in all, of "
-                f"which {m['per_actor_overhead_anon_bytes'] / 2**20:,.1f} MiB per actor before any sampling; grew by "
-                f"{m['anon_growth_while_sampling_bytes'] / 2**20:,.1f} MiB (anon) and "
-                f"{m['file_growth_while_sampling_bytes'] / 2**20:,.1f} MiB (file-backed: mapped chunk pages, "
-                f"shared with the page cache) while sampling"]
-    if "object_store" in r:
-        o = r["object_store"]
-        out.append(f"- object store during a prefetching iterator (B={o['batch_size']}, prefetch={o['prefetch']}): "
-                   f"peak {o['peak_needed_mib']:.1f} MiB held by live references ({o['peak_used_mib']:.0f} MiB including "
-                   f"freed objects the store had not reclaimed yet; {o['polls']} polls); one batch is "
-                   f"{o['batch_mib']:.1f} MiB, so prefetch x batch = {o['prefetch'] * o['batch_mib']:.1f} MiB")
-    if "cluster" in r:
-        c = r["cluster"]
-        def by_nodes(runs: dict) -> str:
-            return "; ".join(f"{v['nodes']} node(s): {fmt(v['rows_per_s'])} rows/s" for v in runs.values()
-                             if isinstance(v, dict) and "nodes" in v)
+    return out
 
-        out += ["", "### Two-node Cluster (prefetch 4, 2 offline shards, SPREAD)", "",
-                f"- {by_nodes(c)} ({c['note']})"]
-        if "baseline" in c:
-            out.append(f"- the same on `{c['baseline']['path']}`: {by_nodes(c['baseline'])}")
-        if "loops_by_node" in c:
-            out += ["", "A plain `sample()` loop (rows/s) on the shards' node and on the other node:", "",
-                    "| B | same node, defaults | same node, shards read | other node, defaults | other / shards read |"
-                    " other node vs older code | same node vs older code |", "|---|---|---|---|---|---|---|"]
-            for B, v in c["loops_by_node"].items():
-                out.append(f"| {B} | {fmt(v['same_node_default'])} | {fmt(v['same_node_shard_reads'])} | "
-                           f"{fmt(v['other_node_default'])} | {v['other_node_vs_shard_reads']:.2f} | "
-                           f"{v.get('other_node_vs_baseline', float('nan')):.2f} | "
-                           f"{v.get('same_node_vs_baseline', float('nan')):.2f} |")
+
+def prefetch_sweep(sweep: dict) -> list[str]:
+    out = ["", "### Prefetch depth (1 offline shard, iter_batches)", "", "| setting | rows/s | p50 ms |", "|---|---|---|"]
+    for k, v in sweep.items():
+        out.append(f"| {k} | {fmt(v['rows_per_s'])} | {v['p50_ms']:.2f} |")
+    return out
+
+
+def consumers(c: dict) -> list[str]:
+    """Consumer actors at once, and where the machine's CPU time went while they ran."""
+    out = ["", f"### Consumers at once (actors iterating with prefetch {c['prefetch']}, B={c['batch_size']}, "
+           "2 offline and 2 online shards)", "",
+           "| consumers | rows/s in all | × one | plans/s | coordinator ms per plan | coordinator busy | "
+           "coordinator ceiling, plans/s | machine CPU busy |", "|---|---|---|---|---|---|---|---|"]
+    for n, v in c.items():
+        if isinstance(v, dict):
+            out.append(f"| {n} | {rng(v['rows_per_s'])} | {v['speedup_vs_one']:.2f} | "
+                       f"{v['plans_per_s']['median']:,.0f} | {v['coordinator_ms_per_plan']['median']:.3f} | "
+                       f"{v['coordinator_busy_fraction']['median']:.2f} | "
+                       f"{v['coordinator_plans_per_s_ceiling']['median']:,.0f} | "
+                       f"{v['machine_cpu_busy_fraction']['median']:.2f} |")
+    shares = [k for k in next(v for v in c.values() if isinstance(v, dict)) if k.startswith("cpu_share_")]
+    if shares:
+        out += ["", "Where the machine's CPU time went (share of all busy CPU time while the consumers ran):", "",
+                "| consumers | " + " | ".join(k[len("cpu_share_"):].replace("_", " ") for k in shares) + " |",
+                "|---|" + "---|" * len(shares)]
+        out += [f"| {n} | " + " | ".join(f"{v[k]['median']:.2f}" for k in shares) + " |"
+                for n, v in c.items() if isinstance(v, dict)]
+    return out
+
+
+def sampling_real(sr: dict) -> list[str]:
+    out = ["", f"### Real data: {sr['dataset']}, B={sr['batch_size']}", "", "| peer | rows/s |", "|---|---|"]
+    return out + [f"| {k} | {rng(v['rows_per_s'])} |" for k, v in sr.items() if isinstance(v, dict)]
+
+
+def writing(w: dict) -> list[str]:
+    out = ["", "### Writing (online `extend`, rows/s)", "", "| writers | rayrb | TorchRL RayReplayBuffer |",
+           "|---|---|---|"]
+    for n, row in w.items():
+        out.append(f"| {n} | {rng(row['rayrb']['rows_per_s'])} | {rng(row['torchrl_ray']['rows_per_s'])} |")
+    return out
+
+
+def preprocess(r: dict) -> list[str]:
+    p = r["preprocess"]
+    out = ["", f"### Preprocess ({fmt(p['rows'])} rows, 2 workers; rows/s)", "", "| method | rows/s |", "|---|---|"]
+    out += [f"| {k} | {rng(v['rows_per_s'])} |" for k, v in p.items() if isinstance(v, dict)]
+    out.append(f"\nFirst use of the workers (imports; reported apart): {r.get('preprocess_cold_start_s', 0):.1f} s. "
+               f"Peak RSS of a preprocess worker: {p['peak_worker_rss_bytes'] / 2**20:,.0f} MiB. "
+               f"Equal to TorchRL's output: {r.get('checks', {}).get('preprocess_equal_to_torchrl')}.")
+    return out
+
+
+def memory(m: dict) -> list[str]:
+    return ["", "### Memory", "",
+            f"- dataset bytes: {m['dataset_bytes'] / 2**20:,.1f} MiB over {m['offline_shards']} offline shards",
+            f"- offline shards' private (anonymous) RSS: {m['rss_anon_bytes_total'] / 2**20:,.1f} MiB in all, of "
+            f"which {m['per_actor_overhead_anon_bytes'] / 2**20:,.1f} MiB per actor before any sampling; grew by "
+            f"{m['anon_growth_while_sampling_bytes'] / 2**20:,.1f} MiB (anon) and "
+            f"{m['file_growth_while_sampling_bytes'] / 2**20:,.1f} MiB (file-backed: mapped chunk pages, "
+            f"shared with the page cache) while sampling"]
+
+
+def object_store(o: dict) -> list[str]:
+    return [f"- object store during a prefetching iterator (B={o['batch_size']}, prefetch={o['prefetch']}): "
+            f"peak {o['peak_needed_mib']:.1f} MiB held by live references ({o['peak_used_mib']:.0f} MiB including "
+            f"freed objects the store had not reclaimed yet; {o['polls']} polls); one batch is "
+            f"{o['batch_mib']:.1f} MiB, so prefetch x batch = {o['prefetch'] * o['batch_mib']:.1f} MiB"]
+
+
+def by_nodes(runs: dict) -> str:
+    return "; ".join(f"{v['nodes']} node(s): {fmt(v['rows_per_s'])} rows/s" for v in runs.values()
+                     if isinstance(v, dict) and "nodes" in v)
+
+
+def cluster(c: dict) -> list[str]:
+    """Rows/s by node count, and a plain ``sample()`` loop on the shards' node and on the other."""
+    out = ["", "### Two-node Cluster (prefetch 4, 2 offline shards, SPREAD)", "", f"- {by_nodes(c)} ({c['note']})"]
+    if "baseline" in c:
+        out.append(f"- the same on `{c['baseline']['path']}`: {by_nodes(c['baseline'])}")
+    if "loops_by_node" in c:
+        out += ["", "A plain `sample()` loop (rows/s) on the shards' node and on the other node:", "",
+                "| B | same node, defaults | same node, shards read | other node, defaults | other / shards read |"
+                " other node vs older code | same node vs older code |", "|---|---|---|---|---|---|---|"]
+        for B, v in c["loops_by_node"].items():
+            out.append(f"| {B} | {fmt(v['same_node_default'])} | {fmt(v['same_node_shard_reads'])} | "
+                       f"{fmt(v['other_node_default'])} | {v['other_node_vs_shard_reads']:.2f} | "
+                       f"{v.get('other_node_vs_baseline', float('nan')):.2f} | "
+                       f"{v.get('same_node_vs_baseline', float('nan')):.2f} |")
+    return out
+
+
+def render(r: dict) -> str:
+    out = preamble(r)
+    if "headline" in r:
+        out += headline(r["headline"])
+    out += sampling(r.get("sampling", {}))
+    if "prefetch_sweep" in r:
+        out += prefetch_sweep(r["prefetch_sweep"])
+    if "consumers" in r:
+        out += consumers(r["consumers"])
+    if "sampling_real" in r:
+        out += sampling_real(r["sampling_real"])
+    if "writing" in r:
+        out += writing(r["writing"])
+    if "preprocess" in r:
+        out += preprocess(r)
+    if "memory" in r:
+        out += memory(r["memory"])
+    if "object_store" in r:
+        out += object_store(r["object_store"])
+    if "cluster" in r:
+        out += cluster(r["cluster"])
     out += ["", "### Ratios (medians)", "", "| ratio | value |", "|---|---|"]
     out += [f"| {k} | {v:.3f} |" for k, v in r.get("ratios", {}).items()]
     return "\n".join(out) + "\n"
