@@ -63,6 +63,16 @@ def make_buffer(tmp_path):
         rb.shutdown()
 
 
+@pytest.fixture
+def local_metrics(monkeypatch):
+    """Coordinator metrics kept local, so that a Coordinator built in the test imports no Ray (tests/core asks
+    for it in ``pytestmark``)."""
+    import rayrb.actors.coordinator
+    from rayrb.actors.metrics import ActorMetrics
+
+    monkeypatch.setattr(rayrb.actors.coordinator, "ActorMetrics", lambda *a, **kw: ActorMetrics(*a, **kw, export=False))
+
+
 RAY_FIXTURES = {"ray_session", "make_buffer"}
 
 

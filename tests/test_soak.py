@@ -19,6 +19,25 @@ def rows(ids: np.ndarray) -> TensorDict:
     return TensorDict({"obs": ids.float()[:, None].expand(len(ids), 2).contiguous(), "id": ids}, [len(ids)])
 
 
+def kill_and_time_restart(ray, shard) -> float:
+    """Kill ``shard``'s process: the seconds until the restarted process answers."""
+    pid = ray.get(shard.__ray_call__.remote(lambda self: os.getpid()))
+    ray.kill(shard, no_restart=False)
+    t0 = time.monotonic()
+    while ray.get(shard.__ray_call__.remote(lambda self: os.getpid()), timeout=60) == pid:
+        time.sleep(0.01)  # the kill has not reached the process yet
+    return time.monotonic() - t0  # until the restarted process answers
+
+
+def held_ids(dump, shards) -> list[int]:
+    """The ids of every row these shards' files in the dump ``dump`` hold."""
+    held = []
+    for j in shards:
+        with np.load(dump / f"shard-{j}.npz") as state:
+            held.extend(state["rows/id"][:min(int(state["written"]), len(state["rows/id"]))].tolist())
+    return held
+
+
 @pytest.mark.usefixtures("ray_session")
 def test_soak_with_killed_shards_loses_and_doubles_nothing(tmp_path, ray_session):
     ray = ray_session
@@ -62,22 +81,14 @@ def test_soak_with_killed_shards_loses_and_doubles_nothing(tmp_path, ray_session
         recovery, since = {}, [0] * len(ws + ss)
         for name, shard in (("offline shard", rb.rpc.shards[0]), ("online shard", rb.rpc.shards[-1])):
             wait_for_progress(ray, ws + ss, enough(since), 120)
-            pid = ray.get(shard.__ray_call__.remote(lambda self: os.getpid()))
-            ray.kill(shard, no_restart=False)
-            t0 = time.monotonic()
-            while ray.get(shard.__ray_call__.remote(lambda self: os.getpid()), timeout=60) == pid:
-                time.sleep(0.01)  # the kill has not reached the process yet
-            recovery[name] = time.monotonic() - t0  # until the restarted process answers
+            recovery[name] = kill_and_time_restart(ray, shard)
             since = ray.get([a.progress.remote() for a in ws + ss])
         wait_for_progress(ray, ws + ss, enough(since), 120)  # writes and samples go on after the last restart
         ray.get([a.halt.remote() for a in ws + ss])
         acked = [i for ids in ray.get(work[:writers]) for i in ids]
         sampled = ray.get(work[writers:])
         rb.dumps(tmp_path / "end")
-        held = []
-        for j in (2, 3):  # the online shards' files: every row they hold
-            with np.load(tmp_path / "end" / f"shard-{j}.npz") as state:
-                held.extend(state["rows/id"][:min(int(state["written"]), len(state["rows/id"]))].tolist())
+        held = held_ids(tmp_path / "end", (2, 3))  # the online shards' files: every row they hold
         assert rb.write_count == len(acked) == len(held)  # nothing lost, nothing written twice
         assert sorted(held) == sorted(acked)
         assert all(not bad for _, bad in sampled), sampled

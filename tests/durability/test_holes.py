@@ -208,6 +208,47 @@ def _record(landed, plan, ids, shards):
                 landed[(w.shard, row)] = ids[w.start + r]
 
 
+def _shard_event(rng, shards, caps, dirs):
+    """After a write a shard process may die and reopen its files, or a shard be restored: whether a resync follows."""
+    event = rng.random()
+    if 0.3 <= event < 0.4:  # a shard process dies and reopens its files
+        i = int(rng.integers(len(shards)))
+        shards[i] = OnlineShard(SPEC, caps[i], f"t/{i}", state_dir=dirs[i])
+    elif 0.4 <= event < 0.5:  # a shard is restored from its saved state
+        i = int(rng.integers(len(shards)))
+        state = shards[i].state()
+        shards[i] = OnlineShard(SPEC, caps[i], f"t/{i}", state_dir=dirs[i] + "-r")
+        dirs[i] += "-r"
+        shards[i].load_state(state)
+    return event < 0.5
+
+
+def _fill_holes(log, rng, next_id, ids, send):
+    for extra in range(200):
+        if not any(log.holes):
+            break
+        w = ("fill", extra)
+        ids[w] = np.array([next(next_id) for _ in range(int(rng.integers(1, 10)))])
+        plan = log.place(len(ids[w]))
+        log.commit(plan)
+        send(plan, w)
+
+
+def _check_acknowledged_rows_kept(trial, shards, caps, acked, ids):
+    """Each acknowledged row stays where its index says until a newer lap takes its slot; no row is held twice."""
+    for w, (plan, indices) in acked.items():
+        for p in plan:
+            s, cap = shards[p.shard], caps[p.shard]
+            for r in range(p.rows):
+                row, slot = p.first + r, (p.first + r) % caps[p.shard]
+                if s._gen[slot] == row // cap + 1:  # still there: it must be this write's row
+                    assert s._data["id"][slot] == ids[w][p.start + r], (trial, w, p, r)
+                else:  # taken by a newer lap, never lost to an older one
+                    assert s._gen[slot] > row // cap + 1, (trial, w, p, r, s._gen.tolist())
+    held = np.concatenate([s._data["id"][s._gen > 0] for s in shards])
+    assert len(held) == len(set(held.tolist())), trial  # no row twice
+
+
 def test_holes_wraps_restarts_and_restores_keep_every_acknowledged_row(tmp_path):
     """Small shards (writes wrap them, pieces wider than a shard), pieces that never land, resyncs, resumed
     writes, shard processes that die and shards restored from their saved state, writers that prefer a shard.
@@ -245,19 +286,7 @@ def test_holes_wraps_restarts_and_restores_keep_every_acknowledged_row(tmp_path)
             else:
                 send(plan, w)
                 acked[w] = (plan, log.indices(plan))
-            event = rng.random()
-            if event < 0.3:
-                resync()
-            elif event < 0.4:  # a shard process dies and reopens its files
-                i = int(rng.integers(k))
-                shards[i] = OnlineShard(SPEC, caps[i], f"t/{i}", state_dir=dirs[i])
-                resync()
-            elif event < 0.5:  # a shard is restored from its saved state
-                i = int(rng.integers(k))
-                state = shards[i].state()
-                shards[i] = OnlineShard(SPEC, caps[i], f"t/{i}", state_dir=dirs[i] + "-r")
-                dirs[i] += "-r"
-                shards[i].load_state(state)
+            if _shard_event(rng, shards, caps, dirs):
                 resync()
             if pending and rng.random() < 0.3:  # a writer retries: its client resyncs first
                 v = pending.pop(0)
@@ -266,29 +295,12 @@ def test_holes_wraps_restarts_and_restores_keep_every_acknowledged_row(tmp_path)
                 send(more, v)
                 acked[v] = (whole, log.indices(whole))
         resync()
-        for extra in range(200):  # new writes fill what holes are left
-            if not any(log.holes):
-                break
-            w = ("fill", extra)
-            ids[w] = np.array([next(next_id) for _ in range(int(rng.integers(1, 10)))])
-            plan = log.place(len(ids[w]))
-            log.commit(plan)
-            send(plan, w)
+        _fill_holes(log, rng, next_id, ids, send)  # new writes fill what holes are left
         assert not any(log.holes), trial
         for i, s in enumerate(shards):
             assert s.written() == int(log.written[i]) and not s._held, (trial, i, s.write_state(), log.written)
         assert log.sizes.tolist() == [s.size() for s in shards], trial
-        for w, (plan, indices) in acked.items():
-            for p in plan:
-                s, cap = shards[p.shard], caps[p.shard]
-                for r in range(p.rows):
-                    row, slot = p.first + r, (p.first + r) % caps[p.shard]
-                    if s._gen[slot] == row // cap + 1:  # still there: it must be this write's row
-                        assert s._data["id"][slot] == ids[w][p.start + r], (trial, w, p, r)
-                    else:  # taken by a newer lap, never lost to an older one
-                        assert s._gen[slot] > row // cap + 1, (trial, w, p, r, s._gen.tolist())
-        held = np.concatenate([s._data["id"][s._gen > 0] for s in shards])
-        assert len(held) == len(set(held.tolist())), trial  # no row twice
+        _check_acknowledged_rows_kept(trial, shards, caps, acked, ids)
 
 
 # ------------------------------------------------------------------ reset: malformed input changes nothing
