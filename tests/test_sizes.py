@@ -29,15 +29,6 @@ LISTED = {
     ("module", "rayrb/io/chunks.py"): (535, TO_SPLIT),
     ("module", "rayrb/io/preprocess.py"): (407, TO_SPLIT),
     ("function", "rayrb/io/datasets/registry.py::as_chunk_dataset"): (64, TO_SPLIT),
-    ("function", "pipelines/demo.py::main"): (73, TO_SPLIT),
-    ("module", "pipelines/finetune_pendulum.py"): (411, TO_SPLIT),
-    ("function", "pipelines/report.py::render"): (93, TO_SPLIT),
-    ("module", "tests/core/test_core.py"): (996, TO_SPLIT),
-    ("module", "tests/handle/test_stream_adversarial.py"): (664, TO_SPLIT),
-    ("function", "tests/handle/test_stream_adversarial.py::random_ops"): (64, TO_SPLIT),
-    ("function", "tests/durability/test_holes.py::test_holes_wraps_restarts_and_restores_keep_every_acknowledged_row"):
-        (81, TO_SPLIT),
-    ("function", "tests/test_soak.py::test_soak_with_killed_shards_loses_and_doubles_nothing"): (66, TO_SPLIT),
     ("module", "tests/integrations/test_torchrl_compat.py"): (1039, "TorchRL's own test file, kept in its shape so "
                                                                   "that it reads side by side with TorchRL's"),
     ("function", "tests/integrations/test_torchrl_compat.py::TestOfflineToOnlineTrainer."
