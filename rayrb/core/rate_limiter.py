@@ -148,11 +148,6 @@ class RateLimiter:
         self.validate()
         self._state: dict[str, float] = {k: 0 for k in _COUNTS} | {k: 0.0 for k in _SECONDS}
 
-    @property
-    def limits(self) -> bool:
-        """Whether this limiter can ever hold a call back or turn a batch all offline."""
-        return self.samples_per_insert is not None or self.min_size_to_sample > 1
-
     def validate(self, online_capacity: int | None = None) -> None:
         """Refuse a window or capacity that can block sampling for good (Reverb's checks, see the module)."""
         spi, lo, hi, m = self.samples_per_insert, self.min_diff, self.max_diff, self.min_size_to_sample
