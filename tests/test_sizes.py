@@ -24,7 +24,6 @@ LISTED = {
     ("module", "rayrb/durability/writelog.py"): (414, "most of it doctests: " + TO_SPLIT),
     ("class", "rayrb/durability/writelog.py::WriteLog"): (278, "most of it doctests: " + TO_SPLIT),
     ("module", "rayrb/actors/shards.py"): (546, TO_SPLIT),
-    ("function", "rayrb/handle/writes.py::Writes.extend"): (69, "a third of it the docstring: " + TO_SPLIT),
     ("function", "rayrb/integrations/torchrl.py::_adapter_class"): (92, TO_SPLIT),
     ("module", "rayrb/io/chunks.py"): (535, TO_SPLIT),
     ("module", "rayrb/io/preprocess.py"): (407, TO_SPLIT),

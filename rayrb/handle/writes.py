@@ -18,7 +18,13 @@ from tensordict import TensorDictBase
 
 from rayrb.core.schema import strip_bookkeeping
 from rayrb.core.validation import boolean, optional_str
-from rayrb.errors import BufferUnavailableError, InvalidArgumentError, InvalidArgumentTypeError, WriteTimeoutError
+from rayrb.errors import (
+    BufferUnavailableError,
+    InvalidArgumentError,
+    InvalidArgumentTypeError,
+    RowsLostError,
+    WriteTimeoutError,
+)
 from rayrb.io.arrays import rows_digest, to_numpy_dict
 
 
@@ -79,6 +85,12 @@ class Writes:
         write_id = write_id if write_id is not None else uuid.uuid4().hex
         digest = rows_digest(arrays)  # the rows the id names: a retry sends these, other rows are refused
         ref = ray.put(arrays)  # one object; each shard copies its own contiguous piece out of it
+        return torch.from_numpy(np.array(self._land(ref, n, write_id, prefill, digest)))  # a writable copy
+
+    def _land(self, ref: Any, n: int, write_id: str, prefill: bool, digest: str) -> Any:
+        """The coordinator's indices for the write of ``ref`` once the shards hold it, asked again under its id
+        where that is safe: the coordinator died with the call, or a shard lost (with its node) the rows a piece
+        was placed after."""
         accepted = False  # the coordinator took the write: from here a failure may leave some of it applied
         try:
             coordinator = _actor_id(self.rpc.coord)
@@ -88,15 +100,16 @@ class Writes:
                                                   node=_node_id(), digest=digest)
                     accepted = True
                     self.rpc.get(acks)
-                    break
+                    return indices
                 except BufferUnavailableError as e:
                     # The coordinator died with the call (Ray's re-sends of it ran out) or holding the shards'
                     # acknowledgements: ask it again under the same write id; restarted, it answers from its
-                    # journal and sends only what did not land.
+                    # journal and sends only what did not land. A piece refused for lost rows is placed anew.
                     if self.rpc.closed:
                         raise
                     accepted = True
-                    if not _coordinator_died(e, coordinator) or attempt == MAX_ASKS - 1:
+                    again = _coordinator_died(e, coordinator) or isinstance(e, RowsLostError)
+                    if not again or attempt == MAX_ASKS - 1:
                         raise _named(e, write_id) from e
                     time.sleep(min(1.0, 0.01 * 2 ** attempt))
         except TimeoutError as e:  # the write may still land: name it, so that a retry lands it once
@@ -109,7 +122,6 @@ class Writes:
                 except Exception:
                     pass
             raise
-        return torch.from_numpy(np.array(indices))  # a writable copy of the (read-only) reply
 
     def add(self, data: Any) -> int:
         """Add one row (no batch dimension).
