@@ -19,6 +19,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from rayrb.core.schedules import Linear
 from rayrb.errors import SavedStateError
 from rayrb.io.files import replace_file
 
@@ -26,97 +27,100 @@ from rayrb.io.files import replace_file
 _VIEW_STATE = "torchrl_view.json"
 
 
+class _ViewMethods:
+    """What a ``TorchRLView`` answers from the rayrb buffer it wraps; listed first among its bases, so these
+    override TorchRL's."""
+
+    def __init__(self, rb: Any):  # TorchRL's __init__ would build buffers of its own: not called
+        object.__setattr__(self, "_rayrb", rb)
+        object.__setattr__(self, "_base", float(rb.offline_fraction))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(object.__getattribute__(self, "_rayrb"), name)
+
+    def __len__(self) -> int:
+        return len(self._rayrb)
+
+    def __repr__(self) -> str:
+        return f"TorchRLView({self._rayrb!r})"
+
+    @property
+    def offline_buffer(self):
+        return self._rayrb.offline_buffer
+
+    @property
+    def online_buffer(self):
+        return self._rayrb.online_buffer
+
+    @property
+    def _offline_fraction(self) -> float:
+        return float(self._rayrb.offline_fraction)
+
+    @_offline_fraction.setter
+    def _offline_fraction(self, value: float) -> None:
+        self._rayrb.offline_fraction = value
+
+    @property
+    def _base_offline_fraction(self) -> float:
+        return self._base
+
+    @_base_offline_fraction.setter
+    def _base_offline_fraction(self, value: float) -> None:
+        object.__setattr__(self, "_base", float(value))
+
+    @property
+    def offline_fraction(self) -> float:
+        return float(self._rayrb.offline_fraction)
+
+    @offline_fraction.setter
+    def offline_fraction(self, value: float) -> None:
+        self._rayrb.offline_fraction = value
+        object.__setattr__(self, "_base", float(value))
+
+    def anneal(self, step: int, total_steps: int) -> None:
+        self._rayrb.offline_fraction = Linear(self._base, 0.0, int(total_steps))(int(step), 0, 0)
+
+    def extend(self, data: Any, *args: Any, **kwargs: Any):
+        return self._rayrb.extend(data)
+
+    def add(self, data: Any) -> int:
+        return self._rayrb.add(data)
+
+    def sample(self, batch_size: int | None = None, return_info: bool = False, **kwargs: Any):
+        return self._rayrb.sample(batch_size, return_info=return_info)
+
+    def state_dict(self) -> dict:
+        return {"rayrb": self._rayrb.state_dict(), "base_offline_fraction": self._base}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._rayrb.load_state_dict(state["rayrb"])
+        object.__setattr__(self, "_base", float(state.get("base_offline_fraction", self._base)))
+
+    def dumps(self, path: Any) -> None:
+        """rayrb's checkpoint of the buffer under ``path``, with the base fraction ``anneal`` decays from."""
+        self._rayrb.dumps(path)
+        replace_file(Path(path) / _VIEW_STATE, json.dumps({"base_offline_fraction": self._base}))
+
+    def loads(self, path: Any) -> None:
+        """rayrb's ``loads``, and the base fraction saved beside it (checked first: a damaged file changes
+        nothing; a checkpoint without one, written by rayrb itself, takes the restored fraction)."""
+        base = _saved_base(Path(path) / _VIEW_STATE)
+        self._rayrb.loads(path)
+        object.__setattr__(self, "_base", float(self.offline_fraction if base is None else base))
+
+    # TorchRL's Checkpoint (the trainer's save_trainer_file and checkpoint=) prefers dump/load over state_dict
+    # and saves this view instead of the replay-buffer hook, whose state holds base_offline_fraction: the
+    # view's own dump/load keep it beside rayrb's checkpoint (rows, priorities, sampling state).
+    dump = dumps
+    load = loads
+
+
 @functools.lru_cache(maxsize=1)
 def _adapter_class() -> type:
     from torchrl.data.replay_buffers.offline_to_online import OfflineToOnlineReplayBuffer as TorchRLO2O
 
-    from rayrb.core.schedules import Linear
-
-    class TorchRLView(TorchRLO2O):
+    class TorchRLView(_ViewMethods, TorchRLO2O):
         """A rayrb buffer seen as TorchRL's ``OfflineToOnlineReplayBuffer``; nothing is copied."""
-
-        def __init__(self, rb: Any):  # TorchRL's __init__ would build buffers of its own: not called
-            object.__setattr__(self, "_rayrb", rb)
-            object.__setattr__(self, "_base", float(rb.offline_fraction))
-
-        def __getattr__(self, name: str) -> Any:
-            return getattr(object.__getattribute__(self, "_rayrb"), name)
-
-        def __len__(self) -> int:
-            return len(self._rayrb)
-
-        def __repr__(self) -> str:
-            return f"TorchRLView({self._rayrb!r})"
-
-        @property
-        def offline_buffer(self):
-            return self._rayrb.offline_buffer
-
-        @property
-        def online_buffer(self):
-            return self._rayrb.online_buffer
-
-        @property
-        def _offline_fraction(self) -> float:
-            return float(self._rayrb.offline_fraction)
-
-        @_offline_fraction.setter
-        def _offline_fraction(self, value: float) -> None:
-            self._rayrb.offline_fraction = value
-
-        @property
-        def _base_offline_fraction(self) -> float:
-            return self._base
-
-        @_base_offline_fraction.setter
-        def _base_offline_fraction(self, value: float) -> None:
-            object.__setattr__(self, "_base", float(value))
-
-        @property
-        def offline_fraction(self) -> float:
-            return float(self._rayrb.offline_fraction)
-
-        @offline_fraction.setter
-        def offline_fraction(self, value: float) -> None:
-            self._rayrb.offline_fraction = value
-            object.__setattr__(self, "_base", float(value))
-
-        def anneal(self, step: int, total_steps: int) -> None:
-            self._rayrb.offline_fraction = Linear(self._base, 0.0, int(total_steps))(int(step), 0, 0)
-
-        def extend(self, data: Any, *args: Any, **kwargs: Any):
-            return self._rayrb.extend(data)
-
-        def add(self, data: Any) -> int:
-            return self._rayrb.add(data)
-
-        def sample(self, batch_size: int | None = None, return_info: bool = False, **kwargs: Any):
-            return self._rayrb.sample(batch_size, return_info=return_info)
-
-        def state_dict(self) -> dict:
-            return {"rayrb": self._rayrb.state_dict(), "base_offline_fraction": self._base}
-
-        def load_state_dict(self, state: dict) -> None:
-            self._rayrb.load_state_dict(state["rayrb"])
-            object.__setattr__(self, "_base", float(state.get("base_offline_fraction", self._base)))
-
-        def dumps(self, path: Any) -> None:
-            """rayrb's checkpoint of the buffer under ``path``, with the base fraction ``anneal`` decays from."""
-            self._rayrb.dumps(path)
-            replace_file(Path(path) / _VIEW_STATE, json.dumps({"base_offline_fraction": self._base}))
-
-        def loads(self, path: Any) -> None:
-            """rayrb's ``loads``, and the base fraction saved beside it (checked first: a damaged file changes
-            nothing; a checkpoint without one, written by rayrb itself, takes the restored fraction)."""
-            base = _saved_base(Path(path) / _VIEW_STATE)
-            self._rayrb.loads(path)
-            object.__setattr__(self, "_base", float(self.offline_fraction if base is None else base))
-
-        # TorchRL's Checkpoint (the trainer's save_trainer_file and checkpoint=) prefers dump/load over state_dict
-        # and saves this view instead of the replay-buffer hook, whose state holds base_offline_fraction: the
-        # view's own dump/load keep it beside rayrb's checkpoint (rows, priorities, sampling state).
-        dump = dumps
-        load = loads
 
     return TorchRLView
 

@@ -58,49 +58,12 @@ from rayrb.io.chunks import (
     write_manifest,
 )
 from rayrb.io.files import replace_file
+from rayrb.io.parquet import export_parquet, parquet_files  # noqa: F401  (export_parquet: re-exported)
 
 JOB_FILE = ".rayrb-job.json"
 
 
-
 # ---------------------------------------------------------------------------- sources
-def _parquet_files(path: Path) -> list[Path]:
-    files = sorted(path.glob("*.parquet")) if path.is_dir() else [path]
-    if not files:
-        raise InvalidArgumentError(f"expected Parquet files in {path}, found none")
-    return files
-
-
-def export_parquet(dataset: ChunkDataset | str | os.PathLike, dest: str | os.PathLike) -> list[Path]:
-    """Write a chunk dataset as Parquet, one file per chunk, for Ray Data and pandas users.
-
-    Multi-dimensional rows become (nested) fixed-size lists; nested keys become
-    ``a.b`` column names; the row spec is kept in the schema metadata, so
-    ``arrow_to_arrays`` restores shapes and dtypes exactly.
-    """
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    ds = dataset if isinstance(dataset, ChunkDataset) else ChunkDataset.open(dataset)
-    dest = Path(dest)
-    dest.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for i, c in enumerate(ds.chunks):
-        arrays = ds.chunk_arrays(i)
-        cols = {}
-        for k, f in ds.spec.items():
-            a = np.ascontiguousarray(arrays[k])
-            col = pa.array(a.reshape(-1))
-            for dim in reversed(f.shape):
-                col = pa.FixedSizeListArray.from_arrays(col, dim)
-            cols[k.replace("/", ".")] = col
-        table = pa.table(cols).replace_schema_metadata({b"rayrb.spec": json.dumps(ds.spec.to_json()).encode()})
-        path = dest / f"{c.path}.parquet"
-        pq.write_table(table, path)
-        paths.append(path)
-    return paths
-
-
 def _units(source: Any, chunk_rows: int | None, num_workers: int, num_frames: int | None):
     """Input work units ``(kind, where, start, stop)`` and a fingerprint of the source."""
     from rayrb.io.datasets.registry import as_chunk_dataset
@@ -110,7 +73,7 @@ def _units(source: Any, chunk_rows: int | None, num_workers: int, num_frames: in
     ):
         import pyarrow.parquet as pq
 
-        files = _parquet_files(Path(source))
+        files = parquet_files(Path(source))
         rows = [pq.ParquetFile(f).metadata.num_rows for f in files]
         units, total = [], 0
         for f, n in zip(files, rows):

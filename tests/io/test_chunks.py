@@ -6,7 +6,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from rayrb.io import chunks, files
+from rayrb.io import chunks, files, hashing
 from rayrb.io.chunks import ChunkDataset, ChunkError, ReadOnlyError, write_dataset
 
 
@@ -194,7 +194,7 @@ def test_chunk_hash_is_xxh3_and_older_manifests_still_verify(tmp_path, older):
 
 
 def test_strided_and_large_arrays_are_written_exactly(tmp_path, monkeypatch):
-    monkeypatch.setattr(chunks, "_BLOCK_BYTES", 64)  # many blocks per key
+    monkeypatch.setattr(hashing, "_BLOCK_BYTES", 64)  # many blocks per key
     base = np.arange(2 * 50 * 6, dtype=np.float32).reshape(50, 12)
     strided = base[:, ::2]  # not C-contiguous: copied block by block, never whole
     flags = np.arange(50) % 3 == 0

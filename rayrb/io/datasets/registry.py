@@ -173,8 +173,6 @@ def as_chunk_dataset(source: Any, *, root: str | os.PathLike | None = None, **kw
     storage. Other sources are written once to ``root`` (a fresh temporary directory by
     default) and mapped from there.
     """
-    import tempfile
-
     from tensordict import TensorDictBase
 
     from rayrb.io.chunks import write_dataset
@@ -215,16 +213,24 @@ def as_chunk_dataset(source: Any, *, root: str | os.PathLike | None = None, **kw
         def write(dest: Path) -> ChunkDataset:
             return write_dataset(rows, dest, source={"kind": type(source).__name__})
     if root is None:
-        from rayrb.io.datasets.openml import default_root
-
-        base = Path(default_root()) / "tmp"
-        base.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix="offline-", dir=base))
-        try:
-            return write(tmp / "ds"), True
-        except BaseException:
-            import shutil
-
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        return _write_in_temporary(write), True
     return write(Path(root)), True
+
+
+def _write_in_temporary(write: Callable[[Path], ChunkDataset]) -> ChunkDataset:
+    """``write(directory)`` for a directory in a fresh temporary folder under the datasets' root; a ``write``
+    that raises leaves nothing there."""
+    import tempfile
+
+    from rayrb.io.datasets.openml import default_root
+
+    base = Path(default_root()) / "tmp"
+    base.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="offline-", dir=base))
+    try:
+        return write(tmp / "ds")
+    except BaseException:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
