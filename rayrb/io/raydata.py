@@ -33,7 +33,7 @@ import ray.data
 from ray.data.block import BlockAccessor, BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
-from rayrb import errors
+import rayrb.errors as errors
 from rayrb.core.schema import RowSpec
 from rayrb.core.validation import optional_positive_int
 from rayrb.errors import InvalidArgumentError, InvalidArgumentTypeError, RayrbError, SchemaError
