@@ -185,12 +185,11 @@ class OfflineToOnlineReplayBuffer(BufferClient):
         self.rpc, self._owned_dirs, self._copies = None, [], []  # until the actors run, nothing is usable or owned
         # Validate everything before any actor exists.
         (num_offline_shards, num_online_shards, online_capacity, schedule, batch_size, kinds, epoch_end, prio,
-         max_restarts, transport, online_nodes, storage_device, limiter, settings) = _checked_options(
+         max_restarts, transport, online_nodes, storage_device, limiter, settings, replicas) = _checked_options(
             offline_dataset, num_offline_shards, num_online_shards, online_capacity, online_storage, offline_fraction,
             batch_size, sampler, offline_sampler, online_sampler, epoch_end, drop_last, alpha, beta, eps, max_restarts,
             transport, online_nodes, actor_options, storage_device, rate_limiter, local_reads, timeout, transform,
-            max_batch_bytes, prefetch)
-        replicas = replicas_option(online_replicas, storage_dir, online_nodes, actor_options or {})
+            max_batch_bytes, prefetch, online_replicas, storage_dir)
         own_sampler = sampler is not None or offline_sampler is not None
         dataset, self._owned_dirs = _offline_chunks(offline_dataset, batch_size, own_sampler, kinds, dataset_root,
                                                     num_offline_shards, dataset_kwargs)
@@ -200,13 +199,12 @@ class OfflineToOnlineReplayBuffer(BufferClient):
         self._rate_limiter_config = limiter.config()
         name = name or f"rayrb-{uuid.uuid4().hex[:12]}"
         try:
-            coord, shards, read_device, layout, self._copies = _start_actors(dataset, name, online_capacity, num_offline_shards, num_online_shards,
-                                          schedule=schedule, kinds=kinds, epoch_end=epoch_end, seed=seed,
-                                          actor_options=actor_options or {}, transport=transport, prio=prio,
-                                          online_nodes=online_nodes,
-                                          storage_dir=None if storage_dir is None else str(storage_dir),
-                                          rate_limiter=limiter.config(), storage_device=storage_device,
-                                          max_restarts=max_restarts, replicas=replicas)
+            coord, shards, read_device, layout, self._copies = _start_actors(
+                dataset, name, online_capacity, num_offline_shards, num_online_shards, schedule=schedule, kinds=kinds,
+                epoch_end=epoch_end, seed=seed, actor_options=actor_options or {}, transport=transport, prio=prio,
+                online_nodes=online_nodes, storage_dir=None if storage_dir is None else str(storage_dir),
+                rate_limiter=limiter.config(), storage_device=storage_device, max_restarts=max_restarts,
+                replicas=replicas)
         except BaseException:
             self._remove_owned()  # no half-built buffer: what started is killed in _start_actors
             raise
@@ -325,8 +323,7 @@ class OfflineToOnlineReplayBuffer(BufferClient):
         return dict(self._rate_limiter_config)
 
     def shutdown(self) -> None:
-        """Kill the buffer's actors, remove their state files and offline data it wrote itself. Idempotent.
-        """
+        """Kill the buffer's actors, remove their state files and offline data it wrote itself. Idempotent."""
         import ray
 
         rpc = getattr(self, "rpc", None)
@@ -359,7 +356,7 @@ def _checked_options(offline_dataset: Any, num_offline_shards: Any, num_online_s
                      online_sampler: Any, epoch_end: Any, drop_last: Any, alpha: Any, beta: Any, eps: Any,
                      max_restarts: Any, transport: Any, online_nodes: Any, actor_options: Any, storage_device: Any,
                      rate_limiter: Any, local_reads: Any, timeout: Any, transform: Any, max_batch_bytes: Any,
-                     prefetch: Any) -> tuple:
+                     prefetch: Any, online_replicas: Any, storage_dir: Any) -> tuple:
     """The buffer's options checked, in ``__init__``'s order, before any actor exists; the handle's settings last."""
     num_offline_shards = positive_int("num_offline_shards", num_offline_shards)
     num_online_shards = positive_int("num_online_shards", num_online_shards)
@@ -392,8 +389,9 @@ def _checked_options(offline_dataset: Any, num_offline_shards: Any, num_online_s
                 "max_batch_bytes": positive_int("max_batch_bytes", max_batch_bytes),
                 "prefetch": non_negative_int("prefetch", prefetch), "transport": transport,
                 "storage_device": storage_device}
+    replicas = replicas_option(online_replicas, storage_dir, online_nodes, actor_options or {})
     return (num_offline_shards, num_online_shards, online_capacity, schedule, batch_size, kinds, epoch_end, prio,
-            max_restarts, transport, online_nodes, storage_device, limiter, settings)
+            max_restarts, transport, online_nodes, storage_device, limiter, settings, replicas)
 
 
 def _start_actors(dataset: ChunkDataset, name: str, capacity: int, m: int, k: int, *, schedule: Schedule,

@@ -228,14 +228,16 @@ class Stream:
                  max_bytes: int = MAX_BYTES, limit: int | None = None, local: Any = None, limited: bool = False):
         self.rpc, self.batch_size, self.depth = rpc, batch_size, depth
         self._row_bytes, self._max_bytes = max(1, spec.row_bytes), max_bytes
-        self._prefetch, self._follow, self._direct = prefetch, follow_version, direct
+        self._prefetch, self._follow = prefetch, follow_version
+        self.direct = direct  # the shard handles a GPU actor reads directly from, or None
         self._limited = limited
         self._left = limit  # batches still to hand over (an iterator's num_batches)
         self.id = uuid.uuid4().hex  # names this stream's draws at the coordinator
         self._asked: deque[_Asked] = deque()  # plan calls not answered yet, in order
         self._planned: deque[_Planned] = deque()  # batches planned and not handed over, in order
         self._covered = 0  # of those, the first ones whose shard reads are submitted
-        self._in_flight = 0  # of those, the ones with a shard read (the rest are read here when served)
+        # of those, the ones with a shard read: rows held, or on their way, ahead (the rest are read here when served)
+        self.in_flight = 0
         self._groups = 0  # plan answers taken, to tell groups apart (their reads cannot be joined)
         self._served = 0  # since the last give-back
         self._run: int | None = None  # served between the last two give-backs
@@ -254,20 +256,9 @@ class Stream:
         return self._left is not None and self._left <= 0
 
     @property
-    def direct(self) -> dict[str, list] | None:
-        """The shard handles a GPU actor reads directly from, or None."""
-        return self._direct
-
-    @property
     def ahead(self) -> int:
         """Batches planned (or asked for) and not handed over: what a give-back returns."""
         return len(self._planned) + sum(a.k for a in self._asked)
-
-    @property
-    def in_flight(self) -> int:
-        """Batches with shard reads submitted and not handed over: rows held, or on their way, ahead (rows read
-        here are gathered when their batch is served, never ahead)."""
-        return self._in_flight
 
     # serving ----------------------------------------------------------------------
     def next(self, batch_size: int | None = None) -> Held:
@@ -293,7 +284,7 @@ class Stream:
             self._planned.popleft()
             if self._covered:
                 self._covered -= 1
-                self._in_flight -= first.remote
+                self.in_flight -= first.remote
             self._served += 1
             self._last_served = max(self._last_served, first.number)
             if self._left is not None:
@@ -423,7 +414,7 @@ class Stream:
     # reading ----------------------------------------------------------------------
     def _cover(self, upto: int) -> None:
         """Submit the shard reads of planned batches ``[covered, upto)`` (``Reads.submit``)."""
-        self._in_flight += self._reads.submit([self._planned[j] for j in range(self._covered, upto)])
+        self.in_flight += self._reads.submit([self._planned[j] for j in range(self._covered, upto)])
         self._covered = upto
 
     def _check_version(self) -> None:
@@ -468,7 +459,7 @@ class Stream:
     def _drop_all(self) -> None:
         self._planned.clear()
         self._asked.clear()
-        self._covered = self._in_flight = 0
+        self._covered = self.in_flight = 0
 
     # giving back ------------------------------------------------------------------
     def give_back(self) -> None:
