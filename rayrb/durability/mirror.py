@@ -18,6 +18,9 @@ its controller's checkpoints there for the same reason.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from rayrb.errors import InvalidStateError
 
 NAMESPACE = "rayrb"
@@ -61,7 +64,12 @@ class DictMirror(Mirror):
 
 
 class GcsMirror(Mirror):
-    """In the Ray cluster's key-value store (``ray.experimental.internal_kv``), namespace ``rayrb``."""
+    """In the Ray cluster's key-value store (``ray.experimental.internal_kv``), namespace ``rayrb``.
+
+    A call the GCS fails raises ``OSError``, as a disk would: the coordinator then treats a copy it could not make
+    as a save that failed (counted, the call's answer kept), and a journal line it could not copy as a write it
+    must not send.
+    """
 
     def __init__(self) -> None:
         from ray.experimental import internal_kv
@@ -71,14 +79,20 @@ class GcsMirror(Mirror):
                                     "got no connection to one")
         self._kv = internal_kv
 
+    def _call(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, namespace=NAMESPACE, **kwargs)
+        except Exception as e:  # gRPC or GCS errors: to the caller as the I/O failure they are
+            raise OSError(f"expected the GCS to {what}, got {type(e).__name__}: {e}") from e
+
     def put(self, key: str, value: bytes) -> None:
-        self._kv._internal_kv_put(key, bytes(value), overwrite=True, namespace=NAMESPACE)
+        self._call(f"keep {key}", self._kv._internal_kv_put, key, bytes(value), overwrite=True)
 
     def get(self, key: str) -> bytes | None:
-        return self._kv._internal_kv_get(key, namespace=NAMESPACE)
+        return self._call(f"read {key}", self._kv._internal_kv_get, key)
 
     def delete(self, key: str, prefix: bool = False) -> None:
-        self._kv._internal_kv_del(key, del_by_prefix=prefix, namespace=NAMESPACE)
+        self._call(f"delete {key}", self._kv._internal_kv_del, key, del_by_prefix=prefix)
 
     def keys(self, prefix: str) -> list[str]:
-        return sorted(k.decode() for k in self._kv._internal_kv_list(prefix, namespace=NAMESPACE))
+        return sorted(k.decode() for k in self._call(f"list {prefix}", self._kv._internal_kv_list, prefix))

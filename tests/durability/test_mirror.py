@@ -61,3 +61,29 @@ def test_a_new_coordinator_clears_the_mirror_and_shutdown_removes_it(tmp_path):
     s.save({"version": 2})
     s.remove()
     assert mirror.keys(s._key) == []
+
+
+def test_a_gcs_that_fails_a_call_reads_as_a_disk_that_failed(tmp_path):
+    """The coordinator treats an OSError from a save as a save that failed (counted; the call's answer stands) and
+    from a journal line as a write it must not send: the GCS's own errors come as OSError."""
+    import pytest
+
+    from rayrb.durability.mirror import GcsMirror
+
+    class Failing:
+        def __getattr__(self, name):
+            def call(*args, **kwargs):
+                raise RuntimeError("GCS unavailable")
+            return call
+
+    gcs = GcsMirror.__new__(GcsMirror)  # without a cluster: the store is the failing stand-in
+    gcs._kv = Failing()
+    for call in (lambda: gcs.put("k", b"v"), lambda: gcs.get("k"), lambda: gcs.delete("k"), lambda: gcs.keys("k")):
+        with pytest.raises(OSError, match="expected the GCS to .*, got RuntimeError: GCS unavailable"):
+            call()
+    state = CoordinatorState(tmp_path / "c")
+    state._mirror = gcs
+    with pytest.raises(OSError):
+        state.save({"version": 1})
+    with pytest.raises(OSError):
+        state.journal("w", [(0, 0, 1, 0)])
