@@ -30,6 +30,8 @@ ALLOWED = {
     ("rayrb.handle.stream", "StopIteration"): "iterator protocol",
     # a pwrite that wrote nothing: the OS's failure, handled as every other OSError of a write is
     ("rayrb.io.files", "OSError"): "a write the OS did not make",
+    # a call the GCS failed: handled by the coordinator as every OSError of a save or journal line
+    ("rayrb.durability.mirror", "OSError"): "a copy the GCS did not keep",
     # a loader module that cannot be imported: the ImportError it is (raised from the one caught), with the
     # loader's name and what to install
     ("rayrb.io.datasets.registry", "ImportError"): "a dataset loader that cannot be imported",
