@@ -229,4 +229,4 @@ class Drawing:
         parts = [Part(side, i, int(c)) for i, c in enumerate(counts) if c > 0]
         indices = [self.side_rng.integers(0, sizes[p.shard], p.count) for p in parts]
         n = (batch_size, 0) if side == OFFLINE else (0, batch_size)
-        return BatchPlan(parts, *n, fraction=float(side == OFFLINE), step=-1), indices
+        return BatchPlan(parts, *n, fraction=float(side == OFFLINE)), indices

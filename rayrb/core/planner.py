@@ -223,7 +223,7 @@ class Planner:
                 if c:
                     parts.append(Part(side, i, c))
                     reads.append((seeds[i] >> 1, kwargs[i] if with_args else _NO_ARGS))
-        return BatchPlan(parts, n_off, n_on, fraction, self.step, alloc.weights()), reads
+        return BatchPlan(parts, n_off, n_on, fraction, alloc.weights()), reads
 
     # writes -----------------------------------------------------------------
     def admit_insert(self, rows: int, online_size: int, *, prefill: bool = False, unserved: int = 0) -> None:

@@ -18,7 +18,7 @@ Per-row provenance is rebuilt from the plan and the shards' infos:
 Examples:
     >>> import numpy as np
     >>> plan = BatchPlan([Part("offline", 1, 2), Part("online", 0, 1)], n_offline=2, n_online=1,
-    ...                  fraction=0.5, step=0)
+    ...                  fraction=0.5)
     >>> results = [({"x": np.array([10, 11])}, {"index": np.array([0, 1]), "generation": np.array([1, 1])}),
     ...            ({"x": np.array([99])}, {"index": np.array([4]), "generation": np.array([2])})]
     >>> rows, info = assemble(plan, results, return_info=True)
@@ -82,8 +82,7 @@ class BatchPlan:
     parts: list[Part]
     n_offline: int
     n_online: int
-    fraction: float
-    step: int
+    fraction: float  # the offline fraction it was drawn with: what the handle reports as the next batch's
     weights: ImportanceWeights | None = None
     last_of_epoch: bool = False  # the offline side's epoch without replacement ended with this batch
 
@@ -134,7 +133,7 @@ class GroupPlan:
 def decode_group(text: str) -> GroupPlan:
     """The plan ``GroupPlan.encoded`` wrote.
 
-    >>> g = GroupPlan([BatchPlan([Part("offline", 0, 4)], 4, 0, fraction=1.0, step=3)], [("offline", 0)],
+    >>> g = GroupPlan([BatchPlan([Part("offline", 0, 4)], 4, 0, fraction=1.0)], [("offline", 0)],
     ...               [([4], [11], [None], None)], version=1, first=0)
     >>> import pickle
     >>> pickle.loads(pickle.dumps(g)) == g == decode_group(g.encoded())
@@ -151,17 +150,17 @@ def _plain(value: Any) -> Any:
 
 
 def group_to_json(group: GroupPlan) -> dict[str, Any]:
-    """A plan as JSON data, each batch a positional list: ``[parts, n_offline, n_online, fraction, step,
+    """A plan as JSON data, each batch a positional list: ``[parts, n_offline, n_online, fraction,
     last_of_epoch, weights]``, parts and epochs as lists (named tuples are tuples). Positional, not keyed: the
     coordinator encodes every group it plans, and keys cost more to write than the numbers (about 40 % of the
     text and of the time).
 
-    >>> g = GroupPlan([BatchPlan([Part("offline", 0, 4)], 4, 0, fraction=1.0, step=3)], [("offline", 0)],
+    >>> g = GroupPlan([BatchPlan([Part("offline", 0, 4)], 4, 0, fraction=1.0)], [("offline", 0)],
     ...               [([4], [11], [None], None)], version=1, first=0)
     >>> json.dumps(group_to_json(g), separators=(",", ":"))
-    '{"plans":[[[["offline",0,4]],4,0,1.0,3,false,null]],"reads":[["offline",0]],"args":[[[4],[11],[null],null]],"version":1,"first":0}'
+    '{"plans":[[[["offline",0,4]],4,0,1.0,false,null]],"reads":[["offline",0]],"args":[[[4],[11],[null],null]],"version":1,"first":0}'
     """
-    plans = [[b.parts, b.n_offline, b.n_online, b.fraction, b.step, b.last_of_epoch,
+    plans = [[b.parts, b.n_offline, b.n_online, b.fraction, b.last_of_epoch,
               None if b.weights is None else [b.weights.beta, dict(b.weights.min_p)]] for b in group.plans]
     return {"plans": plans, "reads": group.reads, "args": group.args, "version": group.version, "first": group.first}
 
@@ -169,14 +168,14 @@ def group_to_json(group: GroupPlan) -> dict[str, Any]:
 def group_from_json(data: Mapping[str, Any]) -> GroupPlan:
     """The inverse of ``group_to_json`` (after a JSON round trip).
 
-    >>> g = GroupPlan([BatchPlan([Part("online", 1, 3)], 0, 3, fraction=0.0, step=7)], reads=[("online", 1)],
+    >>> g = GroupPlan([BatchPlan([Part("online", 1, 3)], 0, 3, fraction=0.0)], reads=[("online", 1)],
     ...               args=[([3], [42], [Epoch(0, 5, 10, 2)], 40)], version=2, first=9)
     >>> group_from_json(json.loads(json.dumps(group_to_json(g)))) == g
     True
     """
-    plans = [BatchPlan([Part(*p) for p in parts], n_off, n_on, fraction, step,
+    plans = [BatchPlan([Part(*p) for p in parts], n_off, n_on, fraction,
                        None if weights is None else ImportanceWeights(weights[0], weights[1]), last)
-             for parts, n_off, n_on, fraction, step, last, weights in data["plans"]]
+             for parts, n_off, n_on, fraction, *_, last, weights in data["plans"]]  # (files of older versions: a step)
     args = [(list(c), list(s), [None if e is None else Epoch(*e) for e in (ep or [])], w)
             for c, s, ep, w in data["args"]]
     return GroupPlan(plans, [tuple(r) for r in data["reads"]], args, data["version"], data["first"])
@@ -185,7 +184,7 @@ def group_from_json(data: Mapping[str, Any]) -> GroupPlan:
 def reads_by_plan(group: GroupPlan) -> list[list[tuple[str, int, Read]]]:
     """The group's reads cut per plan, one per part: ``(side, shard, ([count], [seed], [epoch], written))``.
 
-    >>> plan = BatchPlan([Part("offline", 0, 2), Part("online", 1, 1)], 2, 1, fraction=0.5, step=0)
+    >>> plan = BatchPlan([Part("offline", 0, 2), Part("online", 1, 1)], 2, 1, fraction=0.5)
     >>> g = GroupPlan([plan, plan], reads=[("offline", 0), ("online", 1)],
     ...               args=[([2, 2], [7, 8], [None, None], None), ([1, 1], [5, 6], [None, None], 40)])
     >>> [[(s, i, a[1]) for s, i, a in parts] for parts in reads_by_plan(g)]

@@ -79,7 +79,7 @@ def test_gloo_and_the_object_store_route_every_pair_alike():
 
 
 def test_receive_joins_object_store_parts_and_tensor_parts():
-    plan = BatchPlan([Part("offline", 0, 2), Part("online", 0, 1)], 2, 1, fraction=0.5, step=0)
+    plan = BatchPlan([Part("offline", 0, 2), Part("online", 0, 1)], 2, 1, fraction=0.5)
     host = ({"x": np.array([[1.0], [2.0]], np.float32)},
             {"index": np.array([4, 5]), "generation": np.array([1, 1])})
     flat = {"rows/x": torch.tensor([[3.0]]), "info/index": torch.tensor([7]), "info/generation": torch.tensor([2])}

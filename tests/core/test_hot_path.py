@@ -85,7 +85,7 @@ def test_read_seeds_are_63_bit_and_a_group_equals_single_calls():
 
 
 def test_a_plan_crosses_pickle_as_its_text_and_comes_back_equal():
-    plans = [BatchPlan([Part("offline", 0, 3), Part("online", 1, 2)], 3, 2, fraction=0.6, step=4,
+    plans = [BatchPlan([Part("offline", 0, 3), Part("online", 1, 2)], 3, 2, fraction=0.6,
                        weights=ImportanceWeights(0.4, {"online": 0.125}), last_of_epoch=True)]
     g = GroupPlan(plans, [("offline", 0), ("online", 1)],
                   [([3], [2**63 - 1], [Epoch(1, 99, 500, 12)], None), ([2], [0], [None], 77)], version=5, first=9)

@@ -99,7 +99,7 @@ def test_plan_packed_answers_plans_text_and_the_same_text_to_a_call_asked_again(
 
 
 def test_assemble_refuses_a_wrong_part_count_and_assemble_slice_postprocesses():
-    plan = BatchPlan([Part(OFFLINE, 0, 1), Part(ONLINE, 0, 1)], 1, 1, 0.5, 0)
+    plan = BatchPlan([Part(OFFLINE, 0, 1), Part(ONLINE, 0, 1)], 1, 1, 0.5)
     part = ({"x": np.array([1])}, {"index": np.array([0]), "generation": np.array([1])})
     with pytest.raises(ValueError, match="expected 2 shard parts for this batch, got 1"):
         assemble(plan, [part])

@@ -97,7 +97,7 @@ def test_importance_weights_values():
 
 def test_provenance_weighs_each_row_against_its_own_sides_min_p():
     w = ImportanceWeights(beta=1.0, min_p={OFFLINE: 1.0, ONLINE: 4.0})
-    plan = BatchPlan([Part(OFFLINE, 1, 2), Part(ONLINE, 0, 2)], n_offline=2, n_online=2, fraction=0.5, step=0,
+    plan = BatchPlan([Part(OFFLINE, 1, 2), Part(ONLINE, 0, 2)], n_offline=2, n_online=2, fraction=0.5,
                      weights=w)
     results = [({"x": np.arange(2)}, {"index": np.array([3, 5]), "generation": np.array([1, 1]),
                                       "priority": np.array([1.0, 2.0])}),
@@ -107,7 +107,7 @@ def test_provenance_weighs_each_row_against_its_own_sides_min_p():
     assert info["weight"].dtype == np.float32
     np.testing.assert_allclose(info["weight"], [1.0, 0.5, 1.0, 0.5])
     assert info["offline"].tolist() == [True, True, False, False] and info["shard"].tolist() == [1, 1, 0, 0]
-    assert "weight" not in provenance(BatchPlan(plan.parts, 2, 2, 0.5, 0), [r[1] for r in results])
+    assert "weight" not in provenance(BatchPlan(plan.parts, 2, 2, 0.5), [r[1] for r in results])
 
 
 def test_prioritized_batches_carry_weights_against_the_union_of_shards():
@@ -127,7 +127,7 @@ def test_prioritized_batches_carry_weights_against_the_union_of_shards():
                 parts.append(Part(side, i, int(c)))
                 info = {"index": idx, "generation": np.zeros_like(idx), **samplers[side][i].info(idx)}
                 results.append(({"x": idx}, info))
-    _, info = assemble(BatchPlan(parts, 16, 16, 0.5, 0, alloc.weights()), results, return_info=True)
+    _, info = assemble(BatchPlan(parts, 16, 16, 0.5, alloc.weights()), results, return_info=True)
     priority = np.concatenate([r[1]["priority"] for r in results])
     for side, mask in ((OFFLINE, info["offline"]), (ONLINE, ~info["offline"])):
         every_p = np.concatenate([s.info(np.arange(n))["priority"] for s, n in zip(samplers[side], sizes[side])])

@@ -33,7 +33,7 @@ def test_a_state_of_another_schema_is_refused_naming_both(tmp_path, saved):
 
 
 def test_answers_kept_for_calls_made_again_are_plain_data_and_come_back_equal():
-    plan = BatchPlan([Part("offline", 0, 3), Part("online", 1, 1)], 3, 1, fraction=0.75, step=4,
+    plan = BatchPlan([Part("offline", 0, 3), Part("online", 1, 1)], 3, 1, fraction=0.75,
                      weights=ImportanceWeights(0.4, {"offline": 0.5, "online": 0.25}), last_of_epoch=True)
     group = GroupPlan([plan], reads=[("offline", 0), ("online", 1)],
                       args=[([3], [11], [Epoch(2, 5, 100, 40)], None), ([1], [12], [None], 17)], version=6, first=9)
@@ -46,7 +46,7 @@ def test_answers_kept_for_calls_made_again_are_plain_data_and_come_back_equal():
 
 
 def test_answers_saved_as_encoded_text_load_back_as_the_same_state(tmp_path):
-    group = GroupPlan([BatchPlan([Part("offline", 0, 2)], 2, 0, fraction=1.0, step=1)], reads=[("offline", 0)],
+    group = GroupPlan([BatchPlan([Part("offline", 0, 2)], 2, 0, fraction=1.0)], reads=[("offline", 0)],
                       args=[([2], [5], [None], None)], version=1, first=0)
     cache = ReplyCache(kept=2)
     for call in ("a", "b", "c"):  # "a" falls out: its text must leave with it
@@ -88,7 +88,7 @@ def test_answers_a_restart_finds_outlive_the_new_calls_of_many_handles():
 def test_each_answer_is_saved_once_in_a_file_of_its_own_and_a_torn_one_is_planned_anew(tmp_path):
     """The state lists the calls; each answer is written once, when it is given, and removed when it falls out
     (a save after every plan call copied every kept answer: ~100 KB for eight groups of 60 batches)."""
-    group = GroupPlan([BatchPlan([Part("offline", 0, 2)], 2, 0, fraction=1.0, step=1)], reads=[("offline", 0)],
+    group = GroupPlan([BatchPlan([Part("offline", 0, 2)], 2, 0, fraction=1.0)], reads=[("offline", 0)],
                       args=[([2], [5], [None], None)], version=1, first=0)
     s, cache = CoordinatorState(tmp_path), ReplyCache(kept=2)
     written = []

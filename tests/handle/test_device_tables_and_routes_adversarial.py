@@ -282,7 +282,7 @@ def test_receive_rebuilds_what_assemble_gives_from_any_mix_of_parts():
         parts += [Part("online", i, int(rng.integers(1, 5))) for i in range(int(rng.integers(1, 3)))]
         n_off = sum(p.count for p in parts if p.side == "offline")
         weights = ImportanceWeights(0.4, {"offline": 0.5, "online": 0.25}) if trial % 2 else None
-        plan = BatchPlan(parts, n_off, sum(p.count for p in parts) - n_off, fraction=0.5, step=trial,
+        plan = BatchPlan(parts, n_off, sum(p.count for p in parts) - n_off, fraction=0.5,
                          weights=weights)
         results = []
         for p in parts:
