@@ -258,7 +258,7 @@ class Reader:
 
     def run(self, handle, batches: int) -> tuple[list, list[str]]:
         out = [handle.sample(BATCH)["x"].tolist() for _ in range(batches)]
-        local = handle._local
+        local = handle.local_reads
         dirs = [] if local is None else [r._dir for r in local._readers.values() if hasattr(r, "_dir")]
         return out, dirs
 

@@ -27,7 +27,7 @@ ALLOWED = {
     ("rayrb.durability.mirror", "NotImplementedError"): "abstract Mirror methods",
     ("rayrb.handle.local", "NotImplementedError"): "abstract Reader method",
     # the iterator protocol: the end of a stream, not an error
-    ("rayrb.handle.stream", "StopIteration"): "iterator protocol",
+    ("rayrb.handle.sampling", "StopIteration"): "iterator protocol",
     # a pwrite that wrote nothing: the OS's failure, handled as every other OSError of a write is
     ("rayrb.io.files", "OSError"): "a write the OS did not make",
     # a call the GCS failed: handled by the coordinator as every OSError of a save or journal line

@@ -9,7 +9,7 @@ It holds shard handles and shard sizes, never rows, and it submits no reads:
   resumes those cut short.
 * ``Version`` counts the changes handles must see.
 * ``CoordinatorState`` keeps what a restart needs,
-  saved after the calls in ``SAVED_AFTER``.
+  saved after each call marked ``@saved``.
 
 A call the rate limiter holds back returns ``HeldBack`` and changes
 nothing; the handle asks again. ``docs/architecture.md`` draws the whole picture,
@@ -33,14 +33,22 @@ from rayrb.core.planner import Planner
 from rayrb.core.plans import OFFLINE, ONLINE, SIDES, BatchPlan, GroupPlan, route_priorities
 from rayrb.core.validation import BETA, one_of, positive_int
 from rayrb.durability.mirror import GcsMirror
+from rayrb.durability.replies import saved_answers
 from rayrb.durability.storage import CoordinatorState
 from rayrb.durability.writelog import WriteLog
 from rayrb.errors import HeldBack, InvalidArgumentError, SavedStateError
 
-# The calls after which the coordinator saves its state: those that change the stream, the settings,
-# the version or the write log. Getters, ``served`` and ``undo`` of nothing are not among them.
-SAVED_AFTER = ("set_offline_fraction", "anneal", "set_step", "set_base_fraction", "plan", "undo", "plan_side",
-               "load_shard_states", "extend", "update_priority", "resync", "load_state_dict")
+
+def saved(method):
+    """Mark a call after which the coordinator saves its state: one that changes the stream, the settings, the
+    version or the write log (getters and ``served`` do not)."""
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        out = method(self, *args, **kwargs)
+        self._save()
+        return out
+
+    return wrapper
 
 
 class Coordinator:
@@ -91,7 +99,7 @@ class Coordinator:
 
     # state ------------------------------------------------------------------------
     def _save(self) -> None:
-        """Keep what a restart needs (after each call in ``SAVED_AFTER``).
+        """Keep what a restart needs (after each call marked ``@saved``).
 
         A save that fails (a full or broken disk) does not fail the call, which has already
         changed the stream or sent a write: the answer stays true, a restart resumes from the
@@ -101,11 +109,7 @@ class Coordinator:
             return
         try:
             replies = self._drawing.replies
-            new, gone = replies.take_changes()
-            for call, text in new:  # each answer once, before the state that lists it
-                self._state.save_reply(call, text)
-            for call in gone:
-                self._state.drop_reply(call)
+            replies.save_changes(self._state.save_reply, self._state.drop_reply)
             self._state.save({**self._drawing.saved(), "version": self._version.value, "answers": replies.calls()})
         except OSError:
             self._metrics.count("state_save_failed")
@@ -116,26 +120,12 @@ class Coordinator:
         if saved is not None:
             self._drawing.load_saved(saved)
             self._version.restarted(saved["version"])
-            self._drawing.replies.load(self._answers(saved.get("answers") or []))
+            self._drawing.replies.load(saved_answers(saved.get("answers") or [], self._state.load_reply))
         else:  # the version and draw numbers go on past any a handle may hold, so it sees its draws as old
             self._drawing.ahead.load_state_dict(None)
             self._version.restarted(past_any_number())
         self._writing.recall(self._state.writes())  # a retry is answered, and only missing pieces sent
         self._save()
-
-    def _answers(self, listed: list) -> list:
-        """The saved answers of the calls a state lists, from their files (a state saved before that held them)."""
-        import json
-
-        out = []
-        for item in listed:
-            if isinstance(item, list):  # [call, request, answer], as states saved the answers before
-                out.append(item)
-                continue
-            text = self._state.load_reply(item)
-            if text is not None:  # missing or torn: that call is planned anew if it comes again
-                out.append(json.loads(text))
-        return out
 
     def _changed(self, settings: bool = False) -> None:
         self._version.bump()
@@ -171,16 +161,19 @@ class Coordinator:
     def offline_fraction(self) -> float:
         return self._planner.fraction(self._sizes())
 
+    @saved
     def set_offline_fraction(self, value: Any) -> float:
         self._changed(settings=True)
         self._planner.set_fraction(value)
         return self.offline_fraction()
 
+    @saved
     def anneal(self, step: int, total_steps: int) -> float:
         """TorchRL's ``anneal``: linear from the base fraction to 0 over ``total_steps``."""
         self._changed(settings=True)
         return self._planner.anneal(step, total_steps, self._sizes())
 
+    @saved
     def set_step(self, step: int) -> None:
         self._changed(settings=True)
         self._planner.set_step(step)
@@ -189,12 +182,14 @@ class Coordinator:
         """The fraction ``anneal`` decays from."""
         return self._planner.base_fraction(self._sizes())
 
+    @saved
     def set_base_fraction(self, value: float) -> float:
         self._changed(settings=True)
         self._planner.set_base_fraction(value)
         return self.base_fraction()
 
     # drawing ------------------------------------------------------------------------
+    @saved
     def plan(self, batch_size: int, num_batches: int = 1, *, stream: str | None = None, served: int | None = None,
              call: str | None = None, slices: int = 1, waited: float = 0.0) -> GroupPlan | HeldBack:
         """Plan a group of batches for the caller to read (``Drawing.plan``)."""
@@ -225,16 +220,19 @@ class Coordinator:
         self._drawing.served(stream, number)
         return self._version.value
 
+    @saved
     def undo(self, stream: str, count: int | None, discard: bool = False, batches: list | None = None) -> GiveBack:
         """Give back draws ``stream`` did not serve (``Drawing.undo``)."""
         return self._drawing.undo(stream, count, discard, batches)
 
+    @saved
     def plan_side(self, side: str, batch_size: int) -> tuple[BatchPlan, list[np.ndarray]]:
         """Rows of one side for the buffer-like views (``Drawing.plan_side``)."""
         side, batch_size = one_of("side", side, SIDES), positive_int("batch_size", batch_size)
         return self._drawing.plan_side(side, batch_size, self._sizes()[side])
 
     # writing ------------------------------------------------------------------------
+    @saved
     def extend(self, rows_ref: Sequence[Any], rows: int, write_id: str | None = None, prefill: bool = False,
                waited: float = 0.0, node: str | None = None, digest: str | None = None
                ) -> tuple[np.ndarray, list[Any]] | HeldBack:
@@ -268,6 +266,7 @@ class Coordinator:
             self._drawing.requery_masses(ONLINE, touched)
         return indices, acks
 
+    @saved
     def update_priority(self, offline: np.ndarray, shard: np.ndarray, index: np.ndarray, generation: np.ndarray,
                         priority: np.ndarray) -> tuple[int, list[Any]]:
         """Route priority updates to the shards that own the rows; return the row count and the shards' acks.
@@ -285,6 +284,7 @@ class Coordinator:
             self._drawing.requery_masses(side, [i])
         return sum(len(args[0]) for _, _, args in routes), acks
 
+    @saved
     def resync(self) -> dict[str, list[int]]:
         """Take the online shards' own write counts (after a failed write or a restore)."""
         self._changed()
@@ -298,6 +298,7 @@ class Coordinator:
         """Refs to each shard's state arrays, behind every write sent so far."""
         return [s.state.remote() for s in self._shards[side]]
 
+    @saved
     def load_shard_states(self, side: str, states: Sequence[dict]) -> list[Any]:
         """Give each shard of ``side`` its state; the acks, then ``resync``, complete it.
 
@@ -319,6 +320,7 @@ class Coordinator:
         """Raise, naming what is wrong, unless ``load_state_dict`` would take ``state``; change nothing."""
         self._planner.check_state_dict(state, self._sizes())
 
+    @saved
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the sampling state; checked whole before anything changes."""
         self._planner.load_state_dict(state)
@@ -360,17 +362,3 @@ def _cpu_seconds() -> float:
     import time
 
     return time.process_time()
-
-
-def _saving(method):
-    @functools.wraps(method)
-    def wrapper(self, *args, **kwargs):
-        out = method(self, *args, **kwargs)
-        self._save()
-        return out
-
-    return wrapper
-
-
-for _name in SAVED_AFTER:
-    setattr(Coordinator, _name, _saving(getattr(Coordinator, _name)))

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 from rayrb.errors import InvalidArgumentError
 
-# Calls whose reply one crash can lose: each handle has at most two plan calls in flight
-# (rayrb.handle.stream), so this covers four handles caught mid-call at once.
+# Calls whose reply one crash can lose: a handle asks for its next plan at most once before the last is answered,
+# so it has at most two plan calls in flight, and this covers four handles caught mid-call at once.
 REPLIES_KEPT = 8
 # The answers a restarted coordinator finds stay through this many new answers: Ray re-sends the calls whose
 # replies were lost in any order among the calls other handles queued meanwhile, and a re-sent call answered anew
@@ -87,6 +87,15 @@ class ReplyCache:
         self._new, self._gone = [], []
         return new, gone
 
+    def save_changes(self, save: Callable[[str, str], None], drop: Callable[[str], None]) -> None:
+        """Write the answers new since the last save (``save(call, text)``; each once, before the state that
+        lists it) and ``drop(call)`` those forgotten since."""
+        new, gone = self.take_changes()
+        for call, text in new:
+            save(call, text)
+        for call in gone:
+            drop(call)
+
     def items(self) -> list[list[Any]]:
         """``[call, request, encoded answer]`` per answer, oldest first: plain data, for the saved state."""
         return [[call, list(request), answer] for call, (request, answer, _) in self._answers.items()]
@@ -126,3 +135,22 @@ class ReplyCache:
 
         data = json.loads(answer)
         return GroupPlan.from_json(data) if isinstance(data, dict) and "plans" in data else data
+
+
+def saved_answers(listed: list, load: Callable[[str], str | None]) -> list:
+    """The saved answers of the calls a coordinator's state lists, each read by ``load(call)`` from its file
+    (None: missing or torn, and that call is planned anew if it comes again); states saved before the answers had
+    files of their own list them whole, as ``[call, request, answer]``.
+
+    >>> saved_answers([["a", [16, 1], "x"], "b", "c"], {"b": '["b", [16, 1], "y"]'}.get)
+    [['a', [16, 1], 'x'], ['b', [16, 1], 'y']]
+    """
+    out = []
+    for item in listed:
+        if isinstance(item, list):
+            out.append(item)
+            continue
+        text = load(item)
+        if text is not None:
+            out.append(json.loads(text))
+    return out

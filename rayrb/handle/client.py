@@ -3,13 +3,16 @@
 A client holds the coordinator's and shards' actor handles, the row spec and a few
 settings; it is small and picklable, so it is passed to collector and learner
 actors. It writes, samples and steers, but it does not own the buffer: only the
-``OfflineToOnlineReplayBuffer`` that created the actors shuts them
-down. Pickling that owner gives a client.
+``OfflineToOnlineReplayBuffer`` that created the actors shuts them down. Pickling
+that owner gives a client.
 
-Every remote call goes through its ``Rpc``. Every way of
-sampling goes through a ``Stream``: the coordinator plans,
-this handle reads the shards. The methods in ``GIVES_BACK_BEFORE`` first give
-back what the handle's ``sample()`` loop drew ahead.
+Every public method is here. The longer ones hand their work to plain objects:
+``Rpc`` (every remote call), ``Writer`` (writes), ``Learners`` (slices and feeding),
+``Output`` (batch sizes, TensorDicts), ``Stream`` (every way of sampling: the
+coordinator plans, this handle reads the shards). A method marked ``@gives_back``
+first returns what the ``sample()`` loop drew ahead (``rayrb.handle.stream``): it
+writes, steers, saves or samples another way, so it must see the stream where the
+caller left it. Reads of sizes, statistics and the fraction do not.
 """
 from __future__ import annotations
 
@@ -18,34 +21,36 @@ from typing import Any
 
 import torch
 
-from rayrb.core.plans import OFFLINE
+from rayrb.core.plans import OFFLINE, ONLINE
+from rayrb.core.schedules import Schedule, make_schedule
 from rayrb.core.schema import RowSpec
-from rayrb.core.validation import non_negative_int, positive_int
+from rayrb.core.validation import fraction, non_negative_int, optional_positive_int, positive_int
 from rayrb.errors import (
     BufferUnavailableError,  # noqa: F401  (re-exported: rayrb.client)
-    InvalidArgumentError,
     WriteTimeoutError,  # noqa: F401  (re-exported: rayrb.client)
 )
-from rayrb.handle.learners import LearnerPaths
-from rayrb.handle.rpc import Rpc
-from rayrb.handle.steering import Steering
-from rayrb.handle.stream import BatchIterator, Stream
-from rayrb.handle.writes import Writes, _node_id
-from rayrb.io.arrays import from_numpy_dict
+from rayrb.handle.learners import Learners, direct_reads
+from rayrb.handle.output import Output
+from rayrb.handle.rpc import Rpc, node_id
+from rayrb.handle.sampling import BatchIterator, Sampling
+from rayrb.handle.views import SideView
+from rayrb.handle.writes import Writer
 
 PREFETCH = 32  # batches a plain sample() loop may draw ahead (rayrb.handle.stream)
 
-# The handle's methods that give back what its sample() loop drew ahead before they run: everything that
-# writes, steers, saves, or samples another way must see the stream where the caller left it.
-GIVES_BACK_BEFORE = ("extend", "update_priority", "sample_async", "iter_batches", "sample_slices", "feed",
-                     "anneal", "set_step", "state_dict", "load_state_dict", "stats", "_set_offline_fraction",
-                     "_get_offline_fraction", "_set_base_fraction", "load_side_states")
+
+def gives_back(method):
+    """Mark a handle method that first gives back what the ``sample()`` loop drew ahead (see the module)."""
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        self.give_back()
+        return method(self, *args, **kwargs)
+
+    return wrapper
 
 
-class BufferClient(Writes, LearnerPaths, Steering):
+class BufferClient:
     """Write, sample and steer a running buffer. Made by ``OfflineToOnlineReplayBuffer.client``."""
-
-    _owner = False
 
     def __init__(self, coord: Any, shards: list, spec: RowSpec, *, name: str, batch_size: int | None,
                  transform: Any, timeout: float | None, max_batch_bytes: int, prefetch: int = PREFETCH,
@@ -53,147 +58,194 @@ class BufferClient(Writes, LearnerPaths, Steering):
                  read_device: str | None = "cpu", layout: list | None = None, local_reads: bool = True,
                  limited: bool = False):
         self.rpc = Rpc(coord, shards, num_offline, name=name, timeout=timeout)
-        self._spec, self._name, self._batch_size, self._transform = spec, name, batch_size, transform
-        self._max_batch_bytes, self._storage_device = max_batch_bytes, storage_device
-        self._transport, self._read_device = transport, read_device
-        self._prefetch = non_negative_int("prefetch", prefetch)
-        # where each shard's files are (rayrb.handle.local), whether to read them here, whether a limiter counts
-        self._layout, self._local_enabled, self._limited = layout, local_reads, limited
-        self._local: Any = None  # the LocalReads, made at first use (never pickled)
-        self._stream: Stream | None = None  # the sample() loop's, made at the first sample()
-        self._routes: Any = None  # rayrb.actors.transport.Routes to the learners connected here
-        self._learners: list[Any] = []
+        self.output = Output(spec, batch_size, transform, max_batch_bytes)
+        self._spec, self._name = spec, name
+        self._sampling = Sampling(self.rpc, spec, prefetch=non_negative_int("prefetch", prefetch), layout=layout,
+                                  local_reads=local_reads, limited=limited, storage_device=storage_device)
+        self._writer = Writer(self.rpc, spec)
+        self._learners = Learners(self.rpc, self.output, name, transport, read_device)
 
-    # plumbing -----------------------------------------------------------------
-    def give_back(self) -> None:
-        """Return what this handle's ``sample()`` loop drew ahead and did not serve."""
-        if self._stream is not None and not self.rpc.closed:
-            self._stream.give_back()
-
-    def batch(self, batch_size: int | None) -> int:
-        """The batch size to draw, refused before anything is planned if its rows cannot fit the cap."""
-        if batch_size is None:
-            batch_size = self._batch_size
-        if batch_size is None:
-            raise InvalidArgumentError("batch_size must be provided either in __init__ or sample(), got None in both")
-        batch_size = positive_int("batch_size", batch_size)
-        nbytes = batch_size * max(1, self._spec.row_bytes)
-        if nbytes > self._max_batch_bytes:
-            raise InvalidArgumentError(f"batch_size={batch_size} needs {nbytes:,} bytes of rows, over max_batch_bytes="
-                                       f"{self._max_batch_bytes:,}; sample smaller batches or raise max_batch_bytes")
-        return batch_size
-
-    def finish(self, out: Any, return_info: bool, device: Any = None):
-        """Flat numpy batch (and info) from the object store -> TensorDict (and tensors), transformed."""
-        rows, info = out if return_info else (out, None)
-        td = from_numpy_dict(rows)
-        if device is not None:
-            td = _to_device(td, device)
-        if self._transform is not None:
-            td = self._transform(td)
-        if not return_info:
-            return td
-        return td, {k: torch.from_numpy(v) for k, v in info.items()}
-
-    def finish_tensors(self, out: Any, return_info: bool):
-        """A ``(TensorDict, info)`` that arrived over Ray Direct Transport, transformed."""
-        td, info = out
-        if self._transform is not None:
-            td = self._transform(td)
-        return (td, info) if return_info else td
-
-    # sampling -----------------------------------------------------------------
-    @property
-    def local_reads(self) -> Any:
-        """The shard reads this process makes itself (``rayrb.handle.local.LocalReads``), or None when turned
-        off (``local_reads=False``) or the layout is unknown."""
-        if self._local is None and self._local_enabled and self._layout and self._storage_device == "cpu":
-            from rayrb.handle.local import LocalReads
-
-            rpc = self.rpc
-            self._local = LocalReads(self._layout, self._spec, len(rpc.by_side[OFFLINE]), _node_id(), rpc.node_of)
-        return self._local
-
-    def _loop(self, batch_size: int) -> Stream:
-        if self._stream is None:
-            self._stream = Stream(self.rpc, batch_size, depth=self._prefetch, spec=self._spec, follow_version=True,
-                                  local=self.local_reads, limited=self._limited)
-        return self._stream
-
-    def sample(self, batch_size: int | None = None, return_info: bool = False):
-        """Sample one batch: offline rows first, then online rows, with the exact split.
-
-        A loop of ``sample()`` calls draws ahead (``prefetch``) and gives back what it did not
-        serve before this handle writes or steers; the stream is the one ``prefetch=0`` gives.
+    # writing ------------------------------------------------------------------
+    @gives_back
+    def extend(self, data: Any, *, write_id: str | None = None, prefill: bool = False, wait: bool = True
+               ) -> torch.Tensor:
+        """Copy rows into the online buffer; their global online indices (int64, in order) once the shards hold
+        them. From then on the rows are in the buffer until capacity evicts them, whatever happens to the caller.
+        With a rate limiter, a write that runs ahead of the learners waits, up to ``timeout``.
 
         Args:
-            batch_size: rows in the batch (default: the buffer's ``batch_size``).
-            return_info: also return per-row provenance.
-
-        Returns:
-            A ``[batch_size]`` TensorDict; with ``return_info``, ``(batch, info)``, where ``info`` holds
-            per row ``offline`` (bool), ``shard``, ``index`` (within the shard), ``generation`` (times that
-            slot was written) and, prioritized, ``weight``.
-
-        Raises:
-            ValueError: no batch size, or one whose rows exceed ``max_batch_bytes``; or (``epoch_end="raise"``)
-                the epoch cannot fill the batch.
-            HeldBackTimeout: the rate limiter held sampling back for longer than ``timeout``.
+            data: a TensorDict, or a (nested) dict of tensors or arrays, with a batch dimension, checked against
+                the row spec before anything ships (``SchemaError``: nothing was written).
+            write_id: names the write (made up when not given); a retry with the same id and rows is applied
+                once and returns the same indices; other rows under a used id are refused (``WriteIdError``).
+                ``WriteTimeoutError`` (no answer within ``timeout``) carries it: a retry with it lands once.
+            prefill: write past the rate limiter, to seed the online side.
+            wait: accepted for older callers; every write waits for the shards' copies.
         """
-        batch_size = self.batch(batch_size)
-        held = self._loop(batch_size).next(batch_size)
-        return self.finish((held.batch, held.info()) if return_info else held.batch, return_info)
+        return self._writer.extend(data, write_id=write_id, prefill=prefill)
+
+    def add(self, data: Any) -> int:
+        """Add one row (no batch dimension), as ``extend`` takes rows; return its global online index."""
+        return int(self.extend(self._writer.one_row(data))[0])
+
+    @gives_back
+    def update_priority(self, info: dict, priority: Any) -> int:
+        """Set the priorities of sampled rows (``sampler="prioritized"``), e.g. ``|td_error|``; the number of
+        rows sent. ``info`` is what ``sample(return_info=True)`` returned with the batch, ``priority`` one value
+        per row. Each update goes to the shard that owns its row and is dropped there if the slot was overwritten
+        since. The whole call is checked before any shard applies it: ``ValueError`` (no provenance, lengths
+        differ, a priority not finite, a buffer that does not sample by priority), ``IndexError`` (an index
+        beyond its shard's rows)."""
+        return self._writer.update_priority(info, priority)
+
+    # sampling -----------------------------------------------------------------
+    def sample(self, batch_size: int | None = None, return_info: bool = False):
+        """One batch: offline rows first, then online rows, with the exact split.
+
+        A loop of ``sample()`` calls draws ahead (``prefetch``) and gives back what it did not serve before this
+        handle writes or steers; the stream is the one ``prefetch=0`` gives.
+
+        Args:
+            batch_size: rows in the batch (default: the buffer's). ``ValueError`` if none, if its rows exceed
+                ``max_batch_bytes``, or (``epoch_end="raise"``) if the epoch cannot fill it.
+            return_info: return ``(batch, info)``, with per row ``offline`` (bool), ``shard``, ``index`` (within
+                the shard), ``generation`` (times that slot was written) and, prioritized, ``weight``.
+        """
+        batch_size = self.output.size(batch_size)
+        held = self._sampling.loop(batch_size).next(batch_size)
+        return self.output.finish((held.batch, held.info()) if return_info else held.batch, return_info)
 
     def __iter__(self):
         """Batches of ``batch_size``, as TorchRL's datasets iterate: until the offline side's epoch without
         replacement ends (its last batch short, by default), or without end when it samples with replacement."""
-        batch_size = self.batch(None)
+        batch_size = self.output.size(None)
         while True:
-            held = self._loop(batch_size).next(batch_size)
-            yield self.finish(held.batch, False)
+            held = self._sampling.loop(batch_size).next(batch_size)
+            yield self.output.finish(held.batch, False)
             if held.last:
                 return
 
-    def to_tensordict(self, flat: Any, return_info: bool = False, device: Any = None):
-        """Rebuild a batch from ``sample_async`` / ``sample_slices`` output (applies ``transform``).
-
-        Args:
-            flat: a flat dict of numpy arrays (or ``(rows, info)``).
-            return_info: whether ``flat`` carries info.
-            device: where to move the batch.
-
-        Returns:
-            A TensorDict, or ``(TensorDict, info)``.
-        """
-        return self.finish(flat, return_info, device)
-
+    @gives_back
     def iter_batches(self, batch_size: int | None = None, *, prefetch: int = 2, device: Any = None,
-                     return_info: bool = False, num_batches: int | None = None):
-        """Batches in order, keeping exactly up to ``prefetch`` batches in flight.
-
-        Closing the iterator (``close()``, leaving a ``with`` block, ``break``) gives back the
-        batches it drew and did not hand over.
+                     return_info: bool = False, num_batches: int | None = None) -> BatchIterator:
+        """Batches in order, keeping up to ``prefetch`` batches in flight; closing the iterator (``close()``,
+        leaving a ``with`` block, ``break``) gives back the batches it drew and did not hand over.
 
         Args:
-            batch_size: rows per batch (default: the buffer's).
-            prefetch: batches drawn ahead; once a quarter of them is left, the rest are planned in one group.
-                Ray's cost is per call (one plan, one read per shard) whatever the group's size, so small
-                batches want a deeper prefetch: at B=256, 64 rather than 16 (``docs/benchmarks.md``).
-            device: moves each batch there (through pinned memory for CUDA). Inside an actor that Ray
-                gave the GPU the shards hold their rows on (``storage_device="cuda"``), ``"cuda"`` reads
-                each group from the shards over CUDA IPC instead.
-            return_info: yield ``(batch, info)`` pairs.
-            num_batches: stop after this many (default: never).
-
-        Returns:
-            An iterator of TensorDicts (or ``(TensorDict, info)`` pairs).
+            prefetch: batches drawn ahead. Ray's cost is per call whatever a group's size, so small batches want a
+                deeper prefetch: at B=256, 64 rather than 16 (``docs/benchmarks.md``).
+            device: moves each batch there (pinned memory for CUDA). In an actor Ray gave the GPU the shards hold
+                their rows on (``storage_device="cuda"``), ``"cuda"`` reads over CUDA IPC instead.
+            batch_size, return_info: as ``sample``'s; num_batches: stop after this many (default: never).
         """
-        from rayrb.core.validation import optional_positive_int
+        return self._sampling.iterator(self.output, self.output.size(batch_size),
+                                       prefetch=positive_int("prefetch", prefetch), device=device,
+                                       return_info=return_info,
+                                       num_batches=optional_positive_int("num_batches", num_batches),
+                                       direct=direct_reads(self.rpc, self.storage_device, device))
 
-        return BatchIterator(self, self.batch(batch_size), prefetch=positive_int("prefetch", prefetch),
-                             device=device, return_info=return_info,
-                             num_batches=optional_positive_int("num_batches", num_batches),
-                             direct=_direct_reads(self, device))
+    @gives_back
+    def sample_async(self, batch_size: int | None = None, return_info: bool = False):
+        """An ObjectRef to the next batch as a flat dict of numpy arrays (``(rows, info)`` with ``return_info``),
+        without waiting for the rows; ``rb.to_tensordict(ray.get(ref))`` rebuilds what ``sample`` returns."""
+        return self._learners.sample_async(batch_size, return_info, node_id())
+
+    @gives_back
+    def sample_slices(self, num_slices: int, batch_size: int | None = None, *, return_info: bool = False,
+                      learners: list | None = None, postprocess: Any = None, split_info: bool = False) -> list:
+        """One global batch as ``num_slices`` ObjectRefs, one per learner (RLlib's ``batch_refs`` shape), each a
+        flat dict read straight from the shards (``rb.to_tensordict`` rebuilds it). Slices are disjoint, their
+        sizes differ by at most one, and the exact offline count holds for the batch and, to a row, per slice.
+
+        Args:
+            return_info: slices resolve to ``(rows, info)``; ``split_info``: to a pair of refs.
+            learners: actor handles, one per slice (else ``ValueError``): each slice is assembled on its node.
+            postprocess: ``postprocess(rows)`` (``postprocess(rows, info)`` with info), run in that task.
+        """
+        return self._learners.sample_slices(num_slices, batch_size, return_info=return_info, learners=learners,
+                                            postprocess=postprocess, split_info=split_info)
+
+    def connect_learners(self, learners: list) -> dict[str, int]:
+        """Set the learner actors ``feed`` hands slices to; how many shard-learner pairs take each route.
+
+        ``transport`` decides how rows travel: ``"object_store"``, ``"gloo"`` (CPU tensors), ``"nccl"`` (GPU
+        tensors between GPUs), ``"cuda_ipc"`` (GPU shards to learners on the same GPU), ``"auto"`` (per pair).
+        RDT routes need ``@ray.remote(enable_tensor_transport=True)`` learner classes and distinct GPUs for NCCL
+        (else ``ValueError``, before any group exists); only this handle, the group's creator, may ``feed``."""
+        return self._learners.connect(learners)
+
+    @gives_back
+    def feed(self, method: str = "update", batch_size: int | None = None, *args: Any, wait: bool = True):
+        """Sample one global batch and call ``learner_j.method(plan, *parts, *args)`` on each connected learner,
+        which rebuilds its slice with ``rayrb.actors.transport.receive(plan, *parts)`` (slices as in
+        ``sample_slices``). Returns the learners' results (bounded by ``timeout``), or with ``wait=False`` their
+        refs. Raises ``RuntimeError`` when no learners were connected."""
+        return self._learners.feed(method, batch_size, *args, wait=wait)
+
+    def to_tensordict(self, flat: Any, return_info: bool = False, device: Any = None):
+        """A TensorDict (or ``(TensorDict, info)``) from ``sample_async`` / ``sample_slices`` output, transformed
+        and moved to ``device``."""
+        return self.output.finish(flat, return_info, device)
+
+    # steering -----------------------------------------------------------------
+    @property
+    def offline_fraction(self) -> float:
+        """The fraction the next batch has (after any schedule or annealing); setting it gives back first."""
+        planned = self._sampling.next_fraction()
+        return planned if planned is not None else float(self.rpc.get(self.rpc.coord.offline_fraction.remote()))
+
+    @offline_fraction.setter
+    @gives_back
+    def offline_fraction(self, value: float | Schedule | str | dict) -> None:
+        if isinstance(value, (int, float)):
+            fraction("offline_fraction", value)
+        self.rpc.get(self.rpc.coord.set_offline_fraction.remote(make_schedule(value)))
+
+    _offline_fraction = offline_fraction  # TorchRL's private name, which its trainer hooks read and assign
+
+    _base_offline_fraction = property(  # a base change alone leaves the next batch as it is: nothing to give back
+        lambda self: float(self.rpc.get(self.rpc.coord.base_fraction.remote())),
+        lambda self, v: self.rpc.get(self.rpc.coord.set_base_fraction.remote(fraction("base_offline_fraction", v))),
+        doc="The fraction ``anneal`` decays from (TorchRL's name).")
+
+    @gives_back
+    def anneal(self, step: int, total_steps: int) -> None:
+        """Decay ``offline_fraction`` linearly from its base value to 0 over ``total_steps`` (TorchRL's)."""
+        step, total_steps = non_negative_int("step", step), positive_int("total_steps", total_steps)
+        self.rpc.get(self.rpc.coord.anneal.remote(step, total_steps))
+
+    @gives_back
+    def set_step(self, step: int) -> None:
+        """Set the step that schedules read (by default, the number of sample calls so far)."""
+        self.rpc.get(self.rpc.coord.set_step.remote(non_negative_int("step", step)))
+
+    @gives_back
+    def state_dict(self) -> dict[str, Any]:
+        """The sampling state (step, schedule, RNG, epochs, rate limiter) that resumes the same stream, as plain
+        data for ``load_state_dict``. Batches drawn ahead and not handed over are left out."""
+        self.report_served()
+        return self.rpc.get(self.rpc.coord.state_dict.remote())
+
+    @gives_back
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.rpc.get(self.rpc.coord.load_state_dict.remote(state))
+
+    offline_buffer = property(lambda self: SideView(self, OFFLINE), doc="The offline side, buffer-like (``len``, "
+                              "``sample``, ``state_dict``), as TorchRL's sub-buffers are used (``rayrb.handle.views``).")
+    online_buffer = property(lambda self: SideView(self, ONLINE), doc="The online side, buffer-like (``len``, "
+                             "``sample``, ``extend``, ``state_dict``).")
+
+    # the stream ---------------------------------------------------------------
+    def give_back(self) -> None:
+        """Return what this handle's ``sample()`` loop drew ahead and did not serve."""
+        self._sampling.give_back()
+
+    def report_served(self) -> None:
+        """Tell the coordinator what this handle's iterators handed over, before a save counts it."""
+        self._sampling.report_served()
+
+    local_reads = property(lambda self: self._sampling.local, doc="The shard reads this process makes itself "
+                           "(``rayrb.handle.local.LocalReads``); None when off (``local_reads=False``) or unknown.")
 
     # introspection --------------------------------------------------------------
     def __len__(self) -> int:
@@ -210,100 +262,41 @@ class BufferClient(Writes, LearnerPaths, Steering):
         return self.rpc.get(self.rpc.coord.sizes.remote())
 
     def stats(self) -> dict[str, Any]:
-        """Sizes, rates, latencies and restarts of the coordinator and every shard.
-
-        Returns:
-            ``{"coordinator": {...}, "shards": [...]}``, plus ``"handle"`` (this handle's drawing ahead).
-        """
+        """Sizes, rates, latencies and restarts: ``{"coordinator": {...}, "shards": [...]}``, plus ``"handle"``
+        (this handle's drawing ahead and local reads)."""
         out = self.rpc.get(self.rpc.coord.stats.remote())
-        if self._stream is not None or self._local is not None:
-            out["handle"] = {**(self._stream.stats if self._stream is not None else {}),
-                             **({f"{k}_reads": v for k, v in self._local.stats.items()} if self._local else {})}
-        return out
+        handle = self._sampling.stats()
+        return out if handle is None else {**out, "handle": handle}
 
-    @property
-    def spec(self) -> RowSpec:
-        return self._spec
-
-    @property
-    def batch_size(self) -> int | None:
-        return self._batch_size
-
-    @property
-    def name(self) -> str:
-        return self._name
-
-    @property
-    def storage_device(self) -> str:
-        """Where the shards hold their rows: ``"cpu"`` or ``"cuda"``."""
-        return self._storage_device
-
-    @property
-    def closed(self) -> bool:
-        return self.rpc.closed
+    spec = property(lambda self: self._spec, doc="The row spec.")
+    batch_size = property(lambda self: self.output.batch_size, doc="The default batch size (None: every call says).")
+    name = property(lambda self: self._name, doc="The buffer's name.")
+    storage_device = property(lambda self: self._sampling.storage_device,
+                              doc="Where the shards hold their rows: ``\"cpu\"`` or ``\"cuda\"``.")
+    closed = property(lambda self: self.rpc.closed, doc="Whether this handle was closed.")
 
     def shutdown(self) -> None:
-        """Close this handle. A client never stops the buffer: its owner does.
-        """
+        """Close this handle. A client never stops the buffer: its owner does."""
         self.rpc.closed = True
 
     close = shutdown
 
     def __repr__(self) -> str:
         state = "closed" if self.rpc.closed else "open"
-        return f"{type(self).__name__}(name={self._name!r}, {state}, spec={self._spec!r}, batch_size={self._batch_size})"
+        return f"{type(self).__name__}(name={self._name!r}, {state}, spec={self._spec!r}, batch_size={self.batch_size})"
 
     def __reduce__(self):
         return _client, (self._client_args(),)
 
     def _client_args(self) -> dict[str, Any]:
         return {"coord": self.rpc.coord, "shards": self.rpc.shards, "spec": self._spec, "name": self._name,
-                "batch_size": self._batch_size, "transform": self._transform, "timeout": self.rpc.timeout,
-                "max_batch_bytes": self._max_batch_bytes, "prefetch": self._prefetch,
-                "storage_device": self._storage_device, "num_offline": len(self.rpc.by_side[OFFLINE]),
-                "transport": self._transport, "read_device": self._read_device, "layout": self._layout,
-                "local_reads": self._local_enabled, "limited": self._limited}
-
-
-def _gives_back(method):
-    @functools.wraps(method)
-    def wrapper(self, *args, **kwargs):
-        self.give_back()
-        return method(self, *args, **kwargs)
-
-    return wrapper
-
-
-for _name in GIVES_BACK_BEFORE:
-    setattr(BufferClient, _name, _gives_back(getattr(BufferClient, _name)))
+                "batch_size": self.batch_size, "transform": self.output.transform, "timeout": self.rpc.timeout,
+                "max_batch_bytes": self.output.max_batch_bytes, "prefetch": self._sampling.prefetch,
+                "storage_device": self.storage_device, "num_offline": len(self.rpc.by_side[OFFLINE]),
+                "transport": self._learners.transport, "read_device": self._learners.read_device,
+                "layout": self._sampling.layout,
+                "local_reads": self._sampling.local_enabled, "limited": self._sampling.limited}
 
 
 def _client(args: dict[str, Any]) -> BufferClient:
     return BufferClient(**args)
-
-
-def _to_device(td: Any, device: Any):
-    device = torch.device(device)
-    if device.type == "cuda":
-        return td.pin_memory().to(device, non_blocking=True)
-    return td.to(device)
-
-
-def _direct_reads(handle: BufferClient, device: Any) -> dict[str, list] | None:
-    """The shard handles by side, when batches can go from GPU shards to this process's GPU over CUDA IPC:
-    ``device`` is CUDA, the shards hold their rows on a GPU, and Ray gave this actor that GPU. Else None."""
-    if device is None or handle.storage_device == "cpu" or torch.device(device).type != "cuda":
-        return None
-    import ray
-
-    from rayrb.actors.transport import Place, choose
-
-    try:
-        mine = Place("consumer", ray.get_runtime_context().get_node_id(), tuple(str(g) for g in ray.get_gpu_ids()))
-    except Exception:
-        return None
-    shard_places = handle.rpc.get([s.place.remote() for s in handle.rpc.shards])
-    if not all(choose(Place(str(i), p["node"], tuple(p["gpus"])), mine) == "cuda_ipc"
-               for i, p in enumerate(shard_places)):
-        return None
-    return handle.rpc.by_side

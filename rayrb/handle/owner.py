@@ -271,10 +271,9 @@ class OfflineToOnlineReplayBuffer(BufferClient):
             path: a directory the shard actors can write (shared storage on a cluster).
         """
         from rayrb.handle.checkpoint import save
-        from rayrb.handle.stream import report_served
 
         self.give_back()
-        report_served(self.rpc)
+        self.report_served()
         save(self, Path(path))
 
     def loads(self, path: str | os.PathLike) -> None:
@@ -348,7 +347,7 @@ class OfflineToOnlineReplayBuffer(BufferClient):
 
     def __repr__(self) -> str:
         state = "shut down" if self.rpc is None or self.rpc.closed else f"offline_rows={self._offline_rows}"
-        return f"{type(self).__name__}(name={self._name!r}, {state}, spec={self._spec!r}, batch_size={self._batch_size})"
+        return f"{type(self).__name__}(name={self._name!r}, {state}, spec={self._spec!r}, batch_size={self.batch_size})"
 
 
 def _checked_options(offline_dataset: Any, num_offline_shards: Any, num_online_shards: Any, online_capacity: Any,

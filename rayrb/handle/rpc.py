@@ -13,6 +13,7 @@ nothing (the shard answers None) and is sent again, within the same ``timeout``.
 """
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -145,3 +146,15 @@ class Rpc:
             except (OSError, ValueError):
                 pass
         return None if self._version_map is False else int(self._version_map[0])
+
+
+@functools.cache
+def node_id() -> str | None:
+    """This process's node: writes prefer its online shards, reads gather its shards' rows here (None where Ray
+    does not say)."""
+    import ray
+
+    try:
+        return ray.get_runtime_context().get_node_id()
+    except Exception:
+        return None

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from rayrb.core.plans import OFFLINE, ONLINE
+from rayrb.core.plans import OFFLINE, ONLINE, assemble
 from rayrb.core.validation import one_of
 from rayrb.errors import SavedStateError
 
@@ -54,8 +54,12 @@ class SideView:
         return self._rb.write_count if self.side == ONLINE else len(self)
 
     def sample(self, batch_size: int | None = None, return_info: bool = False):
-        """``batch_size`` rows of this side, uniformly with replacement (a TensorDict; with info if asked)."""
-        return self._rb.sample_side(self.side, batch_size, return_info)
+        """``batch_size`` rows of this side, uniformly with replacement (a TensorDict; with info if asked), from
+        the views' own stream."""
+        rpc = self._rb.rpc
+        plan, indices = rpc.get(rpc.coord.plan_side.remote(self.side, self._rb.output.size(batch_size)))
+        refs = [rpc.by_side[p.side][p.shard].gather.remote(idx) for p, idx in zip(plan.parts, indices)]
+        return self._rb.output.finish(assemble(plan, rpc.get(refs), return_info), return_info)
 
     def extend(self, data: Any):
         if self.side == OFFLINE:
@@ -71,13 +75,17 @@ class SideView:
 
     def state_dict(self) -> dict[str, Any]:
         """The side's shard states (rows, generations, write counts, priorities), copied to the caller."""
-        return {"side": self.side, "shards": self._rb.side_states(self.side)}
+        rpc = self._rb.rpc
+        return {"side": self.side, "shards": rpc.get(rpc.get(rpc.coord.shard_states.remote(self.side)))}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("side") != self.side:
             raise SavedStateError(f"expected a state_dict of the {self.side} side, got one of {state.get('side')!r}")
         states = [{k: np.asarray(v) for k, v in st.items()} for st in state["shards"]]
-        self._rb.load_side_states(self.side, states)  # gives back batches drawn ahead: they hold rows this replaces
+        self._rb.give_back()  # batches drawn ahead hold rows this replaces
+        rpc = self._rb.rpc  # every shard checks its state before any applies it; then their counts are taken
+        rpc.get(rpc.get(rpc.coord.load_shard_states.remote(self.side, states)))
+        rpc.get(rpc.coord.resync.remote())
 
     def __repr__(self) -> str:
         return f"SideView({self.side}, buffer={self._rb.name!r})"

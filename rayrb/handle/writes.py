@@ -1,12 +1,11 @@
 """The handle's writes: rows into the online buffer, and priorities back to the shards that own their rows.
 
-Mixed into :class:`~rayrb.handle.client.BufferClient`. A write is checked against the row spec before anything
+The handle (:class:`~rayrb.handle.client.BufferClient`) hands its writes to a ``Writer``. A write is checked against the row spec before anything
 ships, put in the object store once, and placed, journalled and sent by the coordinator; it returns once every
 shard holds its piece (``docs/durability.md``).
 """
 from __future__ import annotations
 
-import functools
 import time
 import uuid
 from collections.abc import Mapping
@@ -25,6 +24,7 @@ from rayrb.errors import (
     RowsLostError,
     WriteTimeoutError,
 )
+from rayrb.handle.rpc import node_id
 from rayrb.io.arrays import rows_digest, to_numpy_dict
 
 
@@ -32,8 +32,11 @@ def _numpy(x: Any) -> np.ndarray:
     return x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
 
 
-class Writes:
-    """``extend``, ``add`` and ``update_priority`` of a handle (see the module)."""
+class Writer:
+    """A handle's ``extend`` and ``update_priority`` (see the module; their arguments are documented there)."""
+
+    def __init__(self, rpc: Any, spec: Any):
+        self.rpc, self._spec = rpc, spec
 
     def _rows(self, data: Any, what: str) -> dict[str, np.ndarray]:
         if isinstance(data, (list, tuple)):
@@ -47,34 +50,8 @@ class Writes:
         self._spec.validate(arrays, what=what)
         return arrays
 
-    def extend(self, data: Any, *, write_id: str | None = None, prefill: bool = False, wait: bool = True
-               ) -> torch.Tensor:
-        """Copy rows into the online buffer; return their online indices once the shards hold them.
-
-        When this returns, the rows are in the buffer until capacity evicts them, whatever
-        happens to the caller next. With a rate limiter, a write that runs ahead of the
-        learners waits, up to ``timeout``.
-
-        Args:
-            data: a TensorDict, or a (nested) dict of tensors or arrays, with a batch dimension. Checked
-                against the offline row spec before anything ships.
-            write_id: names the write (one is made up when not given); a retry with the same id and the
-                same rows is applied once and returns the same indices; other rows under a used id are refused
-                (``WriteIdError``).
-            prefill: write past the rate limiter, to seed the online side.
-            wait: accepted for older callers; every write waits for the shards' copies.
-
-        Returns:
-            The rows' global online indices, in the rows' order (int64).
-
-        Raises:
-            SchemaError: the rows' keys, trailing shapes or dtypes differ from the row spec (nothing
-                was written).
-            WriteIdError: ``write_id`` names an earlier write of other rows (nothing was written).
-            WriteTimeoutError: no answer within ``timeout``; it carries ``write_id``, so that a retry
-                with it lands the rows once.
-            BufferUnavailableError: the buffer was shut down, or an actor of it could not be restarted.
-        """
+    def extend(self, data: Any, *, write_id: str | None = None, prefill: bool = False) -> torch.Tensor:
+        """Check, ship and land the rows; their online indices once the shards hold them."""
         import ray
 
         write_id, prefill = optional_str("write_id", write_id), boolean("prefill", prefill)
@@ -97,7 +74,7 @@ class Writes:
             for attempt in range(MAX_ASKS):
                 try:
                     indices, acks = self.rpc.call("extend", [ref], n, write_id=write_id, prefill=prefill,
-                                                  node=_node_id(), digest=digest)
+                                                  node=node_id(), digest=digest)
                     accepted = True
                     self.rpc.get(acks)
                     return indices
@@ -123,37 +100,13 @@ class Writes:
                     pass
             raise
 
-    def add(self, data: Any) -> int:
-        """Add one row (no batch dimension).
-
-        Args:
-            data: one row, as ``extend`` takes rows.
-
-        Returns:
-            The row's global online index.
-        """
-        arrays = {k: np.asarray(v)[None] for k, v in to_numpy_dict(data).items()}
-        return int(self.extend(arrays)[0])
+    @staticmethod
+    def one_row(data: Any) -> dict[str, np.ndarray]:
+        """One row (no batch dimension) as a batch of one."""
+        return {k: np.asarray(v)[None] for k, v in to_numpy_dict(data).items()}
 
     def update_priority(self, info: dict, priority: Any) -> int:
-        """Set the priorities of sampled rows (``sampler="prioritized"``), e.g. from TD errors.
-
-        Each update goes to the shard that owns its row and is dropped there if the slot was
-        overwritten since (its generation changed). The whole call is checked before any shard
-        applies it.
-
-        Args:
-            info: what ``sample(return_info=True)`` returned with the batch.
-            priority: one value per row (a tensor or array), e.g. ``|td_error|``.
-
-        Returns:
-            The number of rows sent.
-
-        Raises:
-            ValueError: ``info`` lacks provenance, lengths differ, a priority is not finite, or the
-                buffer does not sample by priority (no shard changed).
-            IndexError: an index beyond its shard's rows (no shard changed).
-        """
+        """Send the priorities of sampled rows to the shards that own them; how many rows were sent."""
         missing = [k for k in ("offline", "shard", "index", "generation") if k not in info]
         if missing:
             raise InvalidArgumentError(f"info must come from sample(return_info=True); missing keys {missing}")
@@ -206,15 +159,3 @@ def _named(e: BufferUnavailableError, write_id: str) -> BufferUnavailableError:
                                  f"with write_id={write_id!r} to apply it once")
     err.write_id = write_id
     return err
-
-
-@functools.cache
-def _node_id() -> str | None:
-    """This process's node: writes prefer its online shards, reads gather its shards' rows here (None where Ray
-    does not say)."""
-    import ray
-
-    try:
-        return ray.get_runtime_context().get_node_id()
-    except Exception:
-        return None

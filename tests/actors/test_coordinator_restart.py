@@ -169,7 +169,7 @@ def test_draws_held_ahead_through_a_restart_and_given_back_after_it_stop_countin
     rb = make_buffer(rows(0, 300), **{**KW, "prefetch": 8}, rate_limiter=SampleToInsertRatio(1.0, 1, (-10_000, 10_000)))
     rb.extend(rows(1000, 100))
     served = sum(int((~info["offline"]).sum()) for _, info in (rb.sample(return_info=True) for _ in range(4)))
-    assert rb._stream.ahead > 0  # batches drawn ahead and held
+    assert rb._sampling.stream.ahead > 0  # batches drawn ahead and held
     kill_coordinator(rb)
     rb.extend(rows(2000, 10))  # gives back what the loop held
     samples = rb.stats()["coordinator"]["rate_limiter"]["samples"]

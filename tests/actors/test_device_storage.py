@@ -142,8 +142,8 @@ def test_iterating_with_reads_submitted_here_gives_the_coordinators_stream(make_
         rb.extend(td[:60].clone().apply(lambda t: t + 1000 if t.dtype == torch.int64 else t))
     want = [b["id"].tolist() for b in there.iter_batches(prefetch=4, num_batches=7)]
     m = 2
-    monkeypatch.setattr(client, "_direct_reads",
-                        lambda rb, device: {"offline": rb.rpc.shards[:m], "online": rb.rpc.shards[m:]})
+    monkeypatch.setattr(client, "direct_reads",
+                        lambda rpc, storage, device: {"offline": rpc.shards[:m], "online": rpc.shards[m:]})
     monkeypatch.setattr(rpc, "DIRECT_TRANSPORT", None)
     got = list(here.iter_batches(prefetch=4, num_batches=7, return_info=True))
     assert [b["id"].tolist() for b, _ in got] == want

@@ -60,8 +60,8 @@ def test_the_stream_is_the_same_through_writes_settings_and_state(pair):
     same_batches(p, 5)
     same_batches(p, 2, batch_size=7)  # another batch size gives back what was drawn at 16
     same_batches(p, 4)
-    assert p[0]._stream.stats["groups"] < 45  # it did draw ahead
-    assert p[0]._stream.stats["given_back"] > 0
+    assert p[0]._sampling.stream.stats["groups"] < 45  # it did draw ahead
+    assert p[0]._sampling.stream.stats["given_back"] > 0
 
 
 def test_a_sample_after_this_handles_extend_can_draw_the_new_rows(pair):
@@ -118,11 +118,11 @@ def test_another_handles_draw_stops_the_give_back_and_nothing_is_served_twice(pa
     ahead, _ = pair(sampler="without_replacement", offline_fraction=1.0, batch_size=20)
     other = ahead.client(prefetch=0)
     seen = list(ahead.sample()["id"].tolist())  # ahead holds the rest of this epoch, and more, planned
-    held = ahead._stream.ahead
+    held = ahead._sampling.stream.ahead
     assert held >= 14
     later = other.sample()["id"].tolist()  # another draw: ahead's batches can no longer be given back
     ahead.extend(rows(1000, 5))  # a give-back that is refused: without replacement they are kept
-    assert ahead._stream.stats["kept"] == held
+    assert ahead._sampling.stream.stats["kept"] == held
     while len(seen) < 300:  # the kept batches: the rest of the epoch
         seen += ahead.sample()["id"].tolist()
     assert sorted(seen) == list(range(300))  # one epoch: every row once, none lost
@@ -134,7 +134,7 @@ def test_uniform_batches_that_cannot_be_given_back_are_dropped(pair):
     ahead.sample()
     ahead.client().sample()
     ahead.extend(rows(1000, 30))
-    assert ahead._stream.stats["dropped"] > 0
+    assert ahead._sampling.stream.stats["dropped"] > 0
     _, info = ahead.sample(return_info=True)
     assert int((~info["offline"]).sum()) == 8  # drawn after the write
 
@@ -166,7 +166,7 @@ def test_another_handles_write_reaches_this_handles_samples_within_one_call(pair
     collector.extend(rows(1000, 30))
     _, info = ahead.sample(return_info=True)  # on the coordinator's node, the very next call
     assert int((~info["offline"]).sum()) == 8
-    assert ahead._stream.stats["stale"] == 1, ahead._stream.stats
+    assert ahead._sampling.stream.stats["stale"] == 1, ahead._sampling.stream.stats
     collector.offline_fraction = 1.0  # a setting from another handle applies to the next call too
     _, info = ahead.sample(return_info=True)
     assert bool(info["offline"].all())

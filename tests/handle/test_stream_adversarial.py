@@ -147,7 +147,7 @@ def test_a_long_random_interleaving_gives_the_unprefetched_stream(make_buffer, t
     # a saved state taken past unserved draws, a changed batch size or return_info served from stale draws.
     pair = twins(make_buffer, rows(0, 300))
     run_twins(pair, random_ops(random.Random(1), 90, tmp_path=tmp_path))
-    assert pair[0]._stream.stats["given_back"] > 0 and pair[0]._stream.stats["groups"] < 90
+    assert pair[0]._sampling.stream.stats["given_back"] > 0 and pair[0]._sampling.stream.stats["groups"] < 90
     assert coordinator_view(pair[0]) == coordinator_view(pair[1])
 
 
@@ -233,7 +233,7 @@ def test_two_handles_interleaving_without_replacement_serve_each_row_once_per_ep
             h.extend(rows(10_000 + step, 2))
     for h in handles:  # each handle drains what it holds
         h.stats()
-        while h._stream._planned:
+        while h._sampling.stream._planned:
             served += h.sample()["id"].tolist()
             h.stats()
     state = rb.state_dict()
@@ -242,7 +242,7 @@ def test_two_handles_interleaving_without_replacement_serve_each_row_once_per_ep
     assert len(served) == epochs * n - left
     assert set(counts.values()) <= {epochs - 1, epochs} and len(counts) == n
     assert sum(c == epochs for c in counts.values()) == n - left
-    assert sum(h._stream.stats["kept"] for h in handles) > 0  # the refused give-back did happen
+    assert sum(h._sampling.stream.stats["kept"] for h in handles) > 0  # the refused give-back did happen
 
 
 @uses_ray
@@ -305,7 +305,7 @@ def test_a_handle_with_a_tiny_timeout_keeps_every_batch_exact(make_buffer):
 def test_batches_over_the_lookahead_byte_cap_are_not_drawn_ahead(make_buffer):
     # Catches a cap that ignores the batch's bytes: 65 MiB batches drawn 32 ahead would hold 2 GiB in the
     # object store. Under the cap, rows in flight must stay within 64 MiB; the stream stays the same.
-    from rayrb.handle.stream import MAX_BYTES
+    from rayrb.handle.policies import MAX_BYTES
 
     n = 80
     td = TensorDict({"x": torch.zeros(n, 1 << 18), "id": torch.arange(n)}, [n])  # 1 MiB rows
@@ -315,14 +315,14 @@ def test_batches_over_the_lookahead_byte_cap_are_not_drawn_ahead(make_buffer):
         got = []
         for bs in [65] * 3 + [21] * 7:
             got.append(rb.sample(bs)["id"].tolist())
-            look = rb._stream
+            look = rb._sampling.stream
             if bs == 65:  # one batch is over the cap: nothing is read beyond it
                 assert look.in_flight == 0
             else:  # the batch served and those read ahead stay within the cap
                 assert (1 + look.in_flight) * bs * rb.spec.row_bytes <= MAX_BYTES
         streams.append(got)
     assert streams[0] == streams[1]
-    assert pair[0]._stream.stats["reads"] < 20  # 21 MiB batches were read ahead, two at a time
+    assert pair[0]._sampling.stream.stats["reads"] < 20  # 21 MiB batches were read ahead, two at a time
 
 
 @uses_ray
@@ -338,7 +338,7 @@ def test_other_handles_writes_and_settings_reach_the_second_sample(make_buffer):
         return int((~learner.sample(return_info=True)[1]["offline"]).sum())
 
     assert n_online() == 0  # nothing online yet: all offline, and more like it held
-    assert learner._stream.ahead > 0
+    assert learner._sampling.stream.ahead > 0
     collector.extend(rows(1000, 50))
     n_online()
     assert n_online() == 8
@@ -349,7 +349,7 @@ def test_other_handles_writes_and_settings_reach_the_second_sample(make_buffer):
     steerer.offline_fraction = {"kind": "step", "values": [0.0, 1.0], "boundaries": [2]}
     n_online()
     assert n_online() == 16  # step 0 or 1 of the new schedule: all online
-    assert learner._stream.stats["stale"] >= 2
+    assert learner._sampling.stream.stats["stale"] >= 2
 
 
 @uses_ray
@@ -372,7 +372,7 @@ def test_a_limited_buffer_draws_ahead_yet_judges_writes_by_the_rows_served(make_
             writer.extend(rows(2000, 141))
         writer.extend(rows(3000, 140))
         batches += [learner.sample()["id"].tolist() for _ in range(4)]
-        outcomes.append((batches, learner._stream.stats, rb.stats()["coordinator"]["rate_limiter"]["samples"]))
+        outcomes.append((batches, learner._sampling.stream.stats, rb.stats()["coordinator"]["rate_limiter"]["samples"]))
     (ahead, stats, samples), (single, _, single_samples) = outcomes
     assert ahead == single and samples == single_samples == 8 * 8
     assert stats["groups"] < 8 and stats["given_back"] > 0  # it did draw ahead, and gave back after the write
