@@ -22,7 +22,6 @@ LISTED = {
     ("module", "rayrb/durability/storage.py"): (436, TO_SPLIT),
     ("module", "rayrb/durability/writelog.py"): (414, "most of it doctests: " + TO_SPLIT),
     ("class", "rayrb/durability/writelog.py::WriteLog"): (278, "most of it doctests: " + TO_SPLIT),
-    ("module", "rayrb/actors/shards.py"): (546, TO_SPLIT),
     ("module", "tests/integrations/test_torchrl_compat.py"): (1039, "TorchRL's own test file, kept in its shape so "
                                                                   "that it reads side by side with TorchRL's"),
     ("function", "tests/integrations/test_torchrl_compat.py::TestOfflineToOnlineTrainer."

@@ -471,8 +471,8 @@ def _start_online(spec: dict, capacities: list[int], name: str, instance: str, k
     """Start the online shards (appended to ``started``), each with ``replicas - 1`` copies on other nodes, all of
     a shard's in its placement group of ``groups``; returns the groups and copies, which the shard owns."""
     from rayrb.actors.lifecycle import actor_class
+    from rayrb.actors.online_shard import OnlineShard
     from rayrb.actors.placement import in_group, on_node
-    from rayrb.actors.shards import OnlineShard
     from rayrb.durability.storage import shard_directory
 
     extra = list(groups)

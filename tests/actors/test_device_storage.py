@@ -11,7 +11,8 @@ import torch
 from tensordict import TensorDict
 
 from rayrb import write_dataset
-from rayrb.actors.shards import OfflineShard, OnlineShard
+from rayrb.actors.online_shard import OnlineShard
+from rayrb.actors.shards import OfflineShard
 from rayrb.core.plans import Epoch
 from rayrb.io.device_table import DeviceTable
 

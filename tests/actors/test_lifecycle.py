@@ -5,7 +5,8 @@ from tensordict import TensorDict
 
 from rayrb.actors import lifecycle
 from rayrb.actors.coordinator import Coordinator
-from rayrb.actors.shards import OfflineShard, OnlineShard
+from rayrb.actors.online_shard import OnlineShard
+from rayrb.actors.shards import OfflineShard
 
 
 def test_an_actor_class_is_made_once_for_each_class_and_options():

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from rayrb.actors.coordinator import Coordinator
-from rayrb.actors.shards import OnlineShard
+from rayrb.actors.online_shard import OnlineShard
 from rayrb.core.schema import RowSpec
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from rayrb.actors.lifecycle import actor_class
-from rayrb.actors.shards import OnlineShard
+from rayrb.actors.online_shard import OnlineShard
 from rayrb.core.schema import RowSpec
 
 SPEC = RowSpec.from_arrays({"x": np.zeros(1, np.int64)}).to_json()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rayrb.actors.shards import OnlineShard
+from rayrb.actors.online_shard import OnlineShard
 from rayrb.core.schema import RowSpec
 from rayrb.durability.copies import merged_count, newer
 

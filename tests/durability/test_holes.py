@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rayrb.actors.shards import OnlineShard
+from rayrb.actors.online_shard import OnlineShard
 from rayrb.core.allocation import assign_pieces
 from rayrb.core.schema import RowSpec
 from rayrb.durability.writelog import WriteLog, held_runs

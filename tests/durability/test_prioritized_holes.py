@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from rayrb.actors.shards import OnlineShard
+from rayrb.actors.online_shard import OnlineShard
 from rayrb.core.schema import RowSpec
 
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from rayrb import write_dataset
-from rayrb.actors.shards import OfflineShard, OnlineShard
+from rayrb.actors.online_shard import OnlineShard
+from rayrb.actors.shards import OfflineShard
 from rayrb.actors.transport import Place, choose, plan_routes, receive, refuse_shared_gpus, shared_gpu
 from rayrb.core.plans import BatchPlan, Epoch, ImportanceWeights, Part, assemble
 

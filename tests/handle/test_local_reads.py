@@ -12,7 +12,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from rayrb.actors.shards import OnlineShard
+from rayrb.actors.online_shard import OnlineShard
 from rayrb.core.schema import RowSpec
 from rayrb.handle.local import OfflineReader, OnlineReader
 

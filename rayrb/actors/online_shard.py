@@ -1,0 +1,260 @@
+"""The online shard actor: a circular buffer over ``OnlineStorage`` that copies rows on insert, so it never keeps
+a view into an object-store buffer (pinned plasma memory, ray#8234), with the replicas it forwards its pieces to
+(``rayrb.actors.replication``). Reads and the rest it shares with the offline shard (``rayrb.actors.shards``).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from rayrb.actors.replication import Replication, lookup
+from rayrb.actors.shards import Rows, Shard
+from rayrb.actors.timer import every
+from rayrb.core.schema import RowSpec
+from rayrb.core.validation import positive_int
+from rayrb.durability.copies import merged_count, take_newer
+from rayrb.durability.storage import OnlineStorage
+from rayrb.durability.writelog import held_runs
+from rayrb.errors import RowsLostError, SavedStateError
+
+CHECK_EVERY = 2.0  # seconds between a primary's checks of its replicas when no write comes
+
+
+class OnlineShard(Shard):
+    """A circular buffer of ``capacity`` rows; the oldest rows are overwritten first.
+
+    Rows, generations, the write count and priorities live in
+    ``OnlineStorage``, memory-mapped under ``state_dir`` when
+    given: a restarted shard reopens them with every acknowledged write.
+    """
+
+    kind = "online"
+
+    def __init__(self, spec_json: Mapping[str, Any], capacity: int, shard_id: str, sampler: str = "uniform",
+                 sampler_options: Mapping[str, float] | None = None, state_dir: str | None = None,
+                 device: str | None = None, replicas: Sequence[str] = (), coordinator: str | None = None):
+        capacity = positive_int(f"shard {shard_id}: capacity", capacity)
+        super().__init__(shard_id, sampler, capacity=capacity, sampler_options=sampler_options, device=device,
+                         state_dir=state_dir)
+        self._spec = RowSpec.from_json(spec_json)
+        self._capacity = int(capacity)
+        self._store = OnlineStorage(self._spec, self._capacity, state_dir)
+        self._data, self._gen = self._store.rows, self._store.generation
+        # writes applied beyond the write count (behind a piece still to come): first row -> end; a
+        # restarted shard finds them again from the generations
+        self._held: dict[int, int] = dict(held_runs(self._gen, self._store.written))
+        self._mirror()
+        if self._store.reopened:
+            self._sampler.on_write(np.arange(self.size()))
+        self._sampler.attach(self._store.priority, self._store.max_priority, self._store.reopened)
+        self._replication = Replication(replicas, self.state) if replicas else None
+        # Restarted without its files (its node was lost): its rows come from its replicas, or are lost
+        self._lost = bool(self._lives.restarts) and not self._store.reopened
+        if self._replication is not None:
+            if self._lost:  # restarted without its files: the replicas' rows are taken before any call
+                self._lost = not self._replication.take_all(self.merge, self.shard_id)
+            every(CHECK_EVERY, "check_replicas")
+        if self._lost and coordinator is not None:  # its count went back: the coordinator takes it again
+            lookup(coordinator).resync.remote()
+        self._lives.ready()
+
+    @property
+    def _written(self) -> int:
+        return self._store.written
+
+    def size(self) -> int:
+        return self._store.size
+
+    def written(self) -> int:
+        """Rows ever written (the write count); ``size()`` is this capped at the capacity."""
+        return self._store.written
+
+    def _size_at(self, written: int) -> int:
+        return min(written, self._capacity)
+
+    def write_state(self) -> tuple[int, list[tuple[int, int]]]:
+        """The write count, and the runs of rows held beyond it (written behind a piece that has not landed)."""
+        return self._store.written, held_runs(self._gen, self._store.written)
+
+    def _written_count(self) -> int:
+        return self._store.written
+
+    def extend(self, rows: Mapping[str, np.ndarray], start: int = 0, stop: int | None = None,
+               first: int | None = None, forward: list | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Copy ``rows[start:stop]`` in as this shard's ``first``-th rows on; return their slots and generations.
+
+        ``first`` is the write count the coordinator planned with, and it names the
+        write: the ``w``-th row ever written goes to slot ``w mod capacity`` with
+        generation ``w // capacity + 1``. So a write lands in the same place whenever
+        it runs: a retry (after a restart, in whatever order Ray re-sends tasks) never
+        lands twice, and never over a newer row. The write count advances over
+        contiguous writes only, so a restart still finds every write that completed.
+        ``forward`` holds the rows' ref, unresolved, for a shard to pass on to its replicas
+        (``rayrb.actors.replication``), each of which fetches the rows itself.
+        """
+        t0 = time.perf_counter()
+        first = self._store.written if first is None else int(first)
+        if self._lost and first > self._store.written:
+            # placed over rows this shard lost with its node (sent before the coordinator took its count again):
+            # refused whole, so that the write's retry places it anew at the count there is
+            raise RowsLostError(f"shard {self.shard_id}: expected a piece at its count {self._store.written} or "
+                                f"below, got one at {first}: the rows before it were lost with this shard's node")
+        sent: list = []
+        if forward and self._replication is not None:  # sent first: the replicas copy while this copy does
+            sent = self._replication.send(forward[0], start, stop, first)
+        rows = {k: v[start:stop] for k, v in rows.items()}
+        n = self._spec.validate(rows, what=f"rows for shard {self.shard_id}")
+        w = first + np.arange(n, dtype=np.int64)
+        pos, gen = w % self._capacity, w // self._capacity + 1
+        fresh = (w >= first + n - self._capacity) & (self._gen[pos] < gen)  # a write larger than the shard keeps its tail
+        slots = pos[fresh]
+        if self._table is not None:  # the device copy serves reads: written first, as it may refuse the rows
+            self._table.write(slots, {k: rows[k][fresh] for k in self._data})
+        # Readers in other processes on this node copy rows straight out of the memory maps
+        # (rayrb.handle.local): a slot's generation is negative while its row is being written, and they
+        # compare it before and after their copy, so a row half written is never served.
+        before = self._gen[slots].copy()
+        self._gen[slots] = -gen[fresh]
+        try:
+            for k, dst in self._data.items():
+                dst[slots] = rows[k][fresh]  # copies out of the object store; the memory maps keep what is acknowledged
+        except BaseException:
+            self._gen[slots] = before  # the rows there were not all replaced: as they were, but readers retry
+            if self._table is not None:  # back to what the memory maps hold
+                self._table.write(slots, {k: v[slots] for k, v in self._data.items()})
+            raise
+        self._gen[slots] = gen[fresh]
+        self._sampler.on_write(slots)
+        self._advance(first, first + n)  # last: this is what makes the rows visible after a restart
+        if self._replication is not None:  # acknowledged once every live replica holds the rows too
+            self._replication.settle(sent, self._store.written)
+        self._metrics.count("rows_written", int(fresh.sum()))
+        self._metrics.observe("extend_ms", (time.perf_counter() - t0) * 1e3)
+        return pos, gen
+
+    # replicas -----------------------------------------------------------------------
+    def replicate(self, rows: Mapping[str, np.ndarray], start: int, stop: int, first: int) -> int:
+        """A piece its primary was given; this copy's write count after."""
+        self.extend(rows, start, stop, first=first)
+        return self._store.written
+
+    def merge(self, state: Mapping[str, np.ndarray]) -> int:
+        """Take, slot by slot, the newer rows of another copy of this shard (``state()`` of its primary or of a
+        replica; ``rayrb.durability.copies``); return the write count after. Taking a copy twice changes nothing."""
+        take = take_newer(self._data, self._gen, state, f"shard {self.shard_id}")
+        if take.size:
+            self._sampler.on_write(take)
+            if "sampler/priority" in state:  # the copy's priorities for the rows taken from it
+                mine = self._sampler.state_dict()
+                mine["priority"][take] = np.asarray(state["sampler/priority"])[take]
+                mine["max_priority"] = max(float(mine["max_priority"]), float(state["sampler/max_priority"]))
+                self._sampler.load_state_dict(mine)
+            self._mirror()
+        count = merged_count(self._gen, self._store.written, int(state["written"]))
+        self._lost = False  # it holds what the copy held
+        self._held.clear()
+        self._held.update(held_runs(self._gen, count))
+        self._store.written = count
+        self._metrics.count("rows_merged", int(take.size))
+        return count
+
+    def replace(self, state: Mapping[str, np.ndarray]) -> int:
+        """Take another copy's state whole (a replica rebuilt from its primary); the write count after."""
+        self.load_state(state)
+        self._lost = False
+        return self._store.written
+
+    def load_state(self, state: Mapping[str, np.ndarray]) -> None:
+        super().load_state(state)
+        if self._replication is not None:  # replaced (a restore): the replicas take it too
+            self._replication.rebuild_all()
+
+    def check_replicas(self) -> None:
+        """Between writes: replicas that restarted empty or fell behind are rebuilt (a timer sends this)."""
+        if self._replication is not None:
+            self._replication.check(self._store.written)
+
+    def _advance(self, first: int, end: int) -> None:
+        written = self._store.written
+        if first > written:  # an earlier write is still to come (a retry out of order)
+            self._held[first] = end
+            return
+        written = max(written, end)
+        # Every run the count reaches, also one that starts inside the rows it passed: a write wider than the
+        # shard keeps only its tail, and a restarted shard (or the log, after a resync) knows just that.
+        for a in sorted(self._held):
+            if a > written:
+                break
+            written = max(written, self._held.pop(a))
+        self._store.written = written
+
+    def _mirror(self) -> None:
+        """The device copy of the storage (what a restart reopened, or zeros), when rows live on a device."""
+        if self._device is not None:
+            from rayrb.io.device_table import DeviceTable
+
+            self._table = DeviceTable.from_arrays(self._data, self._device)
+
+    def _gather(self, idx: np.ndarray) -> Rows:
+        if self._table is not None:
+            return self._table.numpy(idx)
+        return {k: v[idx] for k, v in self._data.items()}
+
+    def _state(self) -> dict[str, np.ndarray]:
+        return {**{f"rows/{k}": v for k, v in self._data.items()}, "generation": self._gen,
+                "written": np.int64(self._written)}
+
+    def _set_state(self, state: dict[str, np.ndarray]) -> Callable[[], None]:
+        rows = {k[len("rows/"):]: v for k, v in state.items() if k.startswith("rows/")}
+        gen = state.get("generation")
+        if set(rows) != set(self._data) or gen is None or gen.shape != self._gen.shape or "written" not in state:
+            raise SavedStateError(f"shard {self.shard_id}: saved state has keys {sorted(rows)} and capacity "
+                                  f"{None if gen is None else gen.shape[0]}, expected {sorted(self._data)} and "
+                                  f"{self._capacity}")
+        self._spec.validate(rows, what="saved rows")
+        if any(v.shape[0] != self._capacity for v in rows.values()):
+            raise SavedStateError(f"shard {self.shard_id}: saved rows are not {self._capacity} slots")
+
+        def apply() -> None:
+            self._gen[...] = -1  # every row is being replaced: readers on this node leave it to the shard
+            for k in self._data:
+                self._data[k][...] = rows[k]
+            self._gen[...] = gen
+            self._store.written = int(state["written"])
+            self._held.clear()  # rows the saved shard held behind a hole: counted once it is filled
+            self._held.update(held_runs(self._gen, self._store.written))
+            self._mirror()
+
+        return apply
+
+    def _generation(self, idx: np.ndarray) -> np.ndarray:
+        return self._gen[idx]
+
+    def update_priority(self, idx: np.ndarray, generation: np.ndarray, priority: np.ndarray) -> int:
+        done = super().update_priority(idx, generation, priority)
+        if self._replication is not None:
+            self._replication.priorities(idx, generation, priority)
+        return done
+
+    def stats(self) -> dict[str, Any]:
+        self._metrics.gauge("write_count", self._written)
+        self._metrics.gauge("capacity", self._capacity)
+        out = super().stats()
+        if self._replication is not None:
+            report = self._replication.report(self._written)
+            self._metrics.gauge("replicas_live", self._replication.live())
+            self._metrics.gauge("replica_rows_behind", max((r["behind"] or 0 for r in report), default=0))
+            out = {**out, **self._metrics.snapshot(), "node": self.place()["node"], "replicas": report}
+        return out
+
+    def close(self) -> None:
+        """Remove this shard's files, and its replicas' (the buffer is being shut down for good)."""
+        if self._replication is not None:
+            import ray
+
+            calls = [lookup(r.name, 1.0).close.remote() for r in self._replication.replicas]
+            ray.wait(calls, num_returns=len(calls), timeout=5)
+        super().close()
