@@ -32,9 +32,9 @@ from rayrb.core.ahead import GiveBack, past_any_number
 from rayrb.core.planner import Planner
 from rayrb.core.plans import OFFLINE, ONLINE, SIDES, BatchPlan, GroupPlan, route_priorities
 from rayrb.core.validation import BETA, one_of, positive_int
+from rayrb.durability.coordinator_state import CoordinatorState
 from rayrb.durability.mirror import GcsMirror
 from rayrb.durability.replies import saved_answers
-from rayrb.durability.storage import CoordinatorState
 from rayrb.durability.writelog import WriteLog
 from rayrb.errors import HeldBack, InvalidArgumentError, SavedStateError
 

@@ -1,7 +1,7 @@
 """A copy of the coordinator's files off its node: in the Ray cluster's own key-value store (the GCS).
 
 A coordinator whose buffer keeps replicas of its online shards writes each of its files
-(``rayrb.durability.storage.CoordinatorState``: the two state slots, the journal's lines,
+(``rayrb.durability.coordinator_state.CoordinatorState``: the two state slots, the journal's lines,
 the plan answers) both to its node's disk and here. Restarted on another node, it finds
 its directory empty and copies the files down before it reads them, so it comes back
 with its stream, its write log and its answers kept, as after a restart in place.

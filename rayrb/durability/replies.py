@@ -76,7 +76,7 @@ class ReplyCache:
 
     def take_changes(self) -> tuple[list[tuple[str, str]], list[str]]:
         """``([(call, entry text)], [call])``: the answers put and the calls dropped since the last time, so that
-        a save writes each answer once (``rayrb.durability.storage.CoordinatorState.save_reply``).
+        a save writes each answer once (``rayrb.durability.coordinator_state.CoordinatorState.save_reply``).
 
         >>> cache = ReplyCache(kept=1); cache.put("a", (16, 1), "plan-a"); cache.put("b", (16, 1), "plan-b")
         >>> [c for c, _ in cache.take_changes()[0]], cache.take_changes()

@@ -207,7 +207,7 @@ def _half_sent_write(rb, tmp_path, write_id, data):
     import ray
 
     pass
-    from rayrb.durability.storage import CoordinatorState
+    from rayrb.durability.coordinator_state import CoordinatorState
 
     arrays = rb._rows(data, "online data")
     n = len(data)

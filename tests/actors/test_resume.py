@@ -179,7 +179,7 @@ def _half_sent(rb, tmp_path, write_id, data):
     import ray
 
     pass
-    from rayrb.durability.storage import CoordinatorState
+    from rayrb.durability.coordinator_state import CoordinatorState
 
     n = len(data)
     ray.get(rb.rpc.by_side["online"][0].extend.remote(ray.put(rb._rows(data, "rows")), 0, n // 2, first=0))

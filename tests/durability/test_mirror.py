@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import shutil
 
+from rayrb.durability.coordinator_state import CoordinatorState
 from rayrb.durability.mirror import DictMirror
-from rayrb.durability.storage import CoordinatorState
 
 
 def test_a_state_directory_lost_with_its_node_comes_back_from_the_mirror(tmp_path):

@@ -9,8 +9,8 @@ import pytest
 import xxhash
 
 from rayrb.core.plans import BatchPlan, Epoch, GroupPlan, ImportanceWeights, Part
+from rayrb.durability.coordinator_state import STATE_SCHEMA, CoordinatorState
 from rayrb.durability.replies import ReplyCache
-from rayrb.durability.storage import STATE_SCHEMA, CoordinatorState
 
 
 def test_a_saved_state_is_json_with_its_schema_and_loads_back(tmp_path):
