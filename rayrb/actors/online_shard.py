@@ -16,8 +16,8 @@ from rayrb.actors.timer import every
 from rayrb.core.schema import RowSpec
 from rayrb.core.validation import positive_int
 from rayrb.durability.copies import merged_count, take_newer
+from rayrb.durability.runs import held_runs
 from rayrb.durability.storage import OnlineStorage
-from rayrb.durability.writelog import held_runs
 from rayrb.errors import RowsLostError, SavedStateError
 
 CHECK_EVERY = 2.0  # seconds between a primary's checks of its replicas when no write comes

@@ -1,7 +1,7 @@
 """Two copies of one online shard made one: what a replica takes from another when it is rebuilt.
 
 A shard's ``w``-th row ever written sits in slot ``w mod capacity`` with generation
-``w // capacity + 1`` (``rayrb.durability.writelog.held_runs``), so a slot's generation
+``w // capacity + 1`` (``rayrb.durability.runs.held_runs``), so a slot's generation
 says which row it holds, and a larger one is a newer row. Two copies of a shard that
 took the same writes in whatever order, each missing some, are merged slot by slot:
 each slot keeps the row with the larger generation. The merged copy holds every row
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from rayrb.durability.writelog import held_runs
+from rayrb.durability.runs import held_runs
 from rayrb.errors import InvalidArgumentError, SchemaError
 
 

@@ -24,7 +24,7 @@ where they are, and only the others are sent, so no row lands twice.
 
 A piece that never lands leaves a hole in its shard's write stream; the rows
 written after it there are held, but not counted (a shard counts contiguous rows
-only: ``held_runs``). ``WriteLog.reset`` takes both from the shards: the
+only: ``rayrb.durability.runs.held_runs``). ``WriteLog.reset`` takes both from the shards: the
 log then plans after every row a shard holds, and the next writes fill the holes
 first (``WriteLog.place``), so held rows are never planned over and the count
 moves on past them. Until then the shard's size counts the rows before its first hole
@@ -43,7 +43,6 @@ Examples:
 """
 from __future__ import annotations
 
-import bisect
 from collections import OrderedDict
 from collections.abc import Collection, Hashable, Sequence
 from dataclasses import dataclass, replace
@@ -52,6 +51,7 @@ from typing import Any
 import numpy as np
 
 from rayrb.core.allocation import assign_pieces, split_evenly, write_pieces
+from rayrb.durability.runs import cut_out, gaps, insert, overlaps
 from rayrb.errors import InvalidArgumentError, InvalidStateError, WriteIdError
 
 
@@ -180,7 +180,7 @@ class WriteLog:
                                         f"is at row {int(self.written[w.shard])} with holes {self.holes[w.shard]}")
         for w in plan:
             if self._in_hole(w):
-                self.holes[w.shard] = _cut_out(self.holes[w.shard], w.first, w.first + w.rows)
+                self.holes[w.shard] = cut_out(self.holes[w.shard], w.first, w.first + w.rows)
             else:
                 self.written[w.shard] += w.rows
         if write_id is not None:
@@ -232,9 +232,9 @@ class WriteLog:
                 continue
             ids.add(write_id)
             plan = self.rebuild(pieces)
-            over = {i for i, w in enumerate(plan) if _overlaps(later.get(w.shard), w.first, w.first + w.rows)}
+            over = {i for i, w in enumerate(plan) if overlaps(later.get(w.shard), w.first, w.first + w.rows)}
             for w in plan:
-                _insert(later.setdefault(w.shard, ([], [])), w.first, w.first + w.rows)
+                insert(later.setdefault(w.shard, ([], [])), w.first, w.first + w.rows)
             recalled.append((write_id, plan, over, digest[0] if digest else None))
         for write_id, plan, over, digest in reversed(recalled):
             self.remember(write_id, plan, digest=digest)
@@ -342,7 +342,7 @@ class WriteLog:
         if len(held) != written.size or any(a < c or b <= a for runs, c in zip(held, written) for a, b in runs):
             raise bad
         self.written = np.array([max([int(c)] + [b for _, b in runs]) for c, runs in zip(written, held)], np.int64)
-        self.holes = [_gaps(int(c), runs) for c, runs in zip(written, held)]
+        self.holes = [gaps(int(c), runs) for c, runs in zip(written, held)]
         for _, _, plan, missing, _ in self._ids.values():
             missing.update(i for i, w in enumerate(plan) if not self._held(w))
 
@@ -353,62 +353,3 @@ class WriteLog:
 
     def state_dict(self) -> dict:
         return {"written": self.written.tolist(), "capacity": self.capacity.tolist()}
-
-
-def held_runs(generation: np.ndarray, written: int) -> list[tuple[int, int]]:
-    """Runs ``[a, b)`` of rows a circular shard holds beyond its count ``written``.
-
-    The ``w``-th row ever written sits in slot ``w mod capacity`` with generation
-    ``w // capacity + 1``, so a slot's generation says which row it holds, however many
-    laps beyond the count (rows written behind a hole may wrap over the hole's slots).
-
-    >>> gen = np.array([1, 1, 0, 1, 0])  # capacity 5; rows 0 and 1 counted, row 3 written after a gap
-    >>> held_runs(gen, 2)
-    [(3, 4)]
-    >>> held_runs(np.array([2, 2, 1, 1]), 1)  # rows 2-5 written behind row 1: rows 4-5 wrapped over slots 0-1
-    [(2, 6)]
-    """
-    gen = np.asarray(generation, dtype=np.int64)
-    rows = (gen - 1) * len(gen) + np.arange(len(gen), dtype=np.int64)
-    rows = np.sort(rows[(gen > 0) & (rows >= int(written))])
-    cuts = np.flatnonzero(np.diff(rows) != 1) + 1
-    return [(int(r[0]), int(r[-1]) + 1) for r in np.split(rows, cuts) if r.size]
-
-
-def _gaps(start: int, runs: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
-    """The rows from ``start`` to the end of ``runs`` that no run covers."""
-    out, cursor = [], start
-    for a, b in runs:
-        if a > cursor:
-            out.append((cursor, a))
-        cursor = max(cursor, b)
-    return out
-
-
-def _cut_out(holes: list[tuple[int, int]], a: int, b: int) -> list[tuple[int, int]]:
-    """``holes`` less rows ``[a, b)``, which lie inside one of them."""
-    out = []
-    for x, y in holes:
-        if x <= a and b <= y:
-            out += [r for r in ((x, a), (b, y)) if r[1] > r[0]]
-        else:
-            out.append((x, y))
-    return out
-
-
-def _overlaps(runs: tuple[list[int], list[int]] | None, a: int, b: int) -> bool:
-    """Whether rows ``[a, b)`` meet one of ``runs`` (sorted disjoint ``[start, end)``, as two lists)."""
-    if runs is None:
-        return False
-    starts, ends = runs
-    j = bisect.bisect_left(starts, b) - 1  # the last run that starts before b
-    return j >= 0 and ends[j] > a
-
-
-def _insert(runs: tuple[list[int], list[int]], a: int, b: int) -> None:
-    """Add rows ``[a, b)`` to ``runs``, merging the runs it meets."""
-    starts, ends = runs
-    lo, hi = bisect.bisect_left(ends, a), bisect.bisect_right(starts, b)
-    if lo < hi:
-        a, b = min(a, starts[lo]), max(b, ends[hi - 1])
-    starts[lo:hi], ends[lo:hi] = [a], [b]

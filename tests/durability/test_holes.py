@@ -9,7 +9,7 @@ import pytest
 from rayrb.actors.online_shard import OnlineShard
 from rayrb.core.allocation import assign_pieces
 from rayrb.core.schema import RowSpec
-from rayrb.durability.writelog import WriteLog, held_runs
+from rayrb.durability.writelog import WriteLog
 
 SPEC = RowSpec.from_arrays({"id": np.zeros(1, np.int64)}).to_json()
 
@@ -41,16 +41,6 @@ def _a_hole_then_a_write_behind_it(log, shard, n):
 
 
 # ------------------------------------------------------------------ holes across a wrap of the circular buffer
-def test_rows_held_more_than_a_lap_beyond_the_count_are_all_reported():
-    """Capacity 8, rows 0-1 counted, rows 2-3 never landed, rows 4-11 written behind them: slots 0-3 hold rows
-    8-11 now. The shard holds rows 4-11 beyond its count, not just the lap after it (4-9)."""
-    gen = np.array([2, 2, 2, 2, 1, 1, 1, 1])
-    assert held_runs(gen, 2) == [(4, 12)]
-    assert held_runs(np.array([1, 1, 0, 0, 3, 3, 0, 0]), 2) == [(20, 22)]  # a hole wider than the shard
-    assert held_runs(np.zeros(5, np.int64), 0) == []  # nothing written
-    assert held_runs(np.full(4, 3), 12) == [] and held_runs(np.full(4, 3), 10) == [(10, 12)]  # full laps
-
-
 def test_a_write_after_a_hole_that_the_next_lap_wrapped_over_keeps_its_rows():
     """One shard of 8: a (2 rows) lands, b (2 rows) never does, c (8 rows) lands behind the hole and wraps over
     a's slots and b's. After the resync, the writes that follow are acknowledged with slots that hold their rows,
