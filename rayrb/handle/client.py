@@ -12,7 +12,8 @@ Every public method is here. The longer ones hand their work to plain objects:
 coordinator plans, this handle reads the shards). A method marked ``@gives_back``
 first returns what the ``sample()`` loop drew ahead (``rayrb.handle.stream``): it
 writes, steers, saves or samples another way, so it must see the stream where the
-caller left it. Reads of sizes, statistics and the fraction do not.
+caller left it. ``stats`` gives back too (its counts are of batches served) but keeps
+how far the loop plans ahead; reads of sizes and the fraction do not give back.
 """
 from __future__ import annotations
 
@@ -264,6 +265,7 @@ class BufferClient:
     def stats(self) -> dict[str, Any]:
         """Sizes, rates, latencies and restarts: ``{"coordinator": {...}, "shards": [...]}``, plus ``"handle"``
         (this handle's drawing ahead and local reads)."""
+        self._sampling.give_back(pace=False)  # counts are of batches served; how far the loop plans is kept
         out = self.rpc.get(self.rpc.coord.stats.remote())
         handle = self._sampling.stats()
         return out if handle is None else {**out, "handle": handle}

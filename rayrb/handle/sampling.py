@@ -54,10 +54,11 @@ class Sampling:
         self.iterators.add(stream)
         return BatchIterator(stream, output, device=device, return_info=return_info)
 
-    def give_back(self) -> None:
-        """Return what the ``sample()`` loop drew ahead and did not serve."""
+    def give_back(self, pace: bool = True) -> None:
+        """Return what the ``sample()`` loop drew ahead and did not serve (``pace=False``: a read that must see
+        the stream where the caller left it, not a pause in the caller's run of samples)."""
         if self.stream is not None and not self.rpc.closed:
-            self.stream.give_back()
+            self.stream.give_back(pace)
 
     def report_served(self) -> None:
         """Tell the coordinator what the iterators handed over, before a save counts it."""

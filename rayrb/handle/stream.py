@@ -275,12 +275,12 @@ class Stream:
         self._asked.clear()
         self._covered = self.in_flight = 0
 
-    def give_back(self) -> None:
-        """Return the unserved batches' draws to the stream (see the module)."""
+    def give_back(self, pace: bool = True) -> None:
+        """Return the unserved batches' draws (see the module); ``pace``: the policy counts the end of a run."""
         with self._lock:
-            self._give_back()
+            self._give_back(pace)
 
-    def _give_back(self) -> None:
+    def _give_back(self, pace: bool = True) -> None:
         """Undo the draws of what is planned. Waits for the plans asked for (their draws must be counted); if that
         or the undo times out, it raises with everything still held, so a later call gives them back."""
         while self._asked:
@@ -289,7 +289,8 @@ class Stream:
             except (ValueError, TypeError, IndexError):  # a refused draw: nothing was drawn
                 pass
         count = len(self._planned)
-        self.policy.gave_back(count)
+        if pace:
+            self.policy.gave_back(count)
         if count == 0:
             return
         verdict = self.rpc.get(self.rpc.coord.undo.remote(self.id, count))
@@ -301,10 +302,8 @@ class Stream:
 
     def _unreported(self) -> int | None:
         """The number of the last draw handed over, if the coordinator has not been told it (it is, now)."""
-        if self._last_served <= self._reported:
-            return None
-        self._reported = self._last_served
-        return self._reported
+        told, self._reported = self._reported, self._last_served
+        return self._last_served if self._last_served > told else None
 
     def report(self, always: bool = False) -> Any:
         """Tell the coordinator which draws were handed over (fire and forget): before a save counts them, and
