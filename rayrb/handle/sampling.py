@@ -13,6 +13,10 @@ from rayrb.handle.policies import Ahead, Loop
 from rayrb.handle.rpc import node_id
 from rayrb.handle.stream import Stream
 
+# Every open stream of this process, of any handle: the one place a save finds what each has handed over, which
+# only the process that served it knows.
+_LIVE: "weakref.WeakSet[Stream]" = weakref.WeakSet()
+
 
 class Sampling:
     """The streams of one handle. ``prefetch``: the loop's depth; ``layout``: where each shard's files are
@@ -25,7 +29,6 @@ class Sampling:
         self.local_enabled, self.limited, self.storage_device = local_reads, limited, storage_device
         self._local: Any = None  # the LocalReads, made at first use (never pickled)
         self.stream: Stream | None = None  # the sample() loop's
-        self.iterators: weakref.WeakSet[Stream] = weakref.WeakSet()
 
     @property
     def local(self) -> Any:
@@ -42,6 +45,7 @@ class Sampling:
         if self.stream is None:
             self.stream = Stream(self.rpc, batch_size, depth=self.prefetch, spec=self.spec,
                                  policy=Loop(self.spec.row_bytes, limited=self.limited), local=self.local)
+            _LIVE.add(self.stream)
         return self.stream
 
     def iterator(self, output: Any, batch_size: int, *, prefetch: int, device: Any, return_info: bool,
@@ -51,7 +55,7 @@ class Sampling:
         depth = prefetch if direct is not None else min(prefetch, MAX_AHEAD)
         stream = Stream(self.rpc, batch_size, depth=depth, spec=self.spec, policy=Ahead(), direct=direct,
                         limit=num_batches, local=self.local)
-        self.iterators.add(stream)
+        _LIVE.add(stream)
         return BatchIterator(stream, output, device=device, return_info=return_info)
 
     def give_back(self, pace: bool = True) -> None:
@@ -61,9 +65,11 @@ class Sampling:
             self.stream.give_back(pace)
 
     def report_served(self) -> None:
-        """Tell the coordinator what the iterators handed over, before a save counts it."""
-        for stream in list(self.iterators):
-            stream.report()
+        """Tell the coordinator what every stream of this buffer in this process handed over, before a save
+        counts it: a save by one handle must not rewind what another handle here served."""
+        for stream in list(_LIVE):
+            if stream.rpc.name == self.rpc.name and not stream.closed:
+                stream.report()
 
     def next_fraction(self) -> float | None:
         """The offline fraction of the loop's next batch, if it is planned (``Stream.next_fraction``)."""

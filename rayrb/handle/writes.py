@@ -38,7 +38,8 @@ class Writer:
     def __init__(self, rpc: Any, spec: Any):
         self.rpc, self._spec = rpc, spec
 
-    def _rows(self, data: Any, what: str) -> dict[str, np.ndarray]:
+    def rows(self, data: Any, what: str) -> dict[str, np.ndarray]:
+        """``data`` as flat numpy arrays, checked against the row spec (``what`` names it in errors)."""
         if isinstance(data, (list, tuple)):
             raise InvalidArgumentTypeError(
                 f"expected one TensorDict or dict of arrays for {what}, got a {type(data).__name__} "
@@ -55,7 +56,7 @@ class Writer:
         import ray
 
         write_id, prefill = optional_str("write_id", write_id), boolean("prefill", prefill)
-        arrays = self._rows(data, "online data")
+        arrays = self.rows(data, "online data")
         n = next(iter(arrays.values())).shape[0]
         if n == 0:
             return torch.empty(0, dtype=torch.int64)

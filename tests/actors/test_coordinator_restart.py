@@ -209,7 +209,7 @@ def _half_sent_write(rb, tmp_path, write_id, data):
     pass
     from rayrb.durability.coordinator_state import CoordinatorState
 
-    arrays = rb._rows(data, "online data")
+    arrays = rb._writer.rows(data, "online data")
     n = len(data)
     online = rb.rpc.by_side["online"]
     ray.get(online[0].extend.remote(ray.put(arrays), 0, n // 2, first=0))

@@ -182,7 +182,7 @@ def _half_sent(rb, tmp_path, write_id, data):
     from rayrb.durability.coordinator_state import CoordinatorState
 
     n = len(data)
-    ray.get(rb.rpc.by_side["online"][0].extend.remote(ray.put(rb._rows(data, "rows")), 0, n // 2, first=0))
+    ray.get(rb.rpc.by_side["online"][0].extend.remote(ray.put(rb._writer.rows(data, "rows")), 0, n // 2, first=0))
     CoordinatorState(next((tmp_path / "state").rglob("coordinator"))).journal(
         write_id, [(0, 0, n // 2, 0), (1, n // 2, n, 0)])
     kill_coordinator(rb)
