@@ -121,7 +121,7 @@ def make_schedule(spec: float | str | Mapping[str, Any] | Schedule) -> Schedule:
     """A schedule from a number (constant), a kind name, a config dict, or a schedule."""
     if isinstance(spec, Schedule):
         return spec
-    if isinstance(spec, (int, float)) and not isinstance(spec, bool):
+    if isinstance(spec, (int, float)):  # True too: Constant refuses it, as a number outside [0, 1] is refused
         return Constant(spec)
     if isinstance(spec, str):
         spec = {"kind": spec}

@@ -20,7 +20,7 @@ import torch
 
 from rayrb.core.plans import OFFLINE
 from rayrb.core.schema import RowSpec
-from rayrb.core.validation import non_negative_int, positive_int
+from rayrb.core.validation import positive_int
 from rayrb.errors import (
     BufferUnavailableError,  # noqa: F401  (re-exported: rayrb.client)
     InvalidArgumentError,
@@ -56,7 +56,7 @@ class BufferClient(Writes, LearnerPaths, Steering):
         self._spec, self._name, self._batch_size, self._transform = spec, name, batch_size, transform
         self._max_batch_bytes, self._storage_device = max_batch_bytes, storage_device
         self._transport, self._read_device = transport, read_device
-        self._prefetch = non_negative_int("prefetch", prefetch)
+        self._prefetch = prefetch  # checked by the owner (rayrb.handle.settings, or client())
         # where each shard's files are (rayrb.handle.local), whether to read them here, whether a limiter counts
         self._layout, self._local_enabled, self._limited = layout, local_reads, limited
         self._local: Any = None  # the LocalReads, made at first use (never pickled)
