@@ -174,3 +174,17 @@ def test_the_last_batch_of_an_epoch_is_marked_for_every_epoch_end(epoch_end, las
     sizes = {"offline": np.array([150, 150]), "online": np.array([0])}
     marks = [p.draw(64, sizes=sizes)[0][0].last_of_epoch for _ in range(last)]
     assert marks == [False] * (last - 1) + [True]
+
+
+def test_every_allocator_says_what_an_epochs_end_does():
+    """The planner reads the allocator's ``epoch_end`` (None: no epochs) rather than guessing from its kind."""
+    from rayrb.core.allocators import make_allocator
+
+    shards = {OFFLINE: 1, ONLINE: 1}
+    assert make_allocator("uniform", shards).epoch_end is None
+    assert make_allocator("prioritized", shards).epoch_end is None
+    assert make_allocator("without_replacement", shards).epoch_end == "short"
+    assert make_allocator("without_replacement", shards, epoch_end="drop").epoch_end == "drop"
+    mixed = {OFFLINE: "uniform", ONLINE: "without_replacement"}
+    assert make_allocator(mixed, shards, epoch_end="raise").epoch_end == "raise"
+    assert make_allocator({OFFLINE: "uniform", ONLINE: "prioritized"}, shards).epoch_end is None
