@@ -12,25 +12,23 @@ import os
 import shutil
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from rayrb.core.allocation import row_ranges, split_evenly
 from rayrb.core.plans import OFFLINE, ONLINE
 from rayrb.core.schedules import Schedule
-from rayrb.core.validation import ALPHA, BETA, EPS, boolean, non_negative_int
-from rayrb.core.validation import timeout as check_timeout
-from rayrb.errors import InvalidArgumentError
+from rayrb.core.validation import ALPHA, BETA, EPS
+from rayrb.handle import launch
 from rayrb.handle.client import PREFETCH, BufferClient, BufferUnavailableError
+from rayrb.handle.launch import remove_leftovers as _remove_leftovers  # its name here since it moved
 from rayrb.handle.prefill import prefill_replay_buffer  # its home before it had a module of its own
 from rayrb.handle.settings import (
     DEFAULT_MAX_BATCH_BYTES,
     DEFAULT_STORAGE,
     BufferSettings,
     checked_settings,
-    default_offline_kind,
-    is_dataset_id,
+    client_options,
 )
 from rayrb.io.chunks import ChunkDataset
 
@@ -161,10 +159,8 @@ class OfflineToOnlineReplayBuffer(BufferClient):
             transport=transport, alpha=alpha, beta=beta, eps=eps, max_batch_bytes=max_batch_bytes,
             storage_dir=storage_dir, rate_limiter=rate_limiter, prefetch=prefetch, storage_device=storage_device,
             max_restarts=max_restarts, local_reads=local_reads)
-        if s.transport == "nccl" and "num_gpus" not in (actor_options or {}):
-            _check_nccl_gpus(s.num_offline_shards + s.num_online_shards)
-        own_sampler = sampler is not None or offline_sampler is not None
-        dataset, self._owned_dirs, s = _offline_chunks(offline_dataset, s, own_sampler, dataset_root, dataset_kwargs)
+        dataset, self._owned_dirs, s = launch.offline_chunks(  # a sampler asked for wins over a TorchRL dataset's
+            offline_dataset, s, sampler is not None or offline_sampler is not None, dataset_root, dataset_kwargs)
         self._dataset_root, self._offline_rows, self._settings = str(dataset.root), len(dataset), s
         name = name or f"rayrb-{uuid.uuid4().hex[:12]}"
         try:
@@ -177,11 +173,9 @@ class OfflineToOnlineReplayBuffer(BufferClient):
         BufferClient.__init__(self, coord, shards, dataset.spec, name=name, batch_size=s.batch_size,
                               num_offline=s.num_offline_shards, read_device=read_device, layout=layout,
                               **s.handle_options())
-        try:  # surface construction errors (a missing chunk, a bad spec) here, not at the first sample
-            # Starting processes takes seconds: the per-call timeout is not for this.
-            timeout = self.rpc.timeout
-            self.rpc.get([a.ping.remote() for a in self.rpc.shards] + [self.rpc.coord.ping.remote()],
-                         timeout=None if timeout is None else max(timeout, 300.0))
+        try:  # construction errors (a missing chunk, a bad spec) surface here, not at the first sample
+            wait = None if self.rpc.timeout is None else max(self.rpc.timeout, 300.0)  # starting takes seconds
+            self.rpc.get([a.ping.remote() for a in self.rpc.shards] + [self.rpc.coord.ping.remote()], timeout=wait)
             if online_storage is not None and len(online_storage) > 0:
                 from rayrb.io.datasets.registry import torchrl_rows
 
@@ -202,14 +196,7 @@ class OfflineToOnlineReplayBuffer(BufferClient):
         Returns:
             A picklable ``BufferClient``.
         """
-        args = self._client_args()
-        if timeout != "same":
-            args["timeout"] = check_timeout(timeout)
-        if prefetch != "same":
-            args["prefetch"] = non_negative_int("prefetch", prefetch)
-        if local_reads != "same":
-            args["local_reads"] = boolean("local_reads", local_reads)
-        return BufferClient(**args)
+        return BufferClient(**{**self._client_args(), **client_options(timeout, prefetch, local_reads)})
 
     def preprocess(self, fn: Callable, dest: str | os.PathLike, **kwargs: Any) -> ChunkDataset:
         """Map the offline dataset through ``fn`` with Ray tasks (see ``rayrb.preprocess``).
@@ -291,20 +278,7 @@ class OfflineToOnlineReplayBuffer(BufferClient):
 
     def shutdown(self) -> None:
         """Kill the buffer's actors, remove their state files and offline data it wrote itself. Idempotent."""
-        import ray
-
-        rpc = getattr(self, "rpc", None)
-        shards, coord = (rpc.shards, rpc.coord) if rpc is not None else ([], None)
-        if rpc is not None:
-            rpc.closed = True
-        closing = [s.close.remote() for s in shards] + ([coord.close.remote()] if coord is not None else [])
-        try:  # shards remove their state files, the coordinator its version file; a stuck one is killed anyway
-            ray.wait(closing, num_returns=len(closing), timeout=5)
-        except Exception:
-            pass
-        for actor in [*shards, coord, *self._copies]:  # the shards close their copies; the groups go with them
-            if actor is not None:
-                _kill(actor)
+        launch.stop(getattr(self, "rpc", None), self._copies)
         self._copies = []
         self._remove_owned()
 
@@ -330,6 +304,8 @@ def _start_actors(dataset: ChunkDataset, name: str, s: BufferSettings, *, seed: 
     from rayrb.actors.shards import OfflineShard
     from rayrb.durability.storage import shard_directory
 
+    if s.transport == "nccl" and "num_gpus" not in actor_options:
+        launch.check_nccl_gpus(s.num_offline_shards + s.num_online_shards)
     m, k, kinds, storage_dir, replicas = (s.num_offline_shards, s.num_online_shards, s.samplers, s.storage_dir,
                                           s.online_replicas)
     cls_opts, opts, coord_opts, device = group_options(actor_options, s.transport, m + k, s.storage_device)
@@ -353,8 +329,8 @@ def _start_actors(dataset: ChunkDataset, name: str, s: BufferSettings, *, seed: 
                 name=f"{name}/off-{i}", **shard_placement(dataset, a, b, off_opts))
                            .remote(str(dataset.root), a, b, f"{name}/off-{i}", kinds[OFFLINE], sampler_options=so,
                                    state_dir=shard_directory(storage_dir, instance, f"off-{i}"), device=table))
-        extra = _start_online(dataset.spec.to_json(), capacities, name, instance, kinds[ONLINE], so, on_opts,
-                              cls_opts, storage_dir, table, s.online_nodes, groups, replicas, started)
+        extra = launch.start_online(dataset.spec.to_json(), capacities, name, instance, kinds[ONLINE], so, on_opts,
+                                    cls_opts, storage_dir, table, s.online_nodes, groups, replicas, started)
         # The coordinator restarts too when it can keep its state on disk: the stream, settings and
         # version there, the write counts in the shards.
         coord_restart = restart if storage_dir is not None else {}
@@ -367,114 +343,8 @@ def _start_actors(dataset: ChunkDataset, name: str, s: BufferSettings, *, seed: 
             state_dir=shard_directory(storage_dir, instance, "coordinator"), replicated=replicas > 1)
     except BaseException:
         for actor in started:
-            _kill(actor)
+            launch.kill(actor)
         raise
     shards = [a for a in started if a not in extra]
-    return coord, shards, device, _layout(dataset, name, instance, kinds, ranges, capacities, storage_dir,
-                                          replicas), extra
-
-
-def _layout(dataset: ChunkDataset, name: str, instance: str, kinds: dict[str, str], ranges: list, capacities: list,
-            storage_dir: str | None, replicas: int) -> list[dict]:
-    """Where each shard's rows lie, for handles on its node that read them themselves (``rayrb.handle.local``)."""
-    from rayrb.durability.storage import shard_directory
-
-    layout = [{"side": OFFLINE, "sampler": kinds[OFFLINE], "root": str(dataset.root), "start": a, "stop": b}
-              for a, b in ranges]
-    return layout + [{"side": ONLINE, "sampler": kinds[ONLINE], "capacity": c,
-                      "dir": shard_directory(storage_dir, instance, f"on-{i}"),
-                      "copies": [{"name": f"{name}/on-{i}.r{r}",
-                                  "dir": shard_directory(storage_dir, instance, f"on-{i}.r{r}")}
-                                 for r in range(1, replicas)]} for i, c in enumerate(capacities)]
-
-
-def _start_online(spec: dict, capacities: list[int], name: str, instance: str, kind: str, so: dict, on_opts: dict,
-                  cls_opts: dict, storage_dir: str | None, table: str | None, online_nodes: list | None,
-                  groups: list, replicas: int, started: list) -> list:
-    """Start the online shards (appended to ``started``), each with ``replicas - 1`` copies on other nodes, all of
-    a shard's in its placement group of ``groups``; returns the groups and copies, which the shard owns."""
-    from rayrb.actors.lifecycle import actor_class
-    from rayrb.actors.placement import in_group, on_node
-    from rayrb.actors.shards import OnlineShard
-    from rayrb.durability.storage import shard_directory
-
-    extra = list(groups)
-    for i, c in enumerate(capacities):
-        copies = [f"{name}/on-{i}.r{r}" for r in range(1, replicas)]
-        for r, copy in enumerate(copies, 1):  # before the shard, which looks them up by name
-            started.append(actor_class(OnlineShard, **cls_opts).options(
-                name=copy, **in_group(on_opts, groups[i], r)).remote(
-                spec, c, copy, kind, sampler_options=so,
-                state_dir=shard_directory(storage_dir, instance, f"on-{i}.r{r}"), device=table))
-            extra.append(started[-1])
-        place = in_group(on_opts, groups[i], 0) if groups else on_node(on_opts, online_nodes[i] if online_nodes else None)
-        started.append(actor_class(OnlineShard, **cls_opts).options(name=f"{name}/on-{i}", **place).remote(
-            spec, c, f"{name}/on-{i}", kind, sampler_options=so,
-            state_dir=shard_directory(storage_dir, instance, f"on-{i}"), device=table, replicas=copies,
-            coordinator=name))
-    return extra
-
-
-def _kill(actor: Any) -> None:
-    """Kill an actor, or remove a placement group with the actors in it."""
-    import ray
-    from ray.util.placement_group import PlacementGroup, remove_placement_group
-
-    try:
-        if isinstance(actor, PlacementGroup):
-            remove_placement_group(actor)
-        else:
-            ray.kill(actor)
-    except Exception:  # already gone
-        pass
-
-
-def _offline_chunks(offline_dataset: Any, s: BufferSettings, own_sampler: bool, dataset_root: Any,
-                    dataset_kwargs: dict) -> tuple[ChunkDataset, list, BufferSettings]:
-    """The offline dataset as chunks, the directories the buffer then owns (removed at shutdown), and ``s``.
-
-    A dataset id goes to its loader (with ``batch_size``, as TorchRL forwards it); a TorchRL dataset's own sampler
-    becomes the offline side's unless one was asked for (in the settings returned). Refused, it leaves nothing.
-    """
-    from rayrb.io.datasets.registry import as_chunk_dataset, load_dataset
-
-    if isinstance(offline_dataset, (str, os.PathLike)):  # options such as root= go to the dataset's loader
-        if s.batch_size is not None and is_dataset_id(offline_dataset):
-            dataset_kwargs = {"batch_size": s.batch_size, **dataset_kwargs}
-        offline_dataset, dataset_kwargs = load_dataset(offline_dataset, **dataset_kwargs), {}
-        if not own_sampler and not isinstance(offline_dataset, ChunkDataset):
-            s = replace(s, offline_sampler=default_offline_kind(offline_dataset))  # a TorchRL dataset's own sampler
-    dataset, owned = as_chunk_dataset(offline_dataset, root=dataset_root, **dataset_kwargs)
-    owned_dirs = [dataset.root.parent] if owned and dataset_root is None else []
-    problem = None
-    if len(dataset) == 0:
-        problem = "expected an offline dataset with at least one row, got 0 rows"
-    elif s.num_offline_shards > len(dataset):
-        problem = f"num_offline_shards ({s.num_offline_shards}) exceeds the dataset's {len(dataset)} rows"
-    if problem is not None:
-        for d in owned_dirs:
-            shutil.rmtree(d, ignore_errors=True)
-        raise InvalidArgumentError(problem)
-    return dataset, owned_dirs, s
-
-
-def _check_nccl_gpus(shards: int) -> None:
-    """NCCL gives each shard a GPU of its own: refuse a cluster with fewer GPUs than shards."""
-    import ray
-
-    gpus = ray.cluster_resources().get("GPU", 0)
-    if gpus < shards:
-        raise InvalidArgumentError(f"transport='nccl' gives each shard a GPU of its own (NCCL needs one GPU per rank): "
-                                   f"{shards} shards need {shards} GPUs, the cluster has {gpus:g}; use fewer shards, "
-                                   "transport='cuda_ipc' within a node, or 'auto'")
-
-
-def _remove_leftovers(storage_dir: Any) -> None:
-    """What buffers whose owner died without shutdown() left on this node (rayrb.durability.leftovers)."""
-    from rayrb.actors.lifecycle import leftovers
-    from rayrb.durability.leftovers import remove
-
-    try:
-        remove(leftovers([storage_dir] if storage_dir is not None else []))
-    except Exception:  # a clean-up: never a reason not to start
-        pass
+    return coord, shards, device, launch.layout(dataset, name, instance, kinds, ranges, capacities, storage_dir,
+                                                replicas), extra

@@ -145,6 +145,15 @@ def checked_settings(offline_dataset: Any, *, online_capacity: Any = None, onlin
         storage_dir=None if storage_dir is None else str(storage_dir), **prio)
 
 
+def client_options(timeout: Any = "same", prefetch: Any = "same", local_reads: Any = "same") -> dict[str, Any]:
+    """A client's own ``timeout``, ``prefetch`` and ``local_reads``, checked as ``checked_settings`` checks the
+    buffer's; those left ``"same"`` (the buffer's) are left out."""
+    checks = {"timeout": check_timeout, "prefetch": lambda v: non_negative_int("prefetch", v),
+              "local_reads": lambda v: boolean("local_reads", v)}
+    given = {"timeout": timeout, "prefetch": prefetch, "local_reads": local_reads}
+    return {key: checks[key](value) for key, value in given.items() if not (isinstance(value, str) and value == "same")}
+
+
 def capacity_option(online_capacity: Any, online_storage: Any, num_online_shards: int) -> int:
     """The online capacity: ``online_capacity``, or a TorchRL ``online_storage``'s ``max_size`` (one of them)."""
     if (online_capacity is None) == (online_storage is None):

@@ -120,3 +120,17 @@ def test_the_class_lists_its_fields_once():
     assert len(names) == len(set(names))
     assert set(names) - {"offline_sampler", "online_sampler", "limited"} <= set(
         inspect.signature(checked_settings).parameters) | {"online_capacity"}
+
+
+def test_a_clients_own_options_are_checked_as_the_buffers():
+    from rayrb.handle.settings import client_options
+
+    assert client_options() == {}
+    assert client_options(timeout=2, prefetch=0, local_reads=False) == {"timeout": 2.0, "prefetch": 0,
+                                                                        "local_reads": False}
+    with pytest.raises(InvalidArgumentError, match="prefetch must be a non-negative integer, got -1"):
+        client_options(prefetch=-1)
+    with pytest.raises(InvalidArgumentTypeError, match="local_reads must be True or False, got 'yes'"):
+        client_options(local_reads="yes")
+    with pytest.raises(InvalidArgumentError, match="timeout must be a finite number > 0.0, got 0"):
+        client_options(timeout=0)
