@@ -84,11 +84,12 @@ class Planner:
         return value_at(self.schedule, self.step, offline, online)  # a user's schedule checked here, once
 
     def set_fraction(self, value: Any) -> None:
+        """The fraction from the next batch on; ``base_fraction`` stays (as TorchRL's when it is assigned)."""
         self.schedule = make_schedule(value)
-        self._base = self.schedule.value if isinstance(self.schedule, Constant) else None
 
     def base_fraction(self, sizes: Sizes) -> float:
-        """The fraction ``anneal`` decays from."""
+        """The fraction ``anneal`` decays from: the constant fraction the planner was made with, or the one
+        ``set_base_fraction`` (or a loaded state) gave; without either (made with a schedule), the fraction now."""
         return self._base if self._base is not None else self.fraction(sizes)
 
     def set_base_fraction(self, value: Any) -> None:
@@ -97,10 +98,7 @@ class Planner:
         self._base = fraction("base_offline_fraction", value)
 
     def anneal(self, step: int, total_steps: int, sizes: Sizes) -> float:
-        """TorchRL's ``anneal``: linear from the base fraction to 0 over ``total_steps``.
-
-        The base is the last constant fraction set; after a schedule, the fraction it gives now.
-        """
+        """TorchRL's ``anneal``: linear from ``base_fraction`` (kept from then on) to 0 over ``total_steps``."""
         step, total_steps = non_negative_int("step", step), positive_int("total_steps", total_steps)
         base = self.base_fraction(sizes)
         value = Linear(base, 0.0, total_steps)(step, 0, 0)

@@ -58,10 +58,7 @@ class _ViewMethods:
 
     @_offline_fraction.setter
     def _offline_fraction(self, value: float) -> None:
-        # TorchRL's private attribute: assigning it leaves the base alone (rayrb's offline_fraction sets both)
-        base = self._rayrb._base_offline_fraction
-        self._rayrb.offline_fraction = value
-        self._rayrb._base_offline_fraction = base
+        self._rayrb.offline_fraction = value  # the base stays, as TorchRL's does when this is assigned
 
     @property
     def _base_offline_fraction(self) -> float:
@@ -77,7 +74,10 @@ class _ViewMethods:
 
     @offline_fraction.setter
     def offline_fraction(self, value: float) -> None:
-        self._rayrb.offline_fraction = value  # a constant fraction becomes the base too, as TorchRL's does
+        """The fraction and, a number, the base too: what TorchRL's constructor sets (its property has no setter)."""
+        self._rayrb.offline_fraction = value
+        if isinstance(value, (int, float)):
+            self._rayrb._base_offline_fraction = value
 
     def anneal(self, step: int, total_steps: int) -> None:
         """TorchRL's: linear from the base fraction to 0 over ``total_steps`` (the buffer's ``anneal``)."""

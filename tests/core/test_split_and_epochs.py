@@ -188,3 +188,22 @@ def test_every_allocator_says_what_an_epochs_end_does():
     mixed = {OFFLINE: "uniform", ONLINE: "without_replacement"}
     assert make_allocator(mixed, shards, epoch_end="raise").epoch_end == "raise"
     assert make_allocator({OFFLINE: "uniform", ONLINE: "prioritized"}, shards).epoch_end is None
+
+
+def test_the_base_fraction_anneal_decays_from_is_the_planners_alone():
+    """TorchRL's: the base is the fraction the buffer was made with, or the one set as the base; assigning the
+    fraction leaves it, and anneal decays linearly from it to 0. A loaded state brings its own."""
+    from rayrb.core.planner import Planner
+
+    sizes = {OFFLINE: np.array([10]), ONLINE: np.array([10])}
+    p = Planner({OFFLINE: 1, ONLINE: 1}, offline_fraction=0.8, seed=0)
+    p.set_fraction(0.0)
+    assert p.base_fraction(sizes) == 0.8 and p.fraction(sizes) == 0.0
+    assert p.anneal(8, 10, sizes) == pytest.approx(0.16) and p.base_fraction(sizes) == 0.8
+    p.set_base_fraction(0.5)
+    assert p.anneal(5, 10, sizes) == pytest.approx(0.25)
+    state = p.state_dict()
+    q = Planner({OFFLINE: 1, ONLINE: 1}, offline_fraction="size_proportional", seed=0)
+    assert q.base_fraction(sizes) == 0.5  # made with a schedule: the fraction it gives now
+    q.load_state_dict(state)
+    assert q.base_fraction(sizes) == 0.5 and q.fraction(sizes) == pytest.approx(0.25)
