@@ -49,12 +49,13 @@ def offline_count(batch_size: int, offline_fraction: float) -> int:
 
 def split_batch(batch_size: int, offline_fraction: float, online_size: int) -> tuple[int, int]:
     """``(n_off, n_on)`` for one batch; all offline while the online side is empty."""
-    return split_checked(check_batch_size(batch_size), offline_fraction, online_size)
+    return split_checked(check_batch_size(batch_size), check_fraction(offline_fraction), online_size)
 
 
 def split_checked(batch_size: int, offline_fraction: float, online_size: int) -> tuple[int, int]:
-    """``split_batch`` for a batch size already checked (the planner's, once per batch)."""
-    n_off = offline_count(batch_size, check_fraction(offline_fraction))
+    """``split_batch`` for a batch size and a fraction already checked (the planner's: the batch size once per
+    group, the fraction where its schedule gives it)."""
+    n_off = offline_count(batch_size, offline_fraction)
     if online_size <= 0:
         return batch_size, 0
     return n_off, batch_size - n_off

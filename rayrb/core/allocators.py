@@ -49,6 +49,9 @@ class Allocator:
     uses_masses = False  # the coordinator feeds ``set_masses`` before each draw
     reads_with_args = False  # whether ``read_args`` can return anything
     groups_batches = True  # several batches may be drawn ahead in one group of reads
+    # What a batch does when a side has fewer rows left in its epoch than it needs ("short", "drop", "raise"):
+    # None for a kind without epochs. The planner reads it rather than guessing from the kind.
+    epoch_end: str | None = None
 
     def __init__(self, num_shards: Mapping[str, int], **options: Any):
         self.num_shards = {side: int(num_shards[side]) for side in SIDES}
@@ -242,7 +245,7 @@ class PerSide(Allocator):
         self.parts = {side: parts[side] for side in SIDES}
         self.uses_masses = any(a.uses_masses for a in self.parts.values())
         self.groups_batches = all(a.groups_batches for a in self.parts.values())
-        self.epoch_end = next((a.epoch_end for a in self.parts.values() if hasattr(a, "epoch_end")), None)
+        self.epoch_end = next((a.epoch_end for a in self.parts.values() if a.epoch_end is not None), None)
 
     def check(self, need: Mapping[str, int], sizes: Sizes) -> dict[str, bool]:
         return {side: self.parts[side].check({s: need[s] if s == side else 0 for s in SIDES}, sizes)[side]

@@ -37,11 +37,11 @@ from typing import Any
 
 import numpy as np
 
-from rayrb.core.allocation import split_batch, split_checked, split_slices
+from rayrb.core.allocation import split_checked, split_slices
 from rayrb.core.allocators import make_allocator
 from rayrb.core.plans import OFFLINE, ONLINE, SIDES, BatchPlan, Part
 from rayrb.core.rate_limiter import ALL_OFFLINE, WAIT, make_rate_limiter
-from rayrb.core.schedules import Constant, Linear, make_schedule
+from rayrb.core.schedules import Constant, Linear, make_schedule, value_at
 from rayrb.core.validation import BETA, non_negative_int, positive_int
 from rayrb.errors import HeldBack, InvalidArgumentError, SavedStateError
 
@@ -81,14 +81,15 @@ class Planner:
         return self._fraction(int(sizes[OFFLINE].sum()), int(sizes[ONLINE].sum()))
 
     def _fraction(self, offline: int, online: int) -> float:
-        return float(self.schedule(self.step, offline, online))
+        return value_at(self.schedule, self.step, offline, online)  # a user's schedule checked here, once
 
     def set_fraction(self, value: Any) -> None:
+        """The fraction from the next batch on; ``base_fraction`` stays (as TorchRL's when it is assigned)."""
         self.schedule = make_schedule(value)
-        self._base = self.schedule.value if isinstance(self.schedule, Constant) else None
 
     def base_fraction(self, sizes: Sizes) -> float:
-        """The fraction ``anneal`` decays from."""
+        """The fraction ``anneal`` decays from: the constant fraction the planner was made with, or the one
+        ``set_base_fraction`` (or a loaded state) gave; without either (made with a schedule), the fraction now."""
         return self._base if self._base is not None else self.fraction(sizes)
 
     def set_base_fraction(self, value: Any) -> None:
@@ -97,10 +98,7 @@ class Planner:
         self._base = fraction("base_offline_fraction", value)
 
     def anneal(self, step: int, total_steps: int, sizes: Sizes) -> float:
-        """TorchRL's ``anneal``: linear from the base fraction to 0 over ``total_steps``.
-
-        The base is the last constant fraction set; after a schedule, the fraction it gives now.
-        """
+        """TorchRL's ``anneal``: linear from ``base_fraction`` (kept from then on) to 0 over ``total_steps``."""
         step, total_steps = non_negative_int("step", step), positive_int("total_steps", total_steps)
         base = self.base_fraction(sizes)
         value = Linear(base, 0.0, total_steps)(step, 0, 0)
@@ -184,25 +182,25 @@ class Planner:
         if self.alloc.epoch_over(OFFLINE):
             return True
         room = self.alloc.room(OFFLINE)
-        if room is None or getattr(self.alloc, "epoch_end", "short") == "short":
+        if room is None or self.alloc.epoch_end == "short":
             return False
-        return room < split_batch(batch_size, self.fraction(sizes), online)[0]
+        return room < split_checked(batch_size, self.fraction(sizes), online)[0]
 
     def _shorten(self, batch_size: int, fraction: float, online: int) -> dict[str, int]:
         """The split of this batch, or, at the end of an epoch that serves short batches, of the largest
         shorter batch whose exact split fits in what each side has left."""
-        if getattr(self.alloc, "epoch_end", None) != "short":  # batch_size was checked by draw
+        if self.alloc.epoch_end != "short":  # no epochs, or not short batches at their end; batch_size checked
             key = (batch_size, fraction, online > 0)  # the same for every batch of a group: computed once
             if key not in self._splits:
                 if len(self._splits) > 256:
                     self._splits.clear()
                 self._splits[key] = dict(zip(SIDES, split_checked(batch_size, fraction, online)))
             return dict(self._splits[key])
-        need = dict(zip(SIDES, split_batch(batch_size, fraction, online)))
+        need = dict(zip(SIDES, split_checked(batch_size, fraction, online)))
         room = {side: self.alloc.room(side) for side in SIDES}
         for b in range(batch_size, 0, -1):
             if b < batch_size:
-                need = dict(zip(SIDES, split_batch(b, fraction, online)))
+                need = dict(zip(SIDES, split_checked(b, fraction, online)))
             if all(room[s] is None or need[s] <= room[s] for s in SIDES):
                 return need
         return need

@@ -117,11 +117,21 @@ class SizeProportional(Schedule):
 _KINDS = {c.kind: c for c in (Constant, Linear, Cosine, Step, SizeProportional)}
 
 
+def value_at(schedule: Schedule, step: int, n_offline: int, n_online: int) -> float:
+    """The fraction ``schedule`` gives: a kind of this module answers within ``[0, 1]`` by construction (its
+    numbers were checked when it was made), any other (a user's subclass) is checked here, where it answers."""
+    value = schedule(step, n_offline, n_online)
+    return float(value) if type(schedule) in _TRUSTED else check_fraction(value)
+
+
+_TRUSTED = frozenset(_KINDS.values())
+
+
 def make_schedule(spec: float | str | Mapping[str, Any] | Schedule) -> Schedule:
     """A schedule from a number (constant), a kind name, a config dict, or a schedule."""
     if isinstance(spec, Schedule):
         return spec
-    if isinstance(spec, (int, float)) and not isinstance(spec, bool):
+    if isinstance(spec, (int, float)):  # True too: Constant refuses it, as a number outside [0, 1] is refused
         return Constant(spec)
     if isinstance(spec, str):
         spec = {"kind": spec}

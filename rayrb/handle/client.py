@@ -61,7 +61,7 @@ class BufferClient:
         self.rpc = Rpc(coord, shards, num_offline, name=name, timeout=timeout)
         self.output = Output(spec, batch_size, transform, max_batch_bytes)
         self._spec, self._name = spec, name
-        self._sampling = Sampling(self.rpc, spec, prefetch=non_negative_int("prefetch", prefetch), layout=layout,
+        self._sampling = Sampling(self.rpc, spec, prefetch=prefetch, layout=layout,  # checked by the owner
                                   local_reads=local_reads, limited=limited, storage_device=storage_device)
         self._writer = Writer(self.rpc, spec)
         self._learners = Learners(self.rpc, self.output, name, transport, read_device)
@@ -198,8 +198,6 @@ class BufferClient:
     @offline_fraction.setter
     @gives_back
     def offline_fraction(self, value: float | Schedule | str | dict) -> None:
-        if isinstance(value, (int, float)):
-            fraction("offline_fraction", value)
         self.rpc.get(self.rpc.coord.set_offline_fraction.remote(make_schedule(value)))
 
     _offline_fraction = offline_fraction  # TorchRL's private name, which its trainer hooks read and assign
@@ -211,7 +209,8 @@ class BufferClient:
 
     @gives_back
     def anneal(self, step: int, total_steps: int) -> None:
-        """Decay ``offline_fraction`` linearly from its base value to 0 over ``total_steps`` (TorchRL's)."""
+        """Decay ``offline_fraction`` linearly to 0 over ``total_steps`` (TorchRL's) from its base: the fraction the
+        buffer was made with, or ``_base_offline_fraction`` as set (setting ``offline_fraction`` leaves it)."""
         step, total_steps = non_negative_int("step", step), positive_int("total_steps", total_steps)
         self.rpc.get(self.rpc.coord.anneal.remote(step, total_steps))
 

@@ -2,7 +2,7 @@
 
 It starts the coordinator and shard actors, and is the one object that shuts
 them down, saves and restores them. Everything else (writing, sampling,
-steering) it inherits from ``BufferClient``, the thin handle
+steering) it inherits from ``BufferClient``, the handle
 that ``OfflineToOnlineReplayBuffer.client`` and pickling give to collectors
 and learners.
 """
@@ -10,44 +10,34 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from rayrb.actors.placement import online_nodes_option
-from rayrb.actors.transport import check_storage_device, check_transport
 from rayrb.core.allocation import row_ranges, split_evenly
-from rayrb.core.allocators import epoch_end_option
 from rayrb.core.plans import OFFLINE, ONLINE
-from rayrb.core.samplers import sampler_class
-from rayrb.core.schedules import Schedule, make_schedule
-from rayrb.core.validation import (
-    ALPHA,
-    BETA,
-    EPS,
-    boolean,
-    callable_or_none,
-    fraction,
-    non_negative_int,
-    positive_int,
-    priority_options,
-)
-from rayrb.core.validation import timeout as check_timeout
-from rayrb.errors import InvalidArgumentError
+from rayrb.core.schedules import Schedule
+from rayrb.core.validation import ALPHA, BETA, EPS
+from rayrb.handle import launch
 from rayrb.handle.client import PREFETCH, BufferClient, BufferUnavailableError
+from rayrb.handle.launch import remove_leftovers as _remove_leftovers  # its name here since it moved
 from rayrb.handle.prefill import prefill_replay_buffer  # its home before it had a module of its own
+from rayrb.handle.settings import (
+    DEFAULT_MAX_BATCH_BYTES,
+    DEFAULT_STORAGE,
+    BufferSettings,
+    checked_settings,
+    client_options,
+)
 from rayrb.io.chunks import ChunkDataset
 
 __all__ = ["OfflineToOnlineReplayBuffer", "BufferUnavailableError", "prefill_replay_buffer"]
 
-DEFAULT_MAX_BATCH_BYTES = 8 << 30
 # Times Ray re-sends a call whose actor died while it ran. A call that kills its actor every time (a read that
 # runs the node out of memory) then fails to its caller instead of killing the actor for ever; a call caught by
 # that many crashes of other causes in a row is as unlikely as it is harmless to fail (writes are retried by id).
 CALL_RETRIES = 10
-DEFAULT_STORAGE = os.path.join(tempfile.gettempdir(), "rayrb-state")
 
 
 class OfflineToOnlineReplayBuffer(BufferClient):
@@ -147,75 +137,45 @@ class OfflineToOnlineReplayBuffer(BufferClient):
     _owner = True
 
     def __init__(
-        self,
-        offline_dataset: Any,
-        *,
-        online_capacity: int | None = None,
-        online_storage: Any = None,
-        offline_fraction: float | Schedule | str | dict = 0.5,
-        batch_size: int | None = None,
-        transform: Callable | None = None,
-        num_offline_shards: int = 1,
-        num_online_shards: int = 1,
-        sampler: str | None = None,
-        offline_sampler: str | None = None,
-        online_sampler: str | None = None,
-        epoch_end: str | None = None,
-        drop_last: bool | None = None,
-        seed: int | None = None,
-        name: str | None = None,
-        dataset_root: str | os.PathLike | None = None,
-        actor_options: dict | None = None,
-        online_nodes: Sequence[str | None] | None = None,
-        online_replicas: int = 1,
-        timeout: float | None = None,
-        transport: str = "object_store",
-        alpha: float = ALPHA,
-        beta: float = BETA,
-        eps: float = EPS,
-        max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
-        storage_dir: str | os.PathLike | None = DEFAULT_STORAGE,
-        rate_limiter: Any = None,
-        prefetch: int = PREFETCH,
-        storage_device: str = "cpu",
-        max_restarts: int = -1,
-        local_reads: bool = True,
-        **dataset_kwargs: Any,
+        self, offline_dataset: Any, *, online_capacity: int | None = None, online_storage: Any = None,
+        offline_fraction: float | Schedule | str | dict = 0.5, batch_size: int | None = None,
+        transform: Callable | None = None, num_offline_shards: int = 1, num_online_shards: int = 1,
+        sampler: str | None = None, offline_sampler: str | None = None, online_sampler: str | None = None,
+        epoch_end: str | None = None, drop_last: bool | None = None, seed: int | None = None, name: str | None = None,
+        dataset_root: str | os.PathLike | None = None, actor_options: dict | None = None,
+        online_nodes: Sequence[str | None] | None = None, online_replicas: int = 1, timeout: float | None = None,
+        transport: str = "object_store", alpha: float = ALPHA, beta: float = BETA, eps: float = EPS,
+        max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES, storage_dir: str | os.PathLike | None = DEFAULT_STORAGE,
+        rate_limiter: Any = None, prefetch: int = PREFETCH, storage_device: str = "cpu", max_restarts: int = -1,
+        local_reads: bool = True, **dataset_kwargs: Any,
     ):
         self.rpc, self._owned_dirs, self._copies = None, [], []  # until the actors run, nothing is usable or owned
-        # Validate everything before any actor exists.
-        (num_offline_shards, num_online_shards, online_capacity, schedule, batch_size, kinds, epoch_end, prio,
-         max_restarts, transport, online_nodes, storage_device, limiter, settings, replicas) = _checked_options(
-            offline_dataset, num_offline_shards, num_online_shards, online_capacity, online_storage, offline_fraction,
-            batch_size, sampler, offline_sampler, online_sampler, epoch_end, drop_last, alpha, beta, eps, max_restarts,
-            transport, online_nodes, actor_options, storage_device, rate_limiter, local_reads, timeout, transform,
-            max_batch_bytes, prefetch, online_replicas, storage_dir)
-        own_sampler = sampler is not None or offline_sampler is not None
-        dataset, self._owned_dirs = _offline_chunks(offline_dataset, batch_size, own_sampler, kinds, dataset_root,
-                                                    num_offline_shards, dataset_kwargs)
-        self._dataset_root, self._offline_rows = str(dataset.root), len(dataset)
-        self._sampler_name = kinds[OFFLINE] if kinds[OFFLINE] == kinds[ONLINE] else kinds
-        self._priority_options = {"alpha": prio["alpha"], "eps": prio["eps"]}
-        self._rate_limiter_config = limiter.config()
+        s = checked_settings(  # every option checked once, before any actor exists; trusted from here on
+            offline_dataset, online_capacity=online_capacity, online_storage=online_storage,
+            offline_fraction=offline_fraction, batch_size=batch_size, transform=transform,
+            num_offline_shards=num_offline_shards, num_online_shards=num_online_shards, sampler=sampler,
+            offline_sampler=offline_sampler, online_sampler=online_sampler, epoch_end=epoch_end, drop_last=drop_last,
+            actor_options=actor_options, online_nodes=online_nodes, online_replicas=online_replicas, timeout=timeout,
+            transport=transport, alpha=alpha, beta=beta, eps=eps, max_batch_bytes=max_batch_bytes,
+            storage_dir=storage_dir, rate_limiter=rate_limiter, prefetch=prefetch, storage_device=storage_device,
+            max_restarts=max_restarts, local_reads=local_reads)
+        dataset, self._owned_dirs, s = launch.offline_chunks(  # a sampler asked for wins over a TorchRL dataset's
+            offline_dataset, s, sampler is not None or offline_sampler is not None, dataset_root, dataset_kwargs)
+        self._dataset_root, self._offline_rows, self._settings = str(dataset.root), len(dataset), s
         name = name or f"rayrb-{uuid.uuid4().hex[:12]}"
         try:
-            coord, shards, read_device, layout, self._copies = _start_actors(
-                dataset, name, online_capacity, num_offline_shards, num_online_shards, schedule=schedule, kinds=kinds,
-                epoch_end=epoch_end, seed=seed, actor_options=actor_options or {}, transport=transport, prio=prio,
-                online_nodes=online_nodes, storage_dir=None if storage_dir is None else str(storage_dir),
-                rate_limiter=limiter.config(), storage_device=storage_device, max_restarts=max_restarts,
-                replicas=replicas)
+            coord, shards, read_device, layout, self._copies = _start_actors(dataset, name, s, seed=seed,
+                                                                             actor_options=actor_options or {})
         except BaseException:
             self._remove_owned()  # no half-built buffer: what started is killed in _start_actors
             raise
-        _remove_leftovers(storage_dir)
-        BufferClient.__init__(self, coord, shards, dataset.spec, name=name, batch_size=batch_size,
-                              num_offline=num_offline_shards, read_device=read_device, layout=layout, **settings)
-        try:  # surface construction errors (a missing chunk, a bad spec) here, not at the first sample
-            # Starting processes takes seconds: the per-call timeout is not for this.
-            timeout = self.rpc.timeout
-            self.rpc.get([s.ping.remote() for s in self.rpc.shards] + [self.rpc.coord.ping.remote()],
-                         timeout=None if timeout is None else max(timeout, 300.0))
+        _remove_leftovers(s.storage_dir)
+        BufferClient.__init__(self, coord, shards, dataset.spec, name=name, batch_size=s.batch_size,
+                              num_offline=s.num_offline_shards, read_device=read_device, layout=layout,
+                              **s.handle_options())
+        try:  # construction errors (a missing chunk, a bad spec) surface here, not at the first sample
+            wait = None if self.rpc.timeout is None else max(self.rpc.timeout, 300.0)  # starting takes seconds
+            self.rpc.get([a.ping.remote() for a in self.rpc.shards] + [self.rpc.coord.ping.remote()], timeout=wait)
             if online_storage is not None and len(online_storage) > 0:
                 from rayrb.io.datasets.registry import torchrl_rows
 
@@ -236,14 +196,7 @@ class OfflineToOnlineReplayBuffer(BufferClient):
         Returns:
             A picklable ``BufferClient``.
         """
-        args = self._client_args()
-        if timeout != "same":
-            args["timeout"] = check_timeout(timeout)
-        if prefetch != "same":
-            args["prefetch"] = non_negative_int("prefetch", prefetch)
-        if local_reads != "same":
-            args["local_reads"] = boolean("local_reads", local_reads)
-        return BufferClient(**args)
+        return BufferClient(**{**self._client_args(), **client_options(timeout, prefetch, local_reads)})
 
     def preprocess(self, fn: Callable, dest: str | os.PathLike, **kwargs: Any) -> ChunkDataset:
         """Map the offline dataset through ``fn`` with Ray tasks (see ``rayrb.preprocess``).
@@ -309,34 +262,22 @@ class OfflineToOnlineReplayBuffer(BufferClient):
     @property
     def sampler_name(self) -> str | dict[str, str]:
         """The sampler kind (or one per side), as checkpoints record it."""
-        return self._sampler_name
+        s = self._settings
+        return s.offline_sampler if s.offline_sampler == s.online_sampler else s.samplers
 
     @property
     def priority_options(self) -> dict[str, float]:
         """Prioritized sampling's ``alpha`` and ``eps``, under which stored priorities are kept."""
-        return dict(self._priority_options)
+        return {"alpha": self._settings.alpha, "eps": self._settings.eps}
 
     @property
     def rate_limiter_config(self) -> dict[str, Any]:
         """The rate limiter's config (``rayrb.core.rate_limiter``), which checkpoints must match to load."""
-        return dict(self._rate_limiter_config)
+        return dict(self._settings.rate_limiter)
 
     def shutdown(self) -> None:
         """Kill the buffer's actors, remove their state files and offline data it wrote itself. Idempotent."""
-        import ray
-
-        rpc = getattr(self, "rpc", None)
-        shards, coord = (rpc.shards, rpc.coord) if rpc is not None else ([], None)
-        if rpc is not None:
-            rpc.closed = True
-        closing = [s.close.remote() for s in shards] + ([coord.close.remote()] if coord is not None else [])
-        try:  # shards remove their state files, the coordinator its version file; a stuck one is killed anyway
-            ray.wait(closing, num_returns=len(closing), timeout=5)
-        except Exception:
-            pass
-        for actor in [*shards, coord, *self._copies]:  # the shards close their copies; the groups go with them
-            if actor is not None:
-                _kill(actor)
+        launch.stop(getattr(self, "rpc", None), self._copies)
         self._copies = []
         self._remove_owned()
 
@@ -350,57 +291,10 @@ class OfflineToOnlineReplayBuffer(BufferClient):
         return f"{type(self).__name__}(name={self._name!r}, {state}, spec={self._spec!r}, batch_size={self.batch_size})"
 
 
-def _checked_options(offline_dataset: Any, num_offline_shards: Any, num_online_shards: Any, online_capacity: Any,
-                     online_storage: Any, offline_fraction: Any, batch_size: Any, sampler: Any, offline_sampler: Any,
-                     online_sampler: Any, epoch_end: Any, drop_last: Any, alpha: Any, beta: Any, eps: Any,
-                     max_restarts: Any, transport: Any, online_nodes: Any, actor_options: Any, storage_device: Any,
-                     rate_limiter: Any, local_reads: Any, timeout: Any, transform: Any, max_batch_bytes: Any,
-                     prefetch: Any, online_replicas: Any, storage_dir: Any) -> tuple:
-    """The buffer's options checked, in ``__init__``'s order, before any actor exists; the handle's settings last."""
-    num_offline_shards = positive_int("num_offline_shards", num_offline_shards)
-    num_online_shards = positive_int("num_online_shards", num_online_shards)
-    online_capacity = _capacity_option(online_capacity, online_storage, num_online_shards)
-    if isinstance(offline_fraction, (int, float)):
-        fraction("offline_fraction", offline_fraction)
-    schedule = make_schedule(offline_fraction)
-    if batch_size is None and _is_dataset_id(offline_dataset):  # TorchRL's rule, and its words
-        raise InvalidArgumentError(
-            f"batch_size must be provided when offline_dataset is a string, so the dataset can be "
-            f"constructed. Got batch_size=None for {offline_dataset!r}")
-    batch_size = None if batch_size is None else positive_int("batch_size", batch_size)
-    kinds = _sampler_kinds(offline_dataset, sampler, offline_sampler, online_sampler)
-    if drop_last is None and epoch_end is None:  # a TorchRL buffer's SamplerWithoutReplacement(drop_last=...)
-        drop_last = getattr(getattr(offline_dataset, "_sampler", None), "drop_last", None)
-    epoch_end = epoch_end_option(epoch_end, drop_last)
-    prio = priority_options(alpha, beta, eps)
-    max_restarts = restarts_option(max_restarts)
-    transport = check_transport(transport)
-    online_nodes = online_nodes_option(online_nodes, num_online_shards, actor_options or {})
-    storage_device = check_storage_device(storage_device)
-    if transport == "nccl" and "num_gpus" not in (actor_options or {}):
-        _check_nccl_gpus(num_offline_shards + num_online_shards)
-    from rayrb.core.rate_limiter import make_rate_limiter
-
-    limiter = make_rate_limiter(rate_limiter)
-    limiter.validate(online_capacity=online_capacity)  # a configuration that can deadlock is refused here
-    settings = {"local_reads": boolean("local_reads", local_reads), "limited": limiter.samples_per_insert is not None,
-                "timeout": check_timeout(timeout), "transform": callable_or_none("transform", transform),
-                "max_batch_bytes": positive_int("max_batch_bytes", max_batch_bytes),
-                "prefetch": non_negative_int("prefetch", prefetch), "transport": transport,
-                "storage_device": storage_device}
-    replicas = replicas_option(online_replicas, storage_dir, online_nodes, actor_options or {})
-    return (num_offline_shards, num_online_shards, online_capacity, schedule, batch_size, kinds, epoch_end, prio,
-            max_restarts, transport, online_nodes, storage_device, limiter, settings, replicas)
-
-
-def _start_actors(dataset: ChunkDataset, name: str, capacity: int, m: int, k: int, *, schedule: Schedule,
-                  kinds: dict[str, str], epoch_end: str, seed: int | None, actor_options: dict, transport: str,
-                  prio: dict[str, float], storage_dir: str | None, rate_limiter: dict,
-                  storage_device: str = "cpu", online_nodes: list[str | None] | None = None,
-                  max_restarts: int = -1, replicas: int = 1
+def _start_actors(dataset: ChunkDataset, name: str, s: BufferSettings, *, seed: int | None, actor_options: dict
                   ) -> tuple[Any, list, str | None, list[dict], list]:
-    """Start ``m`` offline shards, ``k`` online shards and the coordinator; kill them all if one fails to start.
-    Returns them, the device reads go to, each shard's place on disk (``rayrb.handle.local``) and what the
+    """Start the offline shards, the online shards and the coordinator as ``s`` says; kill them all if one fails to
+    start. Returns them, the device reads go to, each shard's place on disk (``rayrb.handle.local``) and what the
     shards own besides (their copies and placement groups)."""
 
     from rayrb.actors.coordinator import Coordinator
@@ -409,14 +303,18 @@ def _start_actors(dataset: ChunkDataset, name: str, capacity: int, m: int, k: in
     from rayrb.actors.shards import OfflineShard
     from rayrb.durability.storage import shard_directory
 
-    cls_opts, opts, coord_opts, device = group_options(actor_options, transport, m + k, storage_device)
-    table = None if storage_device == "cpu" else storage_device  # shards keep rows in a DeviceTable there
+    if s.transport == "nccl" and "num_gpus" not in actor_options:
+        launch.check_nccl_gpus(s.num_offline_shards + s.num_online_shards)
+    m, k, kinds, storage_dir, replicas = (s.num_offline_shards, s.num_online_shards, s.samplers, s.storage_dir,
+                                          s.online_replicas)
+    cls_opts, opts, coord_opts, device = group_options(actor_options, s.transport, m + k, s.storage_device)
+    table = None if s.storage_device == "cpu" else s.storage_device  # shards keep rows in a DeviceTable there
     ranges = row_ranges(len(dataset), m)
-    capacities = split_evenly(capacity, k).tolist()
-    so = {"alpha": prio["alpha"], "eps": prio["eps"]}
+    capacities = split_evenly(s.online_capacity, k).tolist()
+    so = {"alpha": s.alpha, "eps": s.eps}
     # A restarted offline shard re-maps its chunks; its priorities, and an online shard's rows, come back
     # from its state files. Without those files an online shard's rows would be lost, so it does not restart.
-    restart = {"max_restarts": max_restarts, "max_task_retries": CALL_RETRIES if max_restarts else 0}
+    restart = {"max_restarts": s.max_restarts, "max_task_retries": CALL_RETRIES if s.max_restarts else 0}
     off_opts = {**restart, **opts}
     on_opts = {**restart, **opts} if storage_dir is not None else opts
     instance = f"{name.replace('/', '_')}-{uuid.uuid4().hex[:8]}"
@@ -430,8 +328,8 @@ def _start_actors(dataset: ChunkDataset, name: str, capacity: int, m: int, k: in
                 name=f"{name}/off-{i}", **shard_placement(dataset, a, b, off_opts))
                            .remote(str(dataset.root), a, b, f"{name}/off-{i}", kinds[OFFLINE], sampler_options=so,
                                    state_dir=shard_directory(storage_dir, instance, f"off-{i}"), device=table))
-        extra = _start_online(dataset.spec.to_json(), capacities, name, instance, kinds[ONLINE], so, on_opts,
-                              cls_opts, storage_dir, table, online_nodes, groups, replicas, started)
+        extra = launch.start_online(dataset.spec.to_json(), capacities, name, instance, kinds[ONLINE], so, on_opts,
+                                    cls_opts, storage_dir, table, s.online_nodes, groups, replicas, started)
         # The coordinator restarts too when it can keep its state on disk: the stream, settings and
         # version there, the write counts in the shards.
         coord_restart = restart if storage_dir is not None else {}
@@ -439,179 +337,13 @@ def _start_actors(dataset: ChunkDataset, name: str, capacity: int, m: int, k: in
         # needs its arguments for as long as the buffer lives (ray#53727).
         coord = actor_class(Coordinator).options(name=name, **coord_restart, **coord_opts).remote(
             [f"{name}/off-{i}" for i in range(m)], [b - a for a, b in ranges],
-            [f"{name}/on-{i}" for i in range(k)], capacities, offline_fraction=schedule,
-            sampler=dict(kinds), epoch_end=epoch_end, seed=seed, name=name, beta=prio["beta"], rate_limiter=rate_limiter,
+            [f"{name}/on-{i}" for i in range(k)], capacities, offline_fraction=s.offline_fraction,
+            sampler=kinds, epoch_end=s.epoch_end, seed=seed, name=name, beta=s.beta, rate_limiter=dict(s.rate_limiter),
             state_dir=shard_directory(storage_dir, instance, "coordinator"), replicated=replicas > 1)
     except BaseException:
         for actor in started:
-            _kill(actor)
+            launch.kill(actor)
         raise
     shards = [a for a in started if a not in extra]
-    return coord, shards, device, _layout(dataset, name, instance, kinds, ranges, capacities, storage_dir,
-                                          replicas), extra
-
-
-def _layout(dataset: ChunkDataset, name: str, instance: str, kinds: dict[str, str], ranges: list, capacities: list,
-            storage_dir: str | None, replicas: int) -> list[dict]:
-    """Where each shard's rows lie, for handles on its node that read them themselves (``rayrb.handle.local``)."""
-    from rayrb.durability.storage import shard_directory
-
-    layout = [{"side": OFFLINE, "sampler": kinds[OFFLINE], "root": str(dataset.root), "start": a, "stop": b}
-              for a, b in ranges]
-    return layout + [{"side": ONLINE, "sampler": kinds[ONLINE], "capacity": c,
-                      "dir": shard_directory(storage_dir, instance, f"on-{i}"),
-                      "copies": [{"name": f"{name}/on-{i}.r{r}",
-                                  "dir": shard_directory(storage_dir, instance, f"on-{i}.r{r}")}
-                                 for r in range(1, replicas)]} for i, c in enumerate(capacities)]
-
-
-def _start_online(spec: dict, capacities: list[int], name: str, instance: str, kind: str, so: dict, on_opts: dict,
-                  cls_opts: dict, storage_dir: str | None, table: str | None, online_nodes: list | None,
-                  groups: list, replicas: int, started: list) -> list:
-    """Start the online shards (appended to ``started``), each with ``replicas - 1`` copies on other nodes, all of
-    a shard's in its placement group of ``groups``; returns the groups and copies, which the shard owns."""
-    from rayrb.actors.lifecycle import actor_class
-    from rayrb.actors.online_shard import OnlineShard
-    from rayrb.actors.placement import in_group, on_node
-    from rayrb.durability.storage import shard_directory
-
-    extra = list(groups)
-    for i, c in enumerate(capacities):
-        copies = [f"{name}/on-{i}.r{r}" for r in range(1, replicas)]
-        for r, copy in enumerate(copies, 1):  # before the shard, which looks them up by name
-            started.append(actor_class(OnlineShard, **cls_opts).options(
-                name=copy, **in_group(on_opts, groups[i], r)).remote(
-                spec, c, copy, kind, sampler_options=so,
-                state_dir=shard_directory(storage_dir, instance, f"on-{i}.r{r}"), device=table))
-            extra.append(started[-1])
-        place = in_group(on_opts, groups[i], 0) if groups else on_node(on_opts, online_nodes[i] if online_nodes else None)
-        started.append(actor_class(OnlineShard, **cls_opts).options(name=f"{name}/on-{i}", **place).remote(
-            spec, c, f"{name}/on-{i}", kind, sampler_options=so,
-            state_dir=shard_directory(storage_dir, instance, f"on-{i}"), device=table, replicas=copies,
-            coordinator=name))
-    return extra
-
-
-def _kill(actor: Any) -> None:
-    """Kill an actor, or remove a placement group with the actors in it."""
-    import ray
-    from ray.util.placement_group import PlacementGroup, remove_placement_group
-
-    try:
-        if isinstance(actor, PlacementGroup):
-            remove_placement_group(actor)
-        else:
-            ray.kill(actor)
-    except Exception:  # already gone
-        pass
-
-
-def replicas_option(value: Any, storage_dir: Any, online_nodes: Any, actor_options: dict) -> int:
-    """``online_replicas=``: a positive integer; more than one needs a ``storage_dir`` and Ray's placement."""
-    replicas = positive_int("online_replicas", value)
-    if replicas > 1 and storage_dir is None:
-        raise InvalidArgumentError(
-            f"expected a storage_dir with online_replicas={replicas} (replicated shards restart, and "
-            "a restarted shard reopens its files), got storage_dir=None")
-    if replicas > 1 and (online_nodes is not None or "scheduling_strategy" in actor_options):
-        raise InvalidArgumentError(
-            f"online_replicas={replicas} places each copy of an online shard on another node itself: "
-            "give neither online_nodes nor actor_options['scheduling_strategy'] with it")
-    return replicas
-
-
-def _offline_chunks(offline_dataset: Any, batch_size: int | None, own_sampler: bool, kinds: dict[str, str],
-                    dataset_root: Any, num_offline_shards: int, dataset_kwargs: dict) -> tuple[ChunkDataset, list]:
-    """The offline dataset as chunks, and the directories the buffer then owns (removed at shutdown).
-
-    A dataset id goes to its loader (with ``batch_size``, as TorchRL forwards it); a TorchRL dataset's own sampler
-    becomes the offline side's unless one was asked for (``kinds`` is updated). Refused, it leaves nothing.
-    """
-    from rayrb.io.datasets.registry import as_chunk_dataset, load_dataset
-
-    if isinstance(offline_dataset, (str, os.PathLike)):  # options such as root= go to the dataset's loader
-        if batch_size is not None and _is_dataset_id(offline_dataset):
-            dataset_kwargs = {"batch_size": batch_size, **dataset_kwargs}
-        offline_dataset, dataset_kwargs = load_dataset(offline_dataset, **dataset_kwargs), {}
-        if not own_sampler and not isinstance(offline_dataset, ChunkDataset):
-            kinds[OFFLINE] = _default_offline_kind(offline_dataset)  # a TorchRL dataset's own sampler
-    dataset, owned = as_chunk_dataset(offline_dataset, root=dataset_root, **dataset_kwargs)
-    owned_dirs = [dataset.root.parent] if owned and dataset_root is None else []
-    problem = None
-    if len(dataset) == 0:
-        problem = "expected an offline dataset with at least one row, got 0 rows"
-    elif num_offline_shards > len(dataset):
-        problem = f"num_offline_shards ({num_offline_shards}) exceeds the dataset's {len(dataset)} rows"
-    if problem is not None:
-        for d in owned_dirs:
-            shutil.rmtree(d, ignore_errors=True)
-        raise InvalidArgumentError(problem)
-    return dataset, owned_dirs
-
-
-def _capacity_option(online_capacity: Any, online_storage: Any, num_online_shards: int) -> int:
-    """The online capacity: ``online_capacity``, or a TorchRL ``online_storage``'s ``max_size`` (one of them)."""
-    if (online_capacity is None) == (online_storage is None):
-        how = "not both" if online_capacity is not None else "one of them is needed"
-        raise InvalidArgumentError(
-            f"provide exactly one of online_capacity or online_storage ({how}): Provide "
-            f"{'online_storage OR online_capacity, not both' if online_capacity is not None else 'one of online_storage or online_capacity'}; "
-            f"got online_capacity={online_capacity!r}, online_storage={type(online_storage).__name__}")
-    if online_storage is not None:
-        online_capacity = getattr(online_storage, "max_size", None)
-    online_capacity = positive_int("online_capacity", online_capacity)
-    if online_capacity < num_online_shards:
-        raise InvalidArgumentError(f"online_capacity must be at least num_online_shards ({num_online_shards}), "
-                                   f"got {online_capacity}")
-    return online_capacity
-
-
-def _check_nccl_gpus(shards: int) -> None:
-    """NCCL gives each shard a GPU of its own: refuse a cluster with fewer GPUs than shards."""
-    import ray
-
-    gpus = ray.cluster_resources().get("GPU", 0)
-    if gpus < shards:
-        raise InvalidArgumentError(f"transport='nccl' gives each shard a GPU of its own (NCCL needs one GPU per rank): "
-                                   f"{shards} shards need {shards} GPUs, the cluster has {gpus:g}; use fewer shards, "
-                                   "transport='cuda_ipc' within a node, or 'auto'")
-
-
-def _remove_leftovers(storage_dir: Any) -> None:
-    """What buffers whose owner died without shutdown() left on this node (rayrb.durability.leftovers)."""
-    from rayrb.actors.lifecycle import leftovers
-    from rayrb.durability.leftovers import remove
-
-    try:
-        remove(leftovers([storage_dir] if storage_dir is not None else []))
-    except Exception:  # a clean-up: never a reason not to start
-        pass
-
-
-def restarts_option(value: Any) -> int:
-    """``max_restarts=``: -1 (without end) or a non-negative integer."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < -1:
-        raise InvalidArgumentError(
-            f"max_restarts must be -1 (restart without end) or a non-negative integer, got {value!r}")
-    return int(value)
-
-
-def _is_dataset_id(dataset: Any) -> bool:
-    """A string that names a dataset (``"openml:magic"``) rather than a chunk dataset's directory."""
-    return isinstance(dataset, str) and not Path(dataset).exists()
-
-
-def _sampler_kinds(dataset: Any, sampler: str | None, offline: str | None, online: str | None) -> dict[str, str]:
-    """Each side's sampler: its own option, else ``sampler``, else TorchRL's default for that side."""
-    kinds = {OFFLINE: offline or sampler or _default_offline_kind(dataset), ONLINE: online or sampler or "uniform"}
-    for side, kind in kinds.items():
-        sampler_class(kind)
-    return kinds
-
-
-def _default_offline_kind(dataset: Any) -> str:
-    """TorchRL's: OpenMLExperienceReplay samples without replacement; a ReplayBuffer samples with its own sampler."""
-    if isinstance(dataset, str) and dataset.startswith("openml:"):
-        return "without_replacement"
-    own = type(getattr(dataset, "_sampler", None)).__name__  # a TorchRL ReplayBuffer's sampler, duck-typed
-    return {"SamplerWithoutReplacement": "without_replacement", "PrioritizedSampler": "prioritized"}.get(own, "uniform")
+    return coord, shards, device, launch.layout(dataset, name, instance, kinds, ranges, capacities, storage_dir,
+                                                replicas), extra

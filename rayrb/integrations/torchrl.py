@@ -5,8 +5,10 @@ and its hooks read ``rb.offline_buffer``, ``rb.online_buffer.storage``,
 ``rb._offline_fraction`` and ``rb._base_offline_fraction``. ``as_torchrl`` wraps
 a rayrb buffer in a subclass of TorchRL's class, made when it is first asked for
 (torchrl is imported only then), that answers all of these from the rayrb buffer.
-The trainer's checkpoints (``save_trainer_file``, ``checkpoint=``) call the view's
-``dump``/``load``: rayrb's ``dumps``/``loads``, online rows included.
+The view keeps no state of its own: the fraction, the base fraction ``anneal`` decays from
+and the annealing itself are the buffer's (its coordinator's sampling state, which
+``state_dict`` and rayrb's checkpoints hold). The trainer's checkpoints (``save_trainer_file``,
+``checkpoint=``) call the view's ``dump``/``load``: rayrb's ``dumps``/``loads``, online rows included.
 
 Examples:
     >>> from rayrb.integrations.torchrl import as_torchrl  # doctest: +SKIP
@@ -19,11 +21,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from rayrb.core.schedules import Linear
 from rayrb.errors import SavedStateError
-from rayrb.io.files import replace_file
 
-# Written beside rayrb's own checkpoint files: what the view adds to the buffer's state.
+# What views wrote beside rayrb's checkpoint before the base fraction was part of the buffer's own sampling state:
+# read from a checkpoint that has it (it wins over the state, as it did), never written.
 _VIEW_STATE = "torchrl_view.json"
 
 
@@ -33,7 +34,6 @@ class _ViewMethods:
 
     def __init__(self, rb: Any):  # TorchRL's __init__ would build buffers of its own: not called
         object.__setattr__(self, "_rayrb", rb)
-        object.__setattr__(self, "_base", float(rb.offline_fraction))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(object.__getattribute__(self, "_rayrb"), name)
@@ -58,15 +58,15 @@ class _ViewMethods:
 
     @_offline_fraction.setter
     def _offline_fraction(self, value: float) -> None:
-        self._rayrb.offline_fraction = value
+        self._rayrb.offline_fraction = value  # the base stays, as TorchRL's does when this is assigned
 
     @property
     def _base_offline_fraction(self) -> float:
-        return self._base
+        return float(self._rayrb._base_offline_fraction)
 
     @_base_offline_fraction.setter
     def _base_offline_fraction(self, value: float) -> None:
-        object.__setattr__(self, "_base", float(value))
+        self._rayrb._base_offline_fraction = value
 
     @property
     def offline_fraction(self) -> float:
@@ -74,11 +74,14 @@ class _ViewMethods:
 
     @offline_fraction.setter
     def offline_fraction(self, value: float) -> None:
+        """The fraction and, a number, the base too: what TorchRL's constructor sets (its property has no setter)."""
         self._rayrb.offline_fraction = value
-        object.__setattr__(self, "_base", float(value))
+        if isinstance(value, (int, float)):
+            self._rayrb._base_offline_fraction = value
 
     def anneal(self, step: int, total_steps: int) -> None:
-        self._rayrb.offline_fraction = Linear(self._base, 0.0, int(total_steps))(int(step), 0, 0)
+        """TorchRL's: linear from the base fraction to 0 over ``total_steps`` (the buffer's ``anneal``)."""
+        self._rayrb.anneal(max(int(step), 0), int(total_steps))
 
     def extend(self, data: Any, *args: Any, **kwargs: Any):
         return self._rayrb.extend(data)
@@ -90,27 +93,32 @@ class _ViewMethods:
         return self._rayrb.sample(batch_size, return_info=return_info)
 
     def state_dict(self) -> dict:
-        return {"rayrb": self._rayrb.state_dict(), "base_offline_fraction": self._base}
+        """The buffer's sampling state, the base fraction in it."""
+        return self._rayrb.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        self._rayrb.load_state_dict(state["rayrb"])
-        object.__setattr__(self, "_base", float(state.get("base_offline_fraction", self._base)))
+        if "rayrb" in state:  # a view's state from before the base fraction was the buffer's
+            self._rayrb.load_state_dict(state["rayrb"])
+            if state.get("base_offline_fraction") is not None:
+                self._rayrb._base_offline_fraction = state["base_offline_fraction"]
+            return
+        self._rayrb.load_state_dict(state)
 
     def dumps(self, path: Any) -> None:
-        """rayrb's checkpoint of the buffer under ``path``, with the base fraction ``anneal`` decays from."""
+        """rayrb's checkpoint of the buffer under ``path``: the base fraction ``anneal`` decays from is in it."""
         self._rayrb.dumps(path)
-        replace_file(Path(path) / _VIEW_STATE, json.dumps({"base_offline_fraction": self._base}))
 
     def loads(self, path: Any) -> None:
-        """rayrb's ``loads``, and the base fraction saved beside it (checked first: a damaged file changes
-        nothing; a checkpoint without one, written by rayrb itself, takes the restored fraction)."""
+        """rayrb's ``loads``; a checkpoint an earlier view wrote keeps the base fraction in a file beside it, which
+        is checked first (a damaged file changes nothing) and applied after."""
         base = _saved_base(Path(path) / _VIEW_STATE)
         self._rayrb.loads(path)
-        object.__setattr__(self, "_base", float(self.offline_fraction if base is None else base))
+        if base is not None:
+            self._rayrb._base_offline_fraction = base
 
     # TorchRL's Checkpoint (the trainer's save_trainer_file and checkpoint=) prefers dump/load over state_dict
-    # and saves this view instead of the replay-buffer hook, whose state holds base_offline_fraction: the
-    # view's own dump/load keep it beside rayrb's checkpoint (rows, priorities, sampling state).
+    # and saves this view instead of the replay-buffer hook, whose state holds base_offline_fraction: rayrb's
+    # checkpoint (rows, priorities, sampling state) holds it too.
     dump = dumps
     load = loads
 

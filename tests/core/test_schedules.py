@@ -40,3 +40,21 @@ def test_config_round_trips(s):
 def test_bad_schedules(bad, err):
     with pytest.raises(err):
         make_schedule(bad)
+
+
+def test_a_users_schedule_is_checked_where_it_answers_and_the_built_in_ones_are_trusted():
+    from rayrb.core.schedules import Schedule, value_at
+
+    class Half(Schedule):
+        def __call__(self, step, n_offline, n_online):
+            return 0.5 if step < 3 else float("nan")
+
+    assert value_at(Half(), 0, 1, 1) == 0.5
+    with pytest.raises(ValueError, match=r"offline_fraction must be a number in \[0, 1\], got nan"):
+        value_at(Half(), 3, 1, 1)
+    assert value_at(Linear(1, 0, 4), 2, 0, 0) == 0.5 and value_at(SizeProportional(), 0, 3, 1) == 0.75
+
+
+def test_true_is_refused_as_a_fraction_out_of_range():
+    with pytest.raises(ValueError, match=r"offline_fraction must be a number in \[0, 1\], got True"):
+        make_schedule(True)

@@ -174,3 +174,36 @@ def test_the_last_batch_of_an_epoch_is_marked_for_every_epoch_end(epoch_end, las
     sizes = {"offline": np.array([150, 150]), "online": np.array([0])}
     marks = [p.draw(64, sizes=sizes)[0][0].last_of_epoch for _ in range(last)]
     assert marks == [False] * (last - 1) + [True]
+
+
+def test_every_allocator_says_what_an_epochs_end_does():
+    """The planner reads the allocator's ``epoch_end`` (None: no epochs) rather than guessing from its kind."""
+    from rayrb.core.allocators import make_allocator
+
+    shards = {OFFLINE: 1, ONLINE: 1}
+    assert make_allocator("uniform", shards).epoch_end is None
+    assert make_allocator("prioritized", shards).epoch_end is None
+    assert make_allocator("without_replacement", shards).epoch_end == "short"
+    assert make_allocator("without_replacement", shards, epoch_end="drop").epoch_end == "drop"
+    mixed = {OFFLINE: "uniform", ONLINE: "without_replacement"}
+    assert make_allocator(mixed, shards, epoch_end="raise").epoch_end == "raise"
+    assert make_allocator({OFFLINE: "uniform", ONLINE: "prioritized"}, shards).epoch_end is None
+
+
+def test_the_base_fraction_anneal_decays_from_is_the_planners_alone():
+    """TorchRL's: the base is the fraction the buffer was made with, or the one set as the base; assigning the
+    fraction leaves it, and anneal decays linearly from it to 0. A loaded state brings its own."""
+    from rayrb.core.planner import Planner
+
+    sizes = {OFFLINE: np.array([10]), ONLINE: np.array([10])}
+    p = Planner({OFFLINE: 1, ONLINE: 1}, offline_fraction=0.8, seed=0)
+    p.set_fraction(0.0)
+    assert p.base_fraction(sizes) == 0.8 and p.fraction(sizes) == 0.0
+    assert p.anneal(8, 10, sizes) == pytest.approx(0.16) and p.base_fraction(sizes) == 0.8
+    p.set_base_fraction(0.5)
+    assert p.anneal(5, 10, sizes) == pytest.approx(0.25)
+    state = p.state_dict()
+    q = Planner({OFFLINE: 1, ONLINE: 1}, offline_fraction="size_proportional", seed=0)
+    assert q.base_fraction(sizes) == 0.5  # made with a schedule: the fraction it gives now
+    q.load_state_dict(state)
+    assert q.base_fraction(sizes) == 0.5 and q.fraction(sizes) == pytest.approx(0.25)

@@ -123,3 +123,27 @@ def test_a_refused_online_state_changes_no_shard(make_buffer):
     assert b.sizes() == before and b.write_count == 30
     b.offline_fraction = 0.0
     assert set(b.sample(2000)["id"].tolist()) == set(range(2000, 2030))  # shard 0 did not take a's rows either
+
+
+def test_the_torchrl_view_keeps_no_state_of_its_own(make_buffer, tmp_path):
+    """The base fraction has one owner, the buffer: the view reads and sets it there, anneals there, saves and
+    restores the buffer's state, and writes no file of its own (an older checkpoint's is still read)."""
+    from rayrb.integrations.torchrl import as_torchrl
+
+    rb = make_buffer(offline_fraction=0.8)
+    view = as_torchrl(rb)
+    view._offline_fraction = 0.6  # TorchRL's private attribute: the base stays
+    assert rb.offline_fraction == pytest.approx(0.6) and rb._base_offline_fraction == pytest.approx(0.8)
+    view._base_offline_fraction = 0.5
+    assert rb._base_offline_fraction == pytest.approx(0.5) and view._base_offline_fraction == pytest.approx(0.5)
+    rb.anneal(2, 10)
+    assert view.offline_fraction == pytest.approx(0.4)
+    view.offline_fraction = 0.9  # TorchRL's public name sets the base too
+    assert rb._base_offline_fraction == pytest.approx(0.9)
+    assert view.state_dict()["base_fraction"] == pytest.approx(0.9)
+    view.dump(tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt" / "torchrl_view.json").exists()
+    (tmp_path / "ckpt" / "torchrl_view.json").write_text('{"base_offline_fraction": 0.7}')  # an older view's
+    other = make_buffer(offline_fraction=0.1)
+    as_torchrl(other).load(tmp_path / "ckpt")
+    assert other.offline_fraction == pytest.approx(0.9) and other._base_offline_fraction == pytest.approx(0.7)
