@@ -41,6 +41,7 @@ from rayrb.core.allocation import split_checked, split_slices
 from rayrb.core.allocators import make_allocator
 from rayrb.core.plans import OFFLINE, ONLINE, SIDES, BatchPlan, Part
 from rayrb.core.rate_limiter import ALL_OFFLINE, WAIT, make_rate_limiter
+from rayrb.core.sampling_state import checked_state
 from rayrb.core.schedules import Constant, Linear, make_schedule, value_at
 from rayrb.core.validation import BETA, non_negative_int, positive_int
 from rayrb.errors import HeldBack, InvalidArgumentError, SavedStateError
@@ -287,46 +288,6 @@ class Planner:
             raise SavedStateError(f"the sampling state cannot draw a batch: {type(e).__name__}: {e}") from None
 
     def _checked(self, state: Any) -> tuple:
-        def bad(key: str, value: Any, expected: str, error: Exception | None = None) -> SavedStateError:
-            why = f" ({type(error).__name__}: {error})" if error is not None else ""
-            return SavedStateError(f"sampling state[{key}] = {value!r:.200}: expected {expected}{why}")
-
-        if not isinstance(state, Mapping):
-            raise SavedStateError(f"expected a sampling state dict, got {type(state).__name__}")
-        for key in ("step", "schedule", "rng"):
-            if key not in state:
-                raise SavedStateError(f"sampling state is missing {key!r}; it has {sorted(state)}")
-        if state.get("sampler", self.sampler) != self.sampler:
-            raise SavedStateError(f"state was saved by a buffer sampling {state['sampler']!r}, this one samples "
-                                  f"{self.sampler!r}")
-        step = non_negative_int("sampling state['step']", state["step"])
-        try:
-            schedule = make_schedule(state["schedule"])
-        except (TypeError, ValueError, KeyError) as e:
-            raise bad("'schedule'", state["schedule"], "a schedule config", e) from None
-        base = state.get("base_fraction")
-        if base is not None:
-            from rayrb.core.validation import fraction
-
-            base = fraction("sampling state['base_fraction']", base)
-        rng = np.random.default_rng()
-        try:
-            rng.bit_generator.state = state["rng"]
-        except (TypeError, ValueError, KeyError) as e:
-            raise bad("'rng'", state["rng"], "a numpy bit generator state", e) from None
-        alloc = make_allocator(self.sampler, self.num_shards, **self._alloc_options)
-        if "allocator" in state:
-            try:
-                alloc.load_state_dict(state["allocator"])
-            except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
-                raise bad("'allocator'", state["allocator"], f"the {self.sampler!r} allocator's state", e) from None
-        limiter = self.limiter
-        if "rate_limiter" in state:
-            saved = state["rate_limiter"]
-            try:
-                limiter = make_rate_limiter(saved["config"])
-                limiter.validate(online_capacity=self._online_capacity)
-                limiter.load_state_dict(saved["state"])
-            except (TypeError, ValueError, KeyError) as e:
-                raise bad("'rate_limiter'", saved, "a rate limiter config and its counters", e) from None
-        return step, schedule, base, rng, alloc, limiter
+        return checked_state(state, sampler=self.sampler, num_shards=self.num_shards,
+                             alloc_options=self._alloc_options, limiter=self.limiter,
+                             online_capacity=self._online_capacity)
