@@ -30,13 +30,13 @@ from rayrb.actors.version import Version
 from rayrb.actors.writing import Writing, failed
 from rayrb.core.ahead import GiveBack, past_any_number
 from rayrb.core.planner import Planner
-from rayrb.core.plans import OFFLINE, ONLINE, SIDES, BatchPlan, GroupPlan, route_priorities
-from rayrb.core.validation import BETA, one_of, positive_int
+from rayrb.core.plans import OFFLINE, ONLINE, SIDES, BatchPlan, GroupPlan
+from rayrb.core.validation import one_of, positive_int
 from rayrb.durability.coordinator_state import CoordinatorState
 from rayrb.durability.mirror import GcsMirror
 from rayrb.durability.replies import saved_answers
 from rayrb.durability.writelog import WriteLog
-from rayrb.errors import HeldBack, InvalidArgumentError, SavedStateError
+from rayrb.errors import HeldBack, SavedStateError
 
 
 def saved(method):
@@ -52,33 +52,18 @@ def saved(method):
 
 
 class Coordinator:
-    def __init__(
-        self,
-        offline_shards: Sequence[Any],  # actor names (or handles)
-        offline_sizes: Sequence[int],
-        online_shards: Sequence[Any],
-        online_capacities: Sequence[int],
-        *,
-        offline_fraction: Any = 0.5,
-        sampler: str | dict[str, str] = "uniform",
-        drop_last: bool | None = None,
-        epoch_end: str | None = None,
-        seed: int | None = None,
-        name: str = "rayrb",
-        beta: float = BETA,
-        rate_limiter: Any = None,
-        state_dir: str | None = None,
-        replicated: bool = False,
-    ):
+    def __init__(self, offline_shards: Sequence[Any], offline_sizes: Sequence[int], online_shards: Sequence[Any],
+                 online_capacities: Sequence[int], *, name: str = "rayrb", seed: int | None = None,
+                 state_dir: str | None = None, replicated: bool = False, **planner: Any):
+        """Shards by actor name (or handle); ``planner``: the ``Planner``'s options (``offline_fraction``,
+        ``sampler``, ``drop_last``, ``epoch_end``, ``beta``, ``rate_limiter``), as the owner checked them."""
         self._name = name
         self._shards = {OFFLINE: [_actor(s) for s in offline_shards], ONLINE: [_actor(s) for s in online_shards]}
         self._offline_sizes = np.asarray(offline_sizes, np.int64)
         self._metrics = ActorMetrics("coordinator", {"buffer": name})
-        planner = Planner({s: len(self._shards[s]) for s in SIDES}, offline_fraction=offline_fraction,
-                          sampler=sampler, drop_last=drop_last, epoch_end=epoch_end, seed=seed, beta=beta,
-                          rate_limiter=rate_limiter, online_capacity=int(sum(online_capacities)) or None)
-        self._planner = planner
-        self._drawing = Drawing(planner, self._shards, self._metrics, seed)
+        self._planner = Planner({s: len(self._shards[s]) for s in SIDES}, seed=seed,
+                                online_capacity=int(sum(online_capacities)) or None, **planner)
+        self._drawing = Drawing(self._planner, self._shards, self._metrics, seed)
         self._version = Version(name, state_dir)
         # With a state directory, a restarted coordinator (Ray re-runs this with the same arguments) picks up
         # its sampling state there and its write counts from the shards.
@@ -97,14 +82,10 @@ class Coordinator:
                 self._save()
         self._lives.ready()
 
-    # state ------------------------------------------------------------------------
     def _save(self) -> None:
-        """Keep what a restart needs (after each call marked ``@saved``).
-
-        A save that fails (a full or broken disk) does not fail the call, which has already
-        changed the stream or sent a write: the answer stays true, a restart resumes from the
-        last save that succeeded, and ``stats()`` counts ``state_save_failed``.
-        """
+        """Keep what a restart needs (after each call marked ``@saved``). A save that fails (a full or broken disk)
+        does not fail the call, which already changed the stream or sent a write: the answer stays true, a restart
+        resumes from the last save that succeeded, and ``stats()`` counts ``state_save_failed``."""
         if self._state is None:
             return
         try:
@@ -149,7 +130,6 @@ class Coordinator:
     def ping(self) -> str:
         return self._name
 
-    # sizes and settings -----------------------------------------------------------
     def _sizes(self, counted: np.ndarray | None = None) -> dict[str, np.ndarray]:
         return {OFFLINE: self._offline_sizes, ONLINE: self._writing.sizes(counted)}
 
@@ -188,7 +168,6 @@ class Coordinator:
         self._planner.set_base_fraction(value)
         return self.base_fraction()
 
-    # drawing ------------------------------------------------------------------------
     @saved
     def plan(self, batch_size: int, num_batches: int = 1, *, stream: str | None = None, served: int | None = None,
              call: str | None = None, slices: int = 1, waited: float = 0.0) -> GroupPlan | HeldBack:
@@ -198,21 +177,15 @@ class Coordinator:
                                    version=self._version.value, stream=stream, served=served, call=call,
                                    slices=slices)
         if not isinstance(group, HeldBack):
-            self._waited("sample", waited)
+            self._drawing.waited("sample", waited)
         return group
 
     def plan_packed(self, request: tuple) -> str | HeldBack:
-        """``plan`` as the handle's stream asks it: ``(batch_size, num_batches, stream, served, call, waited)`` in
-        one tuple, the group's JSON text (``GroupPlan.encoded``, kept for the call id anyway) out. Ray's own cost per
-        call is nearly halved against keyword arguments and a pickled object (``docs/benchmarks.md``)."""
+        """``plan`` as a stream asks it: ``(batch_size, num_batches, stream, served, call, waited)`` in, the group's
+        JSON text out; Ray's cost per call is nearly half that of keywords and a pickled plan (docs/benchmarks.md)."""
         batch_size, num_batches, stream, served, call, waited = request
         group = self.plan(batch_size, num_batches, stream=stream, served=served, call=call, waited=waited)
         return group if isinstance(group, HeldBack) else group.encoded()
-
-    def _waited(self, call: str, seconds: float) -> None:
-        if seconds > 0:  # the call went through after waiting for the rate limiter
-            self._planner.limiter.record_blocked(call, float(seconds))
-            self._metrics.observe(f"{call}_blocked_ms", float(seconds) * 1e3)
 
     def served(self, stream: str, number: int) -> int:
         """``stream`` has served its draws up to ``number``; returns the version (writes, priority updates,
@@ -231,21 +204,15 @@ class Coordinator:
         side, batch_size = one_of("side", side, SIDES), positive_int("batch_size", batch_size)
         return self._drawing.plan_side(side, batch_size, self._sizes()[side])
 
-    # writing ------------------------------------------------------------------------
     @saved
     def extend(self, rows_ref: Sequence[Any], rows: int, write_id: str | None = None, prefill: bool = False,
                waited: float = 0.0, node: str | None = None, digest: str | None = None
                ) -> tuple[np.ndarray, list[Any]] | HeldBack:
-        """Send contiguous pieces of one batch of ``rows`` rows (``rows_ref[0]``, an ObjectRef) to shards.
-
-        Returns the rows' global online indices and the shards' acknowledgements; the
-        caller waits on those before it reports the write as done. A ``write_id`` seen
-        before with the same rows (``digest``, the handle's ``rows_digest``) returns that write's indices and
-        acknowledgements, and writes nothing; with other rows it is refused (``WriteIdError``).
-        The rate limiter may hold a write back; ``prefill`` writes past it. A write
-        from ``node`` (the writer's node id) prefers the online shards there, while
-        they are at most ``slack`` rows ahead of the rest.
-        """
+        """Send contiguous pieces of one batch of ``rows`` rows (``rows_ref[0]``, an ObjectRef) to shards; the rows'
+        global online indices and the shards' acknowledgements, which the caller waits on before it reports the
+        write done. A ``write_id`` seen before with the same rows (``digest``) returns that write's answer and
+        writes nothing; with other rows it is refused (``WriteIdError``). The rate limiter may hold a write back
+        (``prefill`` writes past it). A write from ``node`` prefers the online shards there, within the slack."""
         rows, seen = self._writing.check(rows, write_id, digest)
         if seen is not None and seen[1] is not None and not failed(seen[1]):
             return seen  # a retry: applied once, and its acknowledgements are the first call's
@@ -260,7 +227,7 @@ class Coordinator:
                 return held
             indices, acks, touched = self._writing.write(rows_ref, rows, write_id, node, digest)
             self._planner.record_insert(rows, size, prefill=prefill)
-            self._waited("insert", waited)
+            self._drawing.waited("insert", waited)
         if touched:
             self._changed()
             self._drawing.requery_masses(ONLINE, touched)
@@ -269,20 +236,11 @@ class Coordinator:
     @saved
     def update_priority(self, offline: np.ndarray, shard: np.ndarray, index: np.ndarray, generation: np.ndarray,
                         priority: np.ndarray) -> tuple[int, list[Any]]:
-        """Route priority updates to the shards that own the rows; return the row count and the shards' acks.
-
-        The whole call is checked before any shard gets its part. Each shard drops
-        updates whose generation no longer matches the slot.
-        """
-        if not self._planner.alloc.uses_masses:
-            raise InvalidArgumentError(f"update_priority needs sampler='prioritized', this buffer samples "
-                                       f"{self._planner.sampler!r}")
-        routes = route_priorities(offline, shard, index, generation, priority, self._sizes())
-        acks = [self._shards[side][i].update_priority.remote(*args) for side, i, args in routes]
+        """Route priority updates to the shards that own the rows (``Drawing.update_priority``): the row count and
+        the shards' acks. The whole call is checked before any shard gets its part."""
+        n, acks = self._drawing.update_priority((offline, shard, index, generation, priority), self._sizes())
         self._changed()
-        for side, i, _ in routes:
-            self._drawing.requery_masses(side, [i])
-        return sum(len(args[0]) for _, _, args in routes), acks
+        return n, acks
 
     @saved
     def resync(self) -> dict[str, list[int]]:
@@ -293,17 +251,14 @@ class Coordinator:
             self._drawing.requery_masses(side, range(len(self._shards[side])))
         return self.sizes()
 
-    # shard states, checkpoints --------------------------------------------------------
     def shard_states(self, side: str) -> list[Any]:
         """Refs to each shard's state arrays, behind every write sent so far."""
         return [s.state.remote() for s in self._shards[side]]
 
     @saved
     def load_shard_states(self, side: str, states: Sequence[dict]) -> list[Any]:
-        """Give each shard of ``side`` its state; the acks, then ``resync``, complete it.
-
-        Every shard checks its state before any shard takes one, so a refused call changes nothing.
-        """
+        """Give each shard of ``side`` its state once every shard checked its own (a refused call changes nothing);
+        the acks, then ``resync``, complete it."""
         import ray
 
         if len(states) != len(self._shards[side]):

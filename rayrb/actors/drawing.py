@@ -16,7 +16,7 @@ import numpy as np
 
 from rayrb.core.ahead import AheadLog, GiveBack
 from rayrb.core.planner import Planner
-from rayrb.core.plans import OFFLINE, ONLINE, SIDES, BatchPlan, GroupPlan, Part, decode_group
+from rayrb.core.plans import OFFLINE, ONLINE, SIDES, BatchPlan, GroupPlan, Part, decode_group, route_priorities
 from rayrb.core.validation import positive_int
 from rayrb.durability.replies import ReplyCache
 from rayrb.errors import DrawError, HeldBack, InvalidArgumentError
@@ -38,6 +38,25 @@ class Drawing:
             self.requery_masses(side, range(len(shards[side])))
 
     # masses ---------------------------------------------------------------------
+    def update_priority(self, update: tuple, sizes: Mapping[str, np.ndarray]) -> tuple[int, list[Any]]:
+        """Send ``update`` (``(offline, shard, index, generation, priority)`` per row) to the shards that own the
+        rows, checked whole first; each shard drops updates whose slot's generation changed. The shards' masses
+        are asked for again. Returns the row count and the shards' acks."""
+        if not self.planner.alloc.uses_masses:
+            raise InvalidArgumentError(f"update_priority needs sampler='prioritized', this buffer samples "
+                                       f"{self.planner.sampler!r}")
+        routes = route_priorities(*update, sizes)
+        acks = [self._shards[side][i].update_priority.remote(*args) for side, i, args in routes]
+        for side, i, _ in routes:
+            self.requery_masses(side, [i])
+        return sum(len(args[0]) for _, _, args in routes), acks
+
+    def waited(self, call: str, seconds: float) -> None:
+        """A ``call`` (``"sample"`` or ``"insert"``) went through after waiting ``seconds`` for the rate limiter."""
+        if seconds > 0:
+            self.planner.limiter.record_blocked(call, float(seconds))
+            self._metrics.observe(f"{call}_blocked_ms", float(seconds) * 1e3)
+
     def requery_masses(self, side: str, shards: Any) -> None:
         """Ask these shards for their mass now, behind every write and update sent to them."""
         if self.planner.alloc.uses_masses:
