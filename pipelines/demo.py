@@ -91,7 +91,8 @@ def train(rb, ds, args: argparse.Namespace) -> tuple[dict[str, int], float]:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
-    ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, logging_level=logging.WARNING)
+    # a submitted job joins its cluster; run alone, it starts its own instance even if a `ray start` one runs here
+    ray.init(address=os.environ.get("RAY_ADDRESS") or "local", include_dashboard=False, logging_level=logging.WARNING)
 
     @ray.remote(num_cpus=1)
     def prepare(dataset: str, data_home: str | None, root: str | None) -> str:

@@ -34,6 +34,7 @@ def ray_session():
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (*dirs, os.environ.get("PYTHONPATH")) if p)
     if not ray.is_initialized():
         ray.init(
+            address="local",  # never a `ray start` instance another test (or process) left running here
             num_cpus=2,
             object_store_memory=512 << 20,
             include_dashboard=False,

@@ -32,7 +32,7 @@ def kill_and_wait(actor) -> None:
 
 
 def main(root: Path) -> None:
-    ray.init(num_cpus=2, object_store_memory=256 << 20, include_dashboard=False, log_to_driver=True,
+    ray.init(address="local", num_cpus=2, object_store_memory=256 << 20, include_dashboard=False, log_to_driver=True,
              logging_level=logging.WARNING)
     rb = OfflineToOnlineReplayBuffer(rows(0, 400), online_capacity=200, num_offline_shards=2, num_online_shards=2,
                                      batch_size=16, seed=0, dataset_root=root / "ds", storage_dir=root / "state")
