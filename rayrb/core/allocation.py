@@ -143,6 +143,27 @@ def write_pieces(n: int, num_shards: int, min_piece: int = 1024) -> np.ndarray:
     return split_evenly(n, pieces)
 
 
+def cut_write(n: int, capacities: Sequence[int], min_piece: int = 1024) -> list[int]:
+    """Piece sizes for a write of ``n`` rows to circular shards of ``capacities``: ``write_pieces``, in more
+    pieces where one would overflow the smallest shard while the buffer as a whole has room.
+
+    A write larger than the whole buffer is cut so that the newest rows are the ones kept
+    (a shard keeps the tail of its piece): the first piece carries the rows evicted at once.
+
+    >>> cut_write(300, [100] * 4), cut_write(50, [100] * 4), cut_write(4096, [10_000] * 4)
+    ([100, 100, 100], [50], [1024, 1024, 1024, 1024])
+    >>> cut_write(70, [25, 25])
+    [45, 25]
+    """
+    capacities = [int(c) for c in capacities]
+    if n > sum(capacities):
+        return [n - sum(capacities) + capacities[0], *capacities[1:]]
+    pieces = len(write_pieces(n, len(capacities), min_piece))
+    while pieces < len(capacities) and -(-n // pieces) > min(capacities):
+        pieces += 1
+    return split_evenly(n, pieces).tolist()
+
+
 def assign_pieces(pieces: Sequence[int], written: Sequence[int], local: Collection[int] = (),
                   slack: int = 0) -> list[int]:
     """Shard for each piece: largest pieces to the least-written shards, each shard at most once.

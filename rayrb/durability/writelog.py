@@ -6,7 +6,7 @@ capacities before it. Its ``w``-th row ever written goes to slot
 ``w mod capacity_s``, so a shard's cursor is never stored: it is ``written_s mod
 capacity_s``, and its size is ``min(written_s, capacity_s)``.
 
-A write of ``n`` rows is cut into contiguous pieces (``rayrb.core.allocation.write_pieces``),
+A write of ``n`` rows is cut into contiguous pieces (``rayrb.core.allocation.cut_write``),
 the largest pieces going to the least-written shards (``rayrb.core.allocation.assign_pieces``),
 so fill levels stay balanced. ``WriteLog.plan`` computes a write's pieces,
 slots and global indices without changing anything; ``WriteLog.commit``
@@ -50,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from rayrb.core.allocation import assign_pieces, split_evenly, write_pieces
+from rayrb.core.allocation import assign_pieces, cut_write
 from rayrb.durability.runs import cut_out, gaps, insert, overlaps
 from rayrb.errors import InvalidArgumentError, InvalidStateError, WriteIdError
 
@@ -73,6 +73,16 @@ class Write:
     @property
     def rows(self) -> int:
         return self.stop - self.start
+
+
+def rebuild(pieces: Sequence[Sequence[int]], capacity: Sequence[int]) -> list[Write]:
+    """The plan of a journalled write, from its pieces ``[shard, start, stop, first]``.
+
+    >>> [(w.shard, w.slots.tolist()) for w in rebuild([[1, 0, 3, 1]], [3, 2])]
+    [(1, [1, 0, 1])]
+    """
+    return [Write(int(sh), int(a), int(b), int(f), slots(int(f), int(b) - int(a), capacity[int(sh)]))
+            for sh, a, b, f in pieces]
 
 
 class WriteLog:
@@ -99,27 +109,6 @@ class WriteLog:
     def sizes(self) -> np.ndarray:
         """Rows each shard samples from: its counted rows, at most its capacity."""
         return np.minimum(self.counted, self.capacity)
-
-    def cut(self, n: int, min_piece: int = 1024) -> list[int]:
-        """Piece sizes for a write of ``n`` rows: ``write_pieces``, in more pieces
-        where one would overflow the smallest shard while the buffer as a whole has room.
-
-        A write larger than the whole buffer is cut so that the newest rows are the ones kept
-        (a shard keeps the tail of its piece): the first piece carries the rows evicted at once.
-
-        >>> WriteLog([100] * 4).cut(300), WriteLog([100] * 4).cut(50), WriteLog([10_000] * 4).cut(4096)
-        ([100, 100, 100], [50], [1024, 1024, 1024, 1024])
-        >>> WriteLog([25, 25]).cut(70)
-        [45, 25]
-        """
-        total = int(self.capacity.sum())
-        if n > total:
-            return [n - total + int(self.capacity[0]), *map(int, self.capacity[1:])]
-        pieces = len(write_pieces(n, self.capacity.size, min_piece))
-        smallest = int(self.capacity.min())
-        while pieces < self.capacity.size and -(-n // pieces) > smallest:
-            pieces += 1
-        return split_evenly(n, pieces).tolist()
 
     @property
     def slack(self) -> int:
@@ -160,7 +149,7 @@ class WriteLog:
                     start += k
         if start < n:
             out += [replace(w, start=w.start + start, stop=w.stop + start)
-                    for w in self.plan(self.cut(n - start), local)]
+                    for w in self.plan(cut_write(n - start, self.capacity), local)]
         return out
 
     def _in_hole(self, w: Write) -> bool:
@@ -185,16 +174,6 @@ class WriteLog:
                 self.written[w.shard] += w.rows
         if write_id is not None:
             self.remember(write_id, plan, receipt, digest)
-
-    def rebuild(self, pieces: Sequence[Sequence[int]]) -> list[Write]:
-        """The plan of a journalled write, from its pieces ``[shard, start, stop, first]``.
-
-        >>> log = WriteLog([3, 2])
-        >>> [(w.shard, w.slots.tolist()) for w in log.rebuild([[1, 0, 3, 1]])]
-        [(1, [1, 0, 1])]
-        """
-        return [Write(int(sh), int(a), int(b), int(f), slots(int(f), int(b) - int(a), self.capacity[int(sh)]))
-                for sh, a, b, f in pieces]
 
     def remember(self, write_id: Hashable, plan: Sequence[Write], receipt: Any = None,
                  digest: str | None = None) -> None:
@@ -231,7 +210,7 @@ class WriteLog:
             if write_id in ids:  # a resumed write is journalled again: its latest line is the one that holds
                 continue
             ids.add(write_id)
-            plan = self.rebuild(pieces)
+            plan = rebuild(pieces, self.capacity)
             over = {i for i, w in enumerate(plan) if overlaps(later.get(w.shard), w.first, w.first + w.rows)}
             for w in plan:
                 insert(later.setdefault(w.shard, ([], [])), w.first, w.first + w.rows)

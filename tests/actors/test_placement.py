@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from conftest import run_marked
 
-from rayrb.core.allocation import assign_pieces
+from rayrb.core.allocation import assign_pieces, cut_write
 from rayrb.durability.writelog import WriteLog
 
 
@@ -19,7 +19,7 @@ def test_writers_beside_their_shards_write_locally_within_the_slack():
     for _ in range(4000):
         writer = int(rng.choice(4, p=rates))
         n = int(rng.integers(1, 1024))
-        plan = log.plan(log.cut(n), {writer})
+        plan = log.plan(cut_write(n, log.capacity), {writer})
         log.commit(plan)
         local_rows += sum(w.rows for w in plan if w.shard == writer)
         total += n

@@ -9,6 +9,7 @@ from restart_util import kill_coordinator, online_ids, rows
 from tensordict import TensorDict
 from write_model import ModelShard
 
+from rayrb.core.allocation import cut_write
 from rayrb.durability.writelog import WriteLog
 from rayrb.io.datasets import registry
 
@@ -27,7 +28,7 @@ class _Coordinator:
                 self.shards[w.shard].extend(w.first, [(write_id, r) for r in range(w.start, w.stop)])
 
     def plan(self, write_id, rows, pieces=None):
-        plan = self.log.plan(pieces or self.log.cut(rows))
+        plan = self.log.plan(pieces or cut_write(rows, self.log.capacity))
         self.journal.append((write_id, [[w.shard, w.start, w.stop, w.first] for w in plan]))
         self.log.commit(plan, write_id)
         return plan

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from write_model import ModelShard
 
-from rayrb.core.allocation import write_pieces
+from rayrb.core.allocation import cut_write, write_pieces
 from rayrb.durability.writelog import WriteLog, slots
 
 pytestmark = pytest.mark.usefixtures("local_metrics")
@@ -141,7 +141,7 @@ def test_resumed_writes_land_every_row_exactly_once():
                 v = pending.pop(int(rng.integers(len(pending))))
                 send(v, log.resume(v)[1])
             rows[w] = int(rng.integers(1, 4000))
-            plan = log.plan(log.cut(rows[w]))
+            plan = log.plan(cut_write(rows[w], log.capacity))
             log.commit(plan, write_id=w)
             event = rng.random()
             if event < 0.2:  # the coordinator dies after sending some of the pieces; it restarts
