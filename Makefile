@@ -23,10 +23,11 @@ $(STAMP): pyproject.toml Makefile
 install: $(STAMP)
 
 # Two pytest workers, each with its own local Ray, a test file at a time on one worker (a module's shared actors
-# stay with it): a serial run leaves about a quarter of the CPU idle while actors start. TEST_WORKERS=0: serial.
+# stay with it): a serial run leaves about a quarter of the CPU idle while actors start. Files go out in the order
+# tests/conftest.py gives them (the longest first), not xdist's (most tests first). TEST_WORKERS=0: serial.
 TEST_WORKERS ?= 2
 test: install lint docs
-	$(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+	$(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 # The layers without Ray: pure decisions and durability (no actors), with their doctests. Seconds, not minutes.
 test-fast: install
