@@ -64,6 +64,15 @@ def make_buffer(tmp_path):
         rb.shutdown()
 
 
+@pytest.fixture(scope="module")
+def rayrb_home(tmp_path_factory):
+    """Datasets rayrb prepares itself (OpenML ids, prefill's copies) go under a temporary RAYRB_HOME, one per module."""
+    home = tmp_path_factory.mktemp("rayrb-home")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RAYRB_HOME", str(home))
+        yield home
+
+
 @pytest.fixture
 def local_metrics(monkeypatch):
     """Coordinator metrics kept local, so that a Coordinator built in the test imports no Ray (tests/core asks
