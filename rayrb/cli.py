@@ -50,9 +50,10 @@ EXAMPLES = {
 # ---------------------------------------------------------------------------- the work of each command
 # Module-level functions, so that with --address they run unchanged as Ray tasks on the cluster.
 def prepare(dataset: str, data_home: str | None, root: str | None, dtype: str) -> str:
-    from rayrb.io.chunks import MANIFEST, ChunkDataset, build_in_place
+    from rayrb.io.chunks import MANIFEST, ChunkDataset
     from rayrb.io.datasets.openml import default_root
     from rayrb.io.datasets.registry import as_chunk_dataset, load_dataset
+    from rayrb.io.files import replace_dir
 
     if dataset.startswith("openml:"):
         return str(load_dataset(dataset, data_home=data_home, root=root, dtype=dtype).root)
@@ -66,7 +67,7 @@ def prepare(dataset: str, data_home: str | None, root: str | None, dtype: str) -
     loaded = load_dataset(dataset, batch_size=1)  # TorchRL's dataset classes require one; copying samples nothing
     if isinstance(loaded, ChunkDataset):
         return str(loaded.root)
-    return str(build_in_place(dest, lambda d: as_chunk_dataset(loaded, root=d)))
+    return str(replace_dir(dest, lambda d: as_chunk_dataset(loaded, root=d)))
 
 
 def info(path: str) -> dict[str, Any]:

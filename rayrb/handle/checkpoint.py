@@ -27,7 +27,7 @@ import numpy as np
 from rayrb.core.allocation import split_evenly
 from rayrb.durability.writelog import slots
 from rayrb.errors import SavedStateError
-from rayrb.io.files import file_digest, replace_file
+from rayrb.io.files import file_digest, replace_dir, replace_file
 
 # 3: the manifest carries a digest of itself; 4: and the priority exponents its priorities were stored under
 FORMAT, VERSION = "rayrb.buffer", 4
@@ -44,11 +44,7 @@ def dataset_fingerprint(dataset: Any) -> str:
 def save(rb: Any, path: Path) -> None:
     from rayrb.io.chunks import ChunkDataset
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
+    def write(tmp: Path) -> None:
         cut = rb.rpc.get(rb.rpc.coord.checkpoint.remote(str(tmp)))
         files = dict(rb.rpc.get(cut["acks"]))
         meta = {"format": FORMAT, "version": VERSION, "dataset": rb.dataset_root,
@@ -58,16 +54,8 @@ def save(rb: Any, path: Path) -> None:
         meta = json.loads(json.dumps(meta, default=int))  # as it will be read back
         meta["digest"] = manifest_digest(meta)
         replace_file(tmp / MANIFEST, json.dumps(meta), sync=True)
-        old = None
-        if path.exists():
-            old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
-            path.rename(old)
-        tmp.rename(path)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    replace_dir(path, write)
 
 
 def manifest_digest(meta: dict[str, Any]) -> str:

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -188,21 +188,3 @@ def write_dataset(
         bar.close()
     write_manifest(root, spec, chunks, source=source, recipe=recipe)
     return ChunkDataset.open(root)
-
-
-def build_in_place(dest: str | os.PathLike, write: Callable[[Path], Any]) -> Path:
-    """Run ``write(directory)`` for a directory beside ``dest``, then swap it in for ``dest``: readers never see a
-    half-built dataset, and a ``write`` that raises leaves ``dest`` as it was and nothing beside it."""
-    import tempfile
-
-    dest = Path(dest)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
-    try:
-        write(tmp / "ds")
-        if dest.exists():
-            shutil.rmtree(dest)
-        os.replace(tmp / "ds", dest)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return dest

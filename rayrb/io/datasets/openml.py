@@ -33,7 +33,8 @@ from rayrb.errors import (
     InvalidArgumentError,
     UnknownDatasetError,  # noqa: F401  (re-exported)
 )
-from rayrb.io.chunks import ChunkDataset, ChunkError, build_in_place, read_manifest, write_dataset
+from rayrb.io.chunks import ChunkDataset, ChunkError, read_manifest, write_dataset
+from rayrb.io.files import replace_dir
 
 RECIPE_VERSION = 1
 PARSER = "liac-arff"
@@ -198,6 +199,6 @@ def load_openml(
     X, y = fetch(openml_name, version, data_home=data_home)
     arrays = preprocess_frame(name, X, y)
     arrays["X"] = arrays["X"].astype(dtype, copy=False)
-    build_in_place(dest, lambda d: write_dataset(arrays, d, chunk_rows=chunk_rows, source={"openml": want["openml"]},
-                                                 recipe=want, pbar=pbar))
+    replace_dir(dest, lambda d: write_dataset(arrays, d, chunk_rows=chunk_rows, source={"openml": want["openml"]},
+                                              recipe=want, pbar=pbar))
     return ChunkDataset.open(dest)

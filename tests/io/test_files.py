@@ -1,0 +1,117 @@
+"""A file or a directory replaced whole (rayrb/io/files.py): a crash or a failing writer leaves the old one or the
+new one, never part of either, and nothing beside it. No Ray."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from rayrb.io import files
+from rayrb.io.files import replace_dir, replace_file
+
+
+def names(d):
+    return sorted(p.name for p in d.iterdir())
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def test_a_file_is_replaced_whole_and_a_failing_write_leaves_the_old_one(tmp_path, monkeypatch):
+    path = tmp_path / "state.json"
+    replace_file(path, "old")
+    replace_file(path, b"new", sync=True)
+    assert path.read_text() == "new" and names(tmp_path) == ["state.json"]
+
+    def fail(*a):
+        raise Boom("disk full")
+
+    monkeypatch.setattr(os, "replace", fail)
+    with pytest.raises(Boom):
+        replace_file(path, "newer")
+    assert path.read_text() == "new" and names(tmp_path) == ["state.json"]
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "rename-aside"])
+def test_a_directory_is_swapped_in_whole(tmp_path, monkeypatch, exchange):
+    if not exchange:
+        monkeypatch.setattr(files, "_RENAMEAT2", None)
+    elif files._RENAMEAT2 is None:
+        pytest.skip("no renameat2 here")
+    dest = tmp_path / "ds"
+    replace_dir(dest, lambda d: (d / "a").write_text("1"))  # none there before
+    seen = []
+
+    def write(d):
+        seen.append(names(dest))  # while the new one is built, readers see the old one whole
+        (d / "b").write_text("2")
+
+    assert replace_dir(dest, write) == dest
+    assert seen == [["a"]] and names(dest) == ["b"] and names(tmp_path) == ["ds"]
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "rename-aside"])
+def test_a_failing_writer_leaves_the_old_directory_and_nothing_beside_it(tmp_path, monkeypatch, exchange):
+    if not exchange:
+        monkeypatch.setattr(files, "_RENAMEAT2", None)
+    dest = tmp_path / "ds"
+    replace_dir(dest, lambda d: (d / "a").write_text("1"))
+
+    def write(d):
+        (d / "half").write_text("x")
+        raise Boom("writer died")
+
+    with pytest.raises(Boom):
+        replace_dir(dest, write)
+    assert names(dest) == ["a"] and names(tmp_path) == ["ds"]
+    with pytest.raises(Boom):
+        replace_dir(tmp_path / "new", write)  # nothing before: nothing after
+    assert names(tmp_path) == ["ds"]
+
+
+def test_a_failed_second_rename_puts_the_old_directory_back(tmp_path, monkeypatch):
+    monkeypatch.setattr(files, "_RENAMEAT2", None)
+    dest = tmp_path / "ds"
+    replace_dir(dest, lambda d: (d / "a").write_text("1"))
+    real = os.rename
+
+    def rename(src, dst):
+        if str(dst) == str(dest) and ".tmp-" in str(src):  # the new directory's rename into place
+            raise Boom("rename failed")
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(Boom):
+        replace_dir(dest, lambda d: (d / "b").write_text("2"))
+    assert names(dest) == ["a"] and names(tmp_path) == ["ds"]
+
+
+def test_a_crash_between_the_renames_leaves_the_old_directory_beside_it(tmp_path, monkeypatch):
+    """Without renameat2 there is a moment with no directory at ``dest``: a crash then keeps the old one aside."""
+    monkeypatch.setattr(files, "_RENAMEAT2", None)
+    dest = tmp_path / "ds"
+    replace_dir(dest, lambda d: (d / "a").write_text("1"))
+    real = os.rename
+
+    def rename(src, dst):
+        if str(dst) == str(dest):
+            raise KeyboardInterrupt  # stands for the process dying before the second rename
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(KeyboardInterrupt):
+        replace_dir(dest, lambda d: (d / "b").write_text("2"))
+    # the put-back rename was refused too (the same stand-in): the old directory waits beside, whole
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith(".ds.old-")]
+    assert not dest.exists() and len(aside) == 1 and names(aside[0]) == ["a"]
+
+
+def test_renameat2_exchange_swaps_two_directories(tmp_path):
+    if files._RENAMEAT2 is None:
+        pytest.skip("no renameat2 here")
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    (a / "x").write_text("a"), (b / "y").write_text("b")
+    assert files._exchange(a, b) and names(a) == ["y"] and names(b) == ["x"]
+    assert not files._exchange(a, tmp_path / "absent")  # nothing to swap with: the caller renames
