@@ -70,18 +70,23 @@ def test_a_failing_writer_leaves_the_old_directory_and_nothing_beside_it(tmp_pat
     assert names(tmp_path) == ["ds"]
 
 
-def test_a_failed_second_rename_puts_the_old_directory_back(tmp_path, monkeypatch):
+def refuse_renames_onto(dest, monkeypatch, error, only_from=""):
+    """Without renameat2, ``os.rename`` onto ``dest`` (from a path containing ``only_from``) raises ``error``."""
     monkeypatch.setattr(files, "_RENAMEAT2", None)
-    dest = tmp_path / "ds"
-    replace_dir(dest, lambda d: (d / "a").write_text("1"))
     real = os.rename
 
     def rename(src, dst):
-        if str(dst) == str(dest) and ".tmp-" in str(src):  # the new directory's rename into place
-            raise Boom("rename failed")
+        if str(dst) == str(dest) and only_from in str(src):
+            raise error
         return real(src, dst)
 
     monkeypatch.setattr(os, "rename", rename)
+
+
+def test_a_failed_second_rename_puts_the_old_directory_back(tmp_path, monkeypatch):
+    dest = tmp_path / "ds"
+    replace_dir(dest, lambda d: (d / "a").write_text("1"))
+    refuse_renames_onto(dest, monkeypatch, Boom("rename failed"), only_from=".tmp-")  # the new one's, into place
     with pytest.raises(Boom):
         replace_dir(dest, lambda d: (d / "b").write_text("2"))
     assert names(dest) == ["a"] and names(tmp_path) == ["ds"]
@@ -89,17 +94,9 @@ def test_a_failed_second_rename_puts_the_old_directory_back(tmp_path, monkeypatc
 
 def test_a_crash_between_the_renames_leaves_the_old_directory_beside_it(tmp_path, monkeypatch):
     """Without renameat2 there is a moment with no directory at ``dest``: a crash then keeps the old one aside."""
-    monkeypatch.setattr(files, "_RENAMEAT2", None)
     dest = tmp_path / "ds"
     replace_dir(dest, lambda d: (d / "a").write_text("1"))
-    real = os.rename
-
-    def rename(src, dst):
-        if str(dst) == str(dest):
-            raise KeyboardInterrupt  # stands for the process dying before the second rename
-        return real(src, dst)
-
-    monkeypatch.setattr(os, "rename", rename)
+    refuse_renames_onto(dest, monkeypatch, KeyboardInterrupt())  # stands for the process dying before the rename
     with pytest.raises(KeyboardInterrupt):
         replace_dir(dest, lambda d: (d / "b").write_text("2"))
     # the put-back rename was refused too (the same stand-in): the old directory waits beside, whole
