@@ -11,6 +11,7 @@ from bench.harness import (
     Consumer,
     coordinator_stats,
     cpu_by_role,
+    cpu_times,
     med_range,
     medians_text,
     o2o_buffer,
@@ -51,7 +52,7 @@ def one_run(cfg: dict, rb: OfflineToOnlineReplayBuffer, actors: list, B: int, se
     import psutil
 
     before, cpu0 = coordinator_stats(rb), psutil.cpu_times()
-    roles0 = cpu_by_role()
+    roles0 = cpu_times()
     got = run_together(actors, rb, B, cfg["prefetch"], seconds, cfg["start_delay_s"])
     after, cpu1 = coordinator_stats(rb), psutil.cpu_times()
     roles = cpu_by_role(since=roles0)

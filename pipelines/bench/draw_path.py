@@ -16,6 +16,7 @@ from bench.harness import (
     add_run,
     coordinator_cpu,
     cpu_by_role,
+    cpu_times,
     measure,
     med_ranges,
     medians_text,
@@ -78,7 +79,7 @@ def consumers_once(cfg: dict, rb: OfflineToOnlineReplayBuffer, o2o: TorchRLO2O, 
     actors = [Consumer.remote() for _ in range(cfg["draw_consumers"])]
     warm(actors, rb, B)
     cpu0, n0 = coordinator_cpu(rb)
-    roles0 = cpu_by_role()
+    roles0 = cpu_times()
     w0 = time.perf_counter()
     got = run_together(actors, rb, B, pf, seconds, cfg["start_delay_s"])
     roles = cpu_by_role(since=roles0)

@@ -192,26 +192,37 @@ def coordinator_cpu(rb: OfflineToOnlineReplayBuffer) -> tuple[float, int]:
     return float(c.get("cpu_seconds", 0.0)), int(c.get("batches", 0))
 
 
-def cpu_by_role(since: dict[str, float] | None = None) -> dict[str, float]:
-    """CPU seconds used so far by this machine's processes, grouped by what they are (Ray sets actor titles);
-    with ``since`` (an earlier answer), what each role used after it."""
+ROLES = {"consumers": ("ray::Consumer",), "shards": ("ray::OfflineShard", "ray::OnlineShard"),
+         "coordinator": ("ray::Coordinator",),
+         "ray system": ("raylet", "gcs_server", "dashboard", "log_monitor", "monitor.py", "runtime_env",
+                        "DashboardAgent")}
+
+
+def cpu_times() -> dict[tuple[int, float], tuple[str, float]]:
+    """CPU seconds each of this machine's processes has used so far, with its role (Ray sets actor titles), by
+    ``(pid, start time)``: a snapshot for ``cpu_by_role``."""
     import psutil
 
-    roles = {"consumers": ("ray::Consumer",), "shards": ("ray::OfflineShard", "ray::OnlineShard"),
-             "coordinator": ("ray::Coordinator",), "ray system": ("raylet", "gcs_server", "dashboard", "log_monitor",
-                                                                   "monitor.py", "runtime_env", "DashboardAgent")}
-    out = dict.fromkeys([*roles, "other"], 0.0)
-    for proc in psutil.process_iter(["cmdline", "cpu_times"]):
+    out = {}
+    for proc in psutil.process_iter(["cmdline", "cpu_times", "create_time"]):
         try:
-            line = " ".join(proc.info["cmdline"] or [])
-            t = proc.info["cpu_times"]
+            line, t = " ".join(proc.info["cmdline"] or []), proc.info["cpu_times"]
         except (psutil.Error, TypeError):
             continue
-        if t is None:
-            continue
-        role = next((r for r, keys in roles.items() if any(k in line for k in keys)), "other")
-        out[role] += t.user + t.system
-    return out if since is None else {k: v - since.get(k, 0.0) for k, v in out.items()}
+        if t is not None:
+            role = next((r for r, keys in ROLES.items() if any(k in line for k in keys)), "other")
+            out[(proc.pid, proc.info["create_time"])] = (role, t.user + t.system)
+    return out
+
+
+def cpu_by_role(since: dict[tuple[int, float], tuple[str, float]]) -> dict[str, float]:
+    """CPU seconds each role used after the snapshot ``since`` (``cpu_times``), process by process: a process that
+    ended in between takes its seconds out of neither snapshot (another Ray instance on the machine stopping must
+    not make a role's figure negative); one started in between counts whole."""
+    out = dict.fromkeys([*ROLES, "other"], 0.0)
+    for key, (role, used) in cpu_times().items():
+        out[role] += used - since.get(key, (role, 0.0))[1]
+    return out
 
 
 def plasma_mib() -> tuple[float, float]:
