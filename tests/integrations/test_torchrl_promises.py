@@ -30,17 +30,8 @@ def _tagged(n: int, source: int, start: int = 0):
 # Promised by the docstrings of TorchRL's OfflineToOnlineReplayBuffer, load_dataset and register_dataset
 # ==============================================================================================
 class TestOfflineToOnlineDocstring:
-    def test_docstring_example(self, make_buffer):
-        offline = ReplayBuffer(storage=LazyTensorStorage(1000))
-        _ = offline.extend(TensorDict({"observation": torch.randn(1000, 4)}, [1000]))
-        rb = make_buffer(
-            offline_dataset=offline,
-            online_capacity=500,
-            offline_fraction=0.5,
-            batch_size=32,
-        )
-        _ = rb.extend(TensorDict({"observation": torch.randn(10, 4)}, [10]))
-        assert rb.sample(32).batch_size == torch.Size([32])
+    # The class docstring's example itself runs as a user writes it, with rayrb's default directories:
+    # tests/handle/test_buffer.py::test_docstring_example_of_torchrl_runs_unchanged_but_the_import
 
     def test_extend_returns_online_indices(self, make_buffer):
         """``extend``: "Returns: Indices at which the data was stored in the online buffer"."""
