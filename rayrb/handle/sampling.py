@@ -95,10 +95,6 @@ class BatchIterator:
         self._stream, self._output, self._device, self._return_info = stream, output, device, return_info
 
     @property
-    def stream(self) -> Stream:
-        return self._stream
-
-    @property
     def max_in_flight(self) -> int:
         return self._stream.max_in_flight
 

@@ -49,6 +49,10 @@ from rayrb.errors import InvalidArgumentError
 from rayrb.handle.client import PREFETCH
 
 DEFAULT_MAX_BATCH_BYTES = 8 << 30
+# The options a client may set for itself (client_options), checked the one way the buffer's are
+CLIENT_CHECKS: dict[str, Callable[[Any], Any]] = {
+    "timeout": check_timeout, "prefetch": lambda v: non_negative_int("prefetch", v),
+    "local_reads": lambda v: boolean("local_reads", v)}
 DEFAULT_STORAGE = os.path.join(tempfile.gettempdir(), "rayrb-state")
 
 
@@ -129,11 +133,10 @@ def checked_settings(offline_dataset: Any, *, online_capacity: Any = None, onlin
     storage_device = check_storage_device(storage_device)
     limiter = make_rate_limiter(rate_limiter)
     limiter.validate(online_capacity=capacity)  # a configuration that can deadlock is refused here
-    local_reads = boolean("local_reads", local_reads)
-    timeout = check_timeout(timeout)
+    local_reads, timeout = CLIENT_CHECKS["local_reads"](local_reads), CLIENT_CHECKS["timeout"](timeout)
     transform = callable_or_none("transform", transform)
     max_batch_bytes = positive_int("max_batch_bytes", max_batch_bytes)
-    prefetch = non_negative_int("prefetch", prefetch)
+    prefetch = CLIENT_CHECKS["prefetch"](prefetch)
     replicas = replicas_option(online_replicas, storage_dir, nodes, actor_options or {})
     return BufferSettings(
         num_offline_shards=m, num_online_shards=k, online_capacity=capacity, offline_fraction=schedule,
@@ -148,10 +151,9 @@ def checked_settings(offline_dataset: Any, *, online_capacity: Any = None, onlin
 def client_options(timeout: Any = "same", prefetch: Any = "same", local_reads: Any = "same") -> dict[str, Any]:
     """A client's own ``timeout``, ``prefetch`` and ``local_reads``, checked as ``checked_settings`` checks the
     buffer's; those left ``"same"`` (the buffer's) are left out."""
-    checks = {"timeout": check_timeout, "prefetch": lambda v: non_negative_int("prefetch", v),
-              "local_reads": lambda v: boolean("local_reads", v)}
     given = {"timeout": timeout, "prefetch": prefetch, "local_reads": local_reads}
-    return {key: checks[key](value) for key, value in given.items() if not (isinstance(value, str) and value == "same")}
+    return {key: CLIENT_CHECKS[key](value) for key, value in given.items()
+            if not (isinstance(value, str) and value == "same")}
 
 
 def capacity_option(online_capacity: Any, online_storage: Any, num_online_shards: int) -> int:
