@@ -97,12 +97,10 @@ class _ViewMethods:
         return self._rayrb.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        if "rayrb" in state:  # a view's state from before the base fraction was the buffer's
-            self._rayrb.load_state_dict(state["rayrb"])
-            if state.get("base_offline_fraction") is not None:
-                self._rayrb._base_offline_fraction = state["base_offline_fraction"]
-            return
-        self._rayrb.load_state_dict(state)
+        if "rayrb" in state:  # a view's state from before the base fraction was the buffer's: its base wins
+            base = state.get("base_offline_fraction")
+            state = {**state["rayrb"], **({} if base is None else {"base_fraction": base})}
+        self._rayrb.load_state_dict(state)  # one call, checked whole: a refused state changes nothing
 
     def dumps(self, path: Any) -> None:
         """rayrb's checkpoint of the buffer under ``path``: the base fraction ``anneal`` decays from is in it."""

@@ -147,3 +147,18 @@ def test_the_torchrl_view_keeps_no_state_of_its_own(make_buffer, tmp_path):
     other = make_buffer(offline_fraction=0.1)
     as_torchrl(other).load(tmp_path / "ckpt")
     assert other.offline_fraction == pytest.approx(0.9) and other._base_offline_fraction == pytest.approx(0.7)
+
+
+def test_an_older_view_state_loads_whole_with_its_base_or_not_at_all(make_buffer):
+    """A view's ``state_dict`` from before the base fraction was the buffer's, ``{"rayrb": ..., "base_offline_
+    fraction": ...}``, loads in one checked call: its base wins; a bad base refuses the whole state."""
+    from rayrb.integrations.torchrl import as_torchrl
+
+    a, b = make_buffer(offline_fraction=0.8), make_buffer(offline_fraction=0.3)
+    old = {"rayrb": {k: v for k, v in a.state_dict().items() if k != "base_fraction"}, "base_offline_fraction": 0.6}
+    view = as_torchrl(b)
+    with pytest.raises(ValueError, match="base_fraction"):
+        view.load_state_dict({**old, "base_offline_fraction": 7.0})
+    assert b.offline_fraction == pytest.approx(0.3) and b._base_offline_fraction == pytest.approx(0.3)
+    view.load_state_dict(old)
+    assert b.offline_fraction == pytest.approx(0.8) and b._base_offline_fraction == pytest.approx(0.6)
