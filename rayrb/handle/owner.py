@@ -20,7 +20,7 @@ from rayrb.core.plans import OFFLINE, ONLINE
 from rayrb.core.schedules import Schedule
 from rayrb.core.validation import ALPHA, BETA, EPS
 from rayrb.handle import launch
-from rayrb.handle.client import PREFETCH, BufferClient, BufferUnavailableError
+from rayrb.handle.client import PREFETCH, BufferClient, BufferUnavailableError, gives_back
 from rayrb.handle.launch import remove_leftovers as _remove_leftovers  # its name here since it moved
 from rayrb.handle.prefill import prefill_replay_buffer  # its home before it had a module of its own
 from rayrb.handle.settings import (
@@ -213,6 +213,7 @@ class OfflineToOnlineReplayBuffer(BufferClient):
 
         return preprocess(self._dataset_root, fn, dest, **kwargs)
 
+    @gives_back
     def dumps(self, path: str | os.PathLike) -> None:
         """Save the online rows, priorities and sampling state under ``path`` (TorchRL's name).
 
@@ -225,10 +226,10 @@ class OfflineToOnlineReplayBuffer(BufferClient):
         """
         from rayrb.handle.checkpoint import save
 
-        self.give_back()
         self.report_served()
         save(self, Path(path))
 
+    @gives_back
     def loads(self, path: str | os.PathLike) -> None:
         """Restore what ``dumps`` saved into this buffer, whole, or leave the buffer as it was.
 
@@ -249,7 +250,6 @@ class OfflineToOnlineReplayBuffer(BufferClient):
         """
         from rayrb.handle.checkpoint import restore
 
-        self.give_back()
         restore(self, Path(path))
 
     dump, load = dumps, loads
