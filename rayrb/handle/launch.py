@@ -10,6 +10,7 @@ from typing import Any
 
 from rayrb.core.plans import OFFLINE, ONLINE
 from rayrb.errors import InvalidArgumentError
+from rayrb.handle.rpc import shard_id
 from rayrb.handle.settings import BufferSettings, default_offline_kind, is_dataset_id
 from rayrb.io.chunks import ChunkDataset
 
@@ -22,9 +23,9 @@ def layout(dataset: ChunkDataset, name: str, instance: str, kinds: dict[str, str
     layout = [{"side": OFFLINE, "sampler": kinds[OFFLINE], "root": str(dataset.root), "start": a, "stop": b}
               for a, b in ranges]
     return layout + [{"side": ONLINE, "sampler": kinds[ONLINE], "capacity": c,
-                      "dir": shard_directory(storage_dir, instance, f"on-{i}"),
-                      "copies": [{"name": f"{name}/on-{i}.r{r}",
-                                  "dir": shard_directory(storage_dir, instance, f"on-{i}.r{r}")}
+                      "dir": shard_directory(storage_dir, instance, shard_id(ONLINE, i)),
+                      "copies": [{"name": f"{name}/{shard_id(ONLINE, i, r)}",
+                                  "dir": shard_directory(storage_dir, instance, shard_id(ONLINE, i, r))}
                                  for r in range(1, replicas)]} for i, c in enumerate(capacities)]
 
 
@@ -40,17 +41,18 @@ def start_online(spec: dict, capacities: list[int], name: str, instance: str, ki
 
     extra = list(groups)
     for i, c in enumerate(capacities):
-        copies = [f"{name}/on-{i}.r{r}" for r in range(1, replicas)]
+        copies = [f"{name}/{shard_id(ONLINE, i, r)}" for r in range(1, replicas)]
         for r, copy in enumerate(copies, 1):  # before the shard, which looks them up by name
             started.append(actor_class(OnlineShard, **cls_opts).options(
                 name=copy, **in_group(on_opts, groups[i], r)).remote(
                 spec, c, copy, kind, sampler_options=so,
-                state_dir=shard_directory(storage_dir, instance, f"on-{i}.r{r}"), device=table))
+                state_dir=shard_directory(storage_dir, instance, shard_id(ONLINE, i, r)), device=table))
             extra.append(started[-1])
         place = in_group(on_opts, groups[i], 0) if groups else on_node(on_opts, online_nodes[i] if online_nodes else None)
-        started.append(actor_class(OnlineShard, **cls_opts).options(name=f"{name}/on-{i}", **place).remote(
-            spec, c, f"{name}/on-{i}", kind, sampler_options=so,
-            state_dir=shard_directory(storage_dir, instance, f"on-{i}"), device=table, replicas=copies,
+        shard = f"{name}/{shard_id(ONLINE, i)}"
+        started.append(actor_class(OnlineShard, **cls_opts).options(name=shard, **place).remote(
+            spec, c, shard, kind, sampler_options=so,
+            state_dir=shard_directory(storage_dir, instance, shard_id(ONLINE, i)), device=table, replicas=copies,
             coordinator=name))
     return extra
 

@@ -17,6 +17,7 @@ import torch
 from rayrb.core.plans import OFFLINE, ONLINE, reads_by_plan
 from rayrb.core.validation import positive_int
 from rayrb.errors import InvalidArgumentError, InvalidStateError
+from rayrb.handle.rpc import shard_id
 
 
 class Learners:
@@ -71,9 +72,8 @@ class Learners:
         learners = list(learners)
         if not learners:
             raise InvalidArgumentError("expected at least one learner actor handle, got none")
-        m = len(self.rpc.by_side[OFFLINE])
-        names = [f"{self.name}/off-{i}" for i in range(m)] + \
-                [f"{self.name}/on-{i}" for i in range(len(self.rpc.by_side[ONLINE]))]
+        names = [f"{self.name}/{shard_id(side, i)}" for side in (OFFLINE, ONLINE)
+                 for i in range(len(self.rpc.by_side[side]))]
         self.routes = connect_group(self.transport, self.rpc.shards, learners, f"{self.name}-{self.transport}",
                                     previous=self.routes, shard_names=names, timeout=self.rpc.timeout or 60.0)
         self.learners = learners

@@ -23,6 +23,7 @@ from rayrb.handle import launch
 from rayrb.handle.client import PREFETCH, BufferClient, BufferUnavailableError, gives_back
 from rayrb.handle.launch import remove_leftovers as _remove_leftovers  # its name here since it moved
 from rayrb.handle.prefill import prefill_replay_buffer  # its home before it had a module of its own
+from rayrb.handle.rpc import shard_id
 from rayrb.handle.settings import (
     DEFAULT_MAX_BATCH_BYTES,
     DEFAULT_STORAGE,
@@ -325,9 +326,9 @@ def _start_actors(dataset: ChunkDataset, name: str, s: BufferSettings, *, seed: 
         started += groups
         for i, (a, b) in enumerate(ranges):
             started.append(actor_class(OfflineShard, **cls_opts).options(
-                name=f"{name}/off-{i}", **shard_placement(dataset, a, b, off_opts))
-                           .remote(str(dataset.root), a, b, f"{name}/off-{i}", kinds[OFFLINE], sampler_options=so,
-                                   state_dir=shard_directory(storage_dir, instance, f"off-{i}"), device=table))
+                name=f"{name}/{shard_id(OFFLINE, i)}", **shard_placement(dataset, a, b, off_opts))
+                           .remote(str(dataset.root), a, b, f"{name}/{shard_id(OFFLINE, i)}", kinds[OFFLINE], sampler_options=so,
+                                   state_dir=shard_directory(storage_dir, instance, shard_id(OFFLINE, i)), device=table))
         extra = launch.start_online(dataset.spec.to_json(), capacities, name, instance, kinds[ONLINE], so, on_opts,
                                     cls_opts, storage_dir, table, s.online_nodes, groups, replicas, started)
         # The coordinator restarts too when it can keep its state on disk: the stream, settings and
@@ -336,8 +337,8 @@ def _start_actors(dataset: ChunkDataset, name: str, s: BufferSettings, *, seed: 
         # Shards by name, not handle: a handle in the arguments would live in the object store, and a restart
         # needs its arguments for as long as the buffer lives (ray#53727).
         coord = actor_class(Coordinator).options(name=name, **coord_restart, **coord_opts).remote(
-            [f"{name}/off-{i}" for i in range(m)], [b - a for a, b in ranges],
-            [f"{name}/on-{i}" for i in range(k)], capacities, offline_fraction=s.offline_fraction,
+            [f"{name}/{shard_id(OFFLINE, i)}" for i in range(m)], [b - a for a, b in ranges],
+            [f"{name}/{shard_id(ONLINE, i)}" for i in range(k)], capacities, offline_fraction=s.offline_fraction,
             sampler=kinds, epoch_end=s.epoch_end, seed=seed, name=name, beta=s.beta, rate_limiter=dict(s.rate_limiter),
             state_dir=shard_directory(storage_dir, instance, "coordinator"), replicated=replicas > 1)
     except BaseException:

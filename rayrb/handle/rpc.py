@@ -149,6 +149,16 @@ class Rpc:
 
 
 @functools.cache
+def shard_id(side: str, i: int, copy: int = 0) -> str:
+    """Shard ``i`` of a side within its buffer, and copy ``copy`` of an online shard: its actor is named
+    ``<buffer>/<id>``, its state directory is ``<id>``.
+
+    >>> shard_id(OFFLINE, 3), shard_id(ONLINE, 1), shard_id(ONLINE, 1, copy=2)
+    ('off-3', 'on-1', 'on-1.r2')
+    """
+    return f"{'off' if side == OFFLINE else 'on'}-{i}" + (f".r{copy}" if copy else "")
+
+
 def node_id() -> str | None:
     """This process's node: writes prefer its online shards, reads gather its shards' rows here (None where Ray
     does not say)."""
