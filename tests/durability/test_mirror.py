@@ -87,3 +87,60 @@ def test_a_gcs_that_fails_a_call_reads_as_a_disk_that_failed(tmp_path):
         state.save({"version": 1})
     with pytest.raises(OSError):
         state.journal("w", [(0, 0, 1, 0)])
+
+
+
+def _history(tmp_path, mirror):
+    """A coordinator's files at version 2 (two saves, one journalled write), kept aside, then the same files two
+    saves, two journalled writes and two answers later; ``(directory, the copy kept aside, the mirror's items as
+    they were then, the newer state)``."""
+    d = tmp_path / "c"
+    s = CoordinatorState(d, mirror=mirror)
+    s.save({"version": 1})
+    s.journal("w0", [(0, 0, 10, 0)], digest="d0")
+    s.save({"version": 2})
+    shutil.copytree(d, tmp_path / "old")
+    then = dict(mirror.items)
+    for i in (1, 2):
+        s.journal(f"w{i}", [(0, 10 * i, 10 * i + 10, 10 * i)], digest=f"d{i}")
+        s.save_reply(f"call-{i}", f'{{"answer": {i}}}')
+        s.save({"version": 2 + i})
+    return d, tmp_path / "old", then, s
+
+
+def test_older_local_files_give_way_to_the_newer_mirror_by_sequence(tmp_path):
+    """A restart on an older copy of the directory (a bundle moved back to a machine that rejoined with its old
+    disk) takes the mirror's newer state, journal and answers: a retried write is then answered, not applied
+    again."""
+    mirror = DictMirror()
+    d, old, _, newer = _history(tmp_path, mirror)
+    shutil.rmtree(d)
+    shutil.copytree(old, d)
+    back = CoordinatorState(d, mirror=mirror)
+    assert back.load() == {"version": 4}
+    assert back.writes() == newer.writes() and [w for w, _, _ in back.writes()] == ["w0", "w1", "w2"]
+    assert back.load_reply("call-2") == '{"answer": 2}'
+    back.journal("w3", [(0, 30, 40, 30)])  # numbered on after the newest line, not over the mirror's
+    assert [k.rsplit("/", 1)[1] for k in mirror.keys(back._key + "writes/")] == [f"{i:012d}" for i in range(4)]
+    back.save({"version": 5})
+    shutil.rmtree(d)  # and a copy down from the mirror holds every line once
+    moved = CoordinatorState(d, mirror=mirror)
+    assert moved.load() == {"version": 5}
+    assert [w for w, _, _ in moved.writes()] == ["w0", "w1", "w2", "w3"]
+
+
+def test_an_older_mirror_gives_way_to_the_newer_local_files_and_is_brought_level(tmp_path):
+    """The reverse: the GCS's copy is the older one (its store came back from an older snapshot). The local files
+    win by sequence, and the mirror takes them, so a later move to another node finds the newest too."""
+    mirror = DictMirror()
+    d, _, then, newer = _history(tmp_path, mirror)
+    mirror.items = then
+    back = CoordinatorState(d, mirror=mirror)
+    assert back.load() == {"version": 4}
+    assert back.writes() == newer.writes()
+    back.journal("w3", [(0, 30, 40, 30)])
+    shutil.rmtree(d)  # moved to another node now: the mirror was brought level
+    moved = CoordinatorState(d, mirror=mirror)
+    assert moved.load() == {"version": 4}
+    assert [w for w, _, _ in moved.writes()] == ["w0", "w1", "w2", "w3"]
+    assert moved.load_reply("call-2") == '{"answer": 2}'
