@@ -137,7 +137,7 @@ def checked_settings(offline_dataset: Any, *, online_capacity: Any = None, onlin
     transform = callable_or_none("transform", transform)
     max_batch_bytes = positive_int("max_batch_bytes", max_batch_bytes)
     prefetch = CLIENT_CHECKS["prefetch"](prefetch)
-    replicas = replicas_option(online_replicas, storage_dir, nodes, actor_options or {})
+    replicas = replicas_option(online_replicas, storage_dir, nodes, actor_options or {}, max_restarts)
     return BufferSettings(
         num_offline_shards=m, num_online_shards=k, online_capacity=capacity, offline_fraction=schedule,
         batch_size=batch_size, offline_sampler=kinds[OFFLINE], online_sampler=kinds[ONLINE], epoch_end=epoch_end,
@@ -173,9 +173,15 @@ def capacity_option(online_capacity: Any, online_storage: Any, num_online_shards
     return online_capacity
 
 
-def replicas_option(value: Any, storage_dir: Any, online_nodes: Any, actor_options: dict) -> int:
-    """``online_replicas=``: a positive integer; more than one needs a ``storage_dir`` and Ray's placement."""
+def replicas_option(value: Any, storage_dir: Any, online_nodes: Any, actor_options: dict, max_restarts: int = -1
+                    ) -> int:
+    """``online_replicas=``: a positive integer; more than one needs a ``storage_dir``, Ray's placement and actors
+    that restart (``max_restarts``, checked already)."""
     replicas = positive_int("online_replicas", value)
+    if replicas > 1 and max_restarts == 0:  # the replica's rows reach the buffer only through a restarted primary
+        raise InvalidArgumentError(
+            f"expected max_restarts=-1 or at least 1 with online_replicas={replicas} (a replica serves only a "
+            f"primary that restarts and takes its rows), got max_restarts=0")
     if replicas > 1 and storage_dir is None:
         raise InvalidArgumentError(
             f"expected a storage_dir with online_replicas={replicas} (replicated shards restart, and "

@@ -96,6 +96,10 @@ BAD = [  # (options, error class, message)
     ({"online_replicas": 0}, InvalidArgumentError, "online_replicas must be a positive integer, got 0"),
     ({"online_replicas": 2, "storage_dir": None}, InvalidArgumentError, "expected a storage_dir with "
                                                                         "online_replicas=2"),
+    # a primary that never restarts never takes its replica's rows: the replica would be kept for nothing
+    ({"online_replicas": 2, "max_restarts": 0}, InvalidArgumentError,
+     "expected max_restarts=-1 or at least 1 with online_replicas=2 (a replica serves only a primary that "
+     "restarts and takes its rows), got max_restarts=0"),
 ]
 
 
