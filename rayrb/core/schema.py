@@ -35,11 +35,35 @@ SEP = "/"
 
 # TorchRL adds these to sampled batches; they describe where a row was, not the row.
 BOOKKEEPING_KEYS = frozenset({"index", "_weight", "priority_weight"})
-
-
+# What a row's key may hold: fixed-width numbers torch maps straight from numpy (its from_numpy's own list), in
+# their numpy names. Others (objects, strings, float128, a dtype spelled ">f4") could not be mapped or served.
+STORED_DTYPES = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+                 "float16", "float32", "float64", "complex64", "complex128")
 
 def key_str(key: str | tuple[str, ...]) -> str:
     return key if isinstance(key, str) else SEP.join(key)
+
+
+def field_spec(key: Any, shape: Any, dtype: Any) -> "FieldSpec":
+    """One key's ``FieldSpec``, after checking what files and tensors are made of it: a key whose ``/``-parts
+    name directories inside a chunk (none empty, ``.`` or ``..``), a shape of non-negative ints, a stored dtype.
+
+    >>> field_spec("obs/x", [3], "float32")
+    FieldSpec(shape=(3,), dtype='float32')
+    >>> field_spec("../x", [3], "float32")
+    Traceback (most recent call last):
+    ...
+    rayrb.errors.SchemaError: key '../x': expected a key of /-separated names, none empty, '.' or '..' (they name files), got '../x'
+    """
+    if not isinstance(key, str) or any(p in ("", ".", "..") or "\0" in p for p in key.split(SEP)):
+        raise SchemaError(f"key {key!r}: expected a key of /-separated names, none empty, '.' or '..' "
+                          f"(they name files), got {key!r}")
+    if not isinstance(shape, (list, tuple)) or not all(type(s) is int and s >= 0 for s in shape):
+        raise SchemaError(f"key {key!r}: expected a shape of non-negative integers, got {shape!r}")
+    if not isinstance(dtype, str) or dtype not in STORED_DTYPES:
+        raise SchemaError(f"key {key!r}: expected a dtype rayrb stores (one of {', '.join(STORED_DTYPES)}), "
+                          f"got {dtype!r}")
+    return FieldSpec(tuple(shape), dtype)
 
 
 @dataclass(frozen=True)
@@ -70,12 +94,22 @@ class RowSpec:
             a = np.asarray(a)
             if a.ndim < 1:
                 raise SchemaError(f"key {key_str(k)!r}: expected an array with a row dimension, got a scalar")
-            fields[k] = FieldSpec(tuple(int(s) for s in a.shape[1:]), a.dtype.name)
+            fields[k] = field_spec(key_str(k), [int(s) for s in a.shape[1:]], a.dtype.name)
         return cls(fields)
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> "RowSpec":
-        return cls({k: FieldSpec(tuple(v["shape"]), str(v["dtype"])) for k, v in obj.items()})
+        """The spec ``to_json`` wrote (a manifest's, a checkpoint's), each key checked (``field_spec``)."""
+        if not isinstance(obj, Mapping):
+            raise SchemaError(f"expected a row spec as a mapping of key to {{'shape', 'dtype'}}, got "
+                              f"{type(obj).__name__}")
+        fields = {}
+        for k, v in obj.items():
+            if not isinstance(v, Mapping) or set(v) != {"shape", "dtype"}:
+                got = sorted(map(str, v)) if isinstance(v, Mapping) else type(v).__name__
+                raise SchemaError(f"key {k!r}: expected a mapping with 'shape' and 'dtype', got {got}")
+            fields[k] = field_spec(k, v["shape"], v["dtype"])
+        return cls(fields)
 
     def to_json(self) -> dict[str, Any]:
         return {k: {"shape": list(f.shape), "dtype": f.dtype} for k, f in self._fields.items()}
@@ -144,18 +178,24 @@ class RowSpec:
             if tuple(a.shape[1:]) != f.shape:
                 raise SchemaError(
                     f"key {k!r}: expected trailing shape {f.shape}, got {tuple(a.shape[1:])} "
-                    f"(expected {self!r}, got {RowSpec.from_arrays(arrays)!r})"
+                    f"(expected {self!r}, got {_described(arrays)})"
                 )
             if a.dtype.name != f.dtype:
                 raise SchemaError(
                     f"key {k!r}: expected dtype {f.dtype}, got {a.dtype.name} "
-                    f"(expected {self!r}, got {RowSpec.from_arrays(arrays)!r})"
+                    f"(expected {self!r}, got {_described(arrays)})"
                 )
             if rows is None:
                 rows = a.shape[0]
             elif a.shape[0] != rows:
                 raise SchemaError(f"key {k!r}: expected {rows} rows like the other keys, got {a.shape[0]}")
         return int(rows or 0)
+
+
+def _described(arrays: Mapping[str, np.ndarray]) -> str:
+    """Arrays as a spec's repr shows them, whatever their dtypes (an error message's "got")."""
+    return "RowSpec(" + ", ".join(f"{key_str(k)}: {a.dtype.name}[{', '.join(map(str, a.shape[1:]))}]"
+                                  for k, a in sorted(arrays.items())) + ")"
 
 
 def strip_bookkeeping(arrays: Mapping[str, np.ndarray], keep: Iterable[str] = ()) -> dict[str, np.ndarray]:

@@ -26,8 +26,8 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from rayrb.core.plans import nest
-from rayrb.core.schema import SEP, native_order
-from rayrb.errors import InvalidArgumentTypeError
+from rayrb.core.schema import SEP, STORED_DTYPES, native_order
+from rayrb.errors import InvalidArgumentTypeError, SchemaError
 
 _TORCH_TO_NUMPY = {
     torch.float64: np.float64, torch.float32: np.float32, torch.float16: np.float16,
@@ -62,7 +62,12 @@ def to_numpy_dict(data: Any) -> dict[str, np.ndarray]:
             t = value.detach()
             if t.device.type != "cpu":
                 t = t.cpu()
-            out[prefix] = t.numpy()
+            try:
+                out[prefix] = t.numpy()
+            except TypeError:  # bfloat16 and the like: numpy has no such dtype, so no file or batch can hold it
+                raise SchemaError(
+                    f"key {prefix!r}: expected a dtype rayrb stores (one of {', '.join(STORED_DTYPES)}), got "
+                    f"{t.dtype}: cast it first (bfloat16 to float32 keeps every value)") from None
         else:
             out[prefix] = np.asarray(value)
 

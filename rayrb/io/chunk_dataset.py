@@ -86,8 +86,13 @@ class ChunkDataset:
         total = self.manifest.get("rows")
         if total is not None and int(total) != len(self):
             raise ChunkError(f"{self.root / MANIFEST}: says {total} rows, but its chunks hold {len(self)}")
+        root = self.root.resolve()
         for c in self.chunks:
-            _chunk_files(self.root / c.path, self.spec, c.rows)
+            files = _chunk_files(self.root / c.path, self.spec, c.rows)
+            for path in [self.root / c.path, *(f for f, _, _ in files.values())]:
+                if not path.resolve().is_relative_to(root):  # a symlink out: another dataset's rows
+                    raise ChunkError(f"chunk {c.path}: expected its files inside the dataset {root}, but "
+                                     f"{path} leads to {path.resolve()}")
 
     def __len__(self) -> int:
         return int(self.offsets[-1])
