@@ -31,7 +31,7 @@ from rayrb.actors.writing import Writing, failed
 from rayrb.core.ahead import GiveBack, past_any_number
 from rayrb.core.planner import Planner
 from rayrb.core.plans import OFFLINE, ONLINE, SIDES, BatchPlan, GroupPlan
-from rayrb.core.validation import one_of, positive_int
+from rayrb.core.validation import ALPHA, EPS, one_of, positive_int
 from rayrb.durability.coordinator_state import CoordinatorState
 from rayrb.durability.mirror import GcsMirror
 from rayrb.durability.replies import saved_answers
@@ -55,15 +55,15 @@ class Coordinator:
     def __init__(self, offline_shards: Sequence[Any], offline_sizes: Sequence[int], online_shards: Sequence[Any],
                  online_capacities: Sequence[int], *, name: str = "rayrb", seed: int | None = None,
                  state_dir: str | None = None, replicated: bool = False, **planner: Any):
-        """Shards by actor name (or handle); ``planner``: the ``Planner``'s options (``offline_fraction``,
-        ``sampler``, ``drop_last``, ``epoch_end``, ``beta``, ``rate_limiter``), as the owner checked them."""
-        self._name = name
+        """Shards by actor name (or handle); ``planner``: the ``Planner``'s options (``offline_fraction``, ``sampler``,
+        ``drop_last``, ``epoch_end``, ``beta``, ``rate_limiter``) and the shards' ``alpha``, ``eps``, as the owner checked."""
+        self._name, self._offline_sizes = name, np.asarray(offline_sizes, np.int64)
         self._shards = {OFFLINE: [_actor(s) for s in offline_shards], ONLINE: [_actor(s) for s in online_shards]}
-        self._offline_sizes = np.asarray(offline_sizes, np.int64)
+        exponents = planner.pop("alpha", ALPHA), planner.pop("eps", EPS)  # the shards': updates are checked by them
         self._metrics = ActorMetrics("coordinator", {"buffer": name})
         self._planner = Planner({s: len(self._shards[s]) for s in SIDES}, seed=seed,
                                 online_capacity=int(sum(online_capacities)) or None, **planner)
-        self._drawing = Drawing(self._planner, self._shards, self._metrics, seed)
+        self._drawing = Drawing(self._planner, self._shards, self._metrics, seed, exponents=exponents)
         self._version = Version(name, state_dir)
         # With a state directory, a restarted coordinator (Ray re-runs this with the same arguments) picks up
         # its sampling state there and its write counts from the shards.

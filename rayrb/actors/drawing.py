@@ -17,7 +17,8 @@ import numpy as np
 from rayrb.core.ahead import AheadLog, GiveBack
 from rayrb.core.planner import Planner
 from rayrb.core.plans import OFFLINE, ONLINE, SIDES, BatchPlan, GroupPlan, Part, decode_group, route_priorities
-from rayrb.core.validation import positive_int
+from rayrb.core.samplers import stored_priorities
+from rayrb.core.validation import ALPHA, EPS, positive_int
 from rayrb.durability.replies import ReplyCache
 from rayrb.errors import DrawError, HeldBack, InvalidArgumentError
 
@@ -27,8 +28,10 @@ Sizes = Mapping[str, np.ndarray]
 class Drawing:
     """Plans for one buffer: groups of batches, their give-backs, and the side views' draws."""
 
-    def __init__(self, planner: Planner, shards: Mapping[str, Sequence[Any]], metrics: Any, seed: int | None):
+    def __init__(self, planner: Planner, shards: Mapping[str, Sequence[Any]], metrics: Any, seed: int | None, *,
+                 exponents: tuple[float, float] = (ALPHA, EPS)):
         self.planner, self._shards, self._metrics = planner, shards, metrics
+        self._exponents = exponents  # the shards' (alpha, eps): an update is checked whole before any shard has it
         self.ahead = AheadLog()
         self.replies = ReplyCache()
         self.side_rng = np.random.default_rng(None if seed is None else [seed, 1])
@@ -46,6 +49,7 @@ class Drawing:
             raise InvalidArgumentError(f"update_priority needs sampler='prioritized', this buffer samples "
                                        f"{self.planner.sampler!r}")
         routes = route_priorities(*update, sizes)
+        stored_priorities(update[4], *self._exponents)  # one priority that cannot be held refuses the whole call
         acks = [self._shards[side][i].update_priority.remote(*args) for side, i, args in routes]
         for side, i, _ in routes:
             self.requery_masses(side, [i])

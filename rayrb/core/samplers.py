@@ -247,6 +247,39 @@ class SumTree:
         return pos - self._n
 
 
+# The largest p_i = (|priority| + eps) ** alpha a shard stores. A sum of 2**63 of them stays under float64's
+# largest number (about 2**1024), so no shard's total, no side's total over its shards and no draw overflows; a
+# priority past it is refused whole rather than stored as inf or as a mass that makes every later sum inf.
+MAX_STORED_PRIORITY = 2.0 ** 960
+
+
+def stored_priorities(priority: Any, alpha: float, eps: float) -> np.ndarray:
+    """``p_i = (|priority| + eps) ** alpha``, refused whole, naming the first value, where one is not a finite
+    number or its ``p_i`` is past ``MAX_STORED_PRIORITY`` (so that its sum over any buffer stays finite).
+
+    >>> stored_priorities([0.0, -3.0], alpha=1.0, eps=1.0).tolist()
+    [1.0, 4.0]
+    >>> stored_priorities([2.0, 1e308], alpha=1.0, eps=1e-8)
+    Traceback (most recent call last):
+    rayrb.errors.InvalidArgumentError: priority 1e+308 (at position 1) cannot be held: (|p| + eps) ** alpha = 1e+308 \
+with alpha=1.0, eps=1e-08, expected at most 9.75e+288 (2**960) so that sums over the buffer stay finite
+    """
+    q = np.asarray(priority, dtype=np.float64).reshape(-1)
+    finite = np.isfinite(q)
+    if not finite.all():
+        raise InvalidArgumentError(f"priorities must be finite numbers, got {q[~finite][:3].tolist()}")
+    with np.errstate(over="ignore"):
+        p = (np.abs(q) + eps) ** alpha
+    bad = np.flatnonzero(~(p <= MAX_STORED_PRIORITY))
+    if bad.size:
+        i = int(bad[0])
+        raise InvalidArgumentError(
+            f"priority {float(q[i])!r} (at position {i}) cannot be held: (|p| + eps) ** alpha = {float(p[i])!r} with "
+            f"alpha={alpha!r}, eps={eps!r}, expected at most {MAX_STORED_PRIORITY:.3g} (2**960) so that sums over "
+            "the buffer stay finite")
+    return p
+
+
 class PrioritizedSampler(Sampler):
     """Rows drawn with probability ``p_i / sum(p)``, where ``p_i = (|priority_i| + eps) ** alpha``.
 
@@ -290,16 +323,13 @@ class PrioritizedSampler(Sampler):
         return {"priority": self.tree.values(idx)}  # p_i, for importance weights
 
     def check_priority(self, idx: np.ndarray, priority: np.ndarray) -> None:
-        priority = np.asarray(priority, dtype=np.float64)
-        if not np.all(np.isfinite(priority)):
-            raise InvalidArgumentError(
-                f"priorities must be finite numbers, got {priority[~np.isfinite(priority)][:3].tolist()}")
+        stored_priorities(priority, self.alpha, self.eps)
 
     def set_priority(self, idx: np.ndarray, priority: np.ndarray) -> None:
-        priority = np.abs(np.asarray(priority, dtype=np.float64)) + self.eps
-        if priority.size:
-            self.max_priority = max(self.max_priority, float(priority.max()))
-        self._set(idx, priority ** self.alpha)
+        stored = stored_priorities(priority, self.alpha, self.eps)  # refused whole before anything changes
+        if stored.size:
+            self.max_priority = max(self.max_priority, float(np.abs(np.asarray(priority, np.float64)).max() + self.eps))
+        self._set(idx, stored)
 
     update_priority = set_priority
 
@@ -330,7 +360,14 @@ class PrioritizedSampler(Sampler):
         if priority.shape != (self.tree.capacity,) or not np.all(np.isfinite(priority)) or np.any(priority < 0):
             raise SavedStateError(f"expected {self.tree.capacity} finite non-negative priorities, got shape "
                                   f"{priority.shape}")
-        self.max_priority = float(state["max_priority"])
+        max_p = float(state["max_priority"])
+        with np.errstate(over="ignore"):
+            new_row = np.float64(max_p) ** self.alpha  # what the next written row gets
+        if priority.max(initial=0.0) > MAX_STORED_PRIORITY or not (max_p >= 0 and new_row <= MAX_STORED_PRIORITY):
+            raise SavedStateError(f"expected stored priorities and max_priority ** alpha in [0, "
+                                  f"{MAX_STORED_PRIORITY:.3g}], got {priority.max(initial=0.0)!r} and "
+                                  f"{max_p!r} ** {self.alpha!r}: sums over them would not stay finite")
+        self.max_priority = max_p
         self._set(np.arange(self.tree.capacity), priority)
 
 

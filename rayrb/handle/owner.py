@@ -340,7 +340,8 @@ def _start_actors(dataset: ChunkDataset, name: str, s: BufferSettings, *, seed: 
             [f"{name}/{shard_id(OFFLINE, i)}" for i in range(m)], [b - a for a, b in ranges],
             [f"{name}/{shard_id(ONLINE, i)}" for i in range(k)], capacities, offline_fraction=s.offline_fraction,
             sampler=kinds, epoch_end=s.epoch_end, seed=seed, name=name, beta=s.beta, rate_limiter=dict(s.rate_limiter),
-            state_dir=shard_directory(storage_dir, instance, "coordinator"), replicated=replicas > 1)
+            alpha=s.alpha, eps=s.eps, state_dir=shard_directory(storage_dir, instance, "coordinator"),
+            replicated=replicas > 1)
     except BaseException:
         for actor in started:
             launch.kill(actor)

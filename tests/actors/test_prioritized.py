@@ -132,3 +132,25 @@ def test_feed_carries_importance_weights(prioritized, ray_session):
         assert set(np.round(weights, 4)) <= {1.0, round(4.0 ** -0.5, 4)} and min(weights) < 1.0
     finally:
         ray.kill(learner)
+
+
+def test_a_priority_that_cannot_be_held_is_refused_whole_and_the_buffer_goes_on_sampling(prioritized):
+    """alpha = 1 (RLlib's default): one priority of 1e308 used to make the total mass inf, and every row written
+    after it got 1e308 too, so every later sample() raised."""
+    rb = prioritized(online_capacity=20, num_online_shards=2, offline_fraction=0.5)
+    rb.extend(TensorDict({"id": torch.arange(1000, 1010)}, [10]))
+    batch, info = rb.sample(40, return_info=True)
+    twin_weights = info["weight"].clone()
+    bad = torch.ones(40, dtype=torch.float64)
+    bad[-1] = 1e308
+    with pytest.raises(ValueError, match="priority 1e\\+308 \\(at position 39\\) cannot be held"):
+        rb.update_priority(info, bad)
+    assert all(s.get("priority_updates", 0) == 0 for s in rb.stats()["shards"])  # no shard got its part
+    rb.extend(TensorDict({"id": torch.arange(2000, 2010)}, [10]))
+    for _ in range(3):
+        batch, info = rb.sample(40, return_info=True)
+        assert torch.all(torch.isfinite(info["weight"])) and len(batch) == 40
+    assert torch.allclose(twin_weights, torch.ones(40))
+    rb.update_priority(info, torch.full((40,), 1e288, dtype=torch.float64))  # large, but every sum of it stays finite
+    batch, info = rb.sample(40, return_info=True)
+    assert len(batch) == 40 and torch.all(torch.isfinite(info["weight"]))

@@ -8,6 +8,7 @@ from scipy import stats
 from standin_coordinator import StandInShard, written_online
 
 from rayrb.actors.coordinator import Coordinator
+from rayrb.core.allocation import multinomial_counts
 from rayrb.core.allocators import PrioritizedAllocator, UniformAllocator
 from rayrb.core.plans import (
     OFFLINE,
@@ -20,6 +21,7 @@ from rayrb.core.plans import (
     provenance,
 )
 from rayrb.core.samplers import (
+    MAX_STORED_PRIORITY,
     PrioritizedSampler,
 )
 
@@ -185,3 +187,60 @@ def test_priority_updates_go_to_the_owning_shard_and_a_bad_row_stops_them_all():
     uniform = Coordinator([StandInShard()], [4], [], [], sampler="uniform")
     with pytest.raises(ValueError, match="update_priority needs sampler='prioritized', this buffer samples 'uniform'"):
         uniform.update_priority([True], [0], [0], [0], [1.0])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Priorities that cannot be held (their power or their sum past float64)
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("alpha, bad", [(1.0, 1e308), (1.0, 1.7e308), (3.0, 1e103), (2.0, 1e200), (0.6, np.nan),
+                                        (1.0, np.inf), (1.0, -np.inf)])
+def test_a_priority_that_cannot_be_held_is_refused_and_sampling_goes_on(alpha, bad):
+    s = PrioritizedSampler(8, alpha=alpha)
+    s.add(np.arange(4))
+    s.set_priority(np.arange(4), np.array([1.0, 2.0, -3.0, 0.5]))  # a negative one counts as its size
+    before = (s.state_dict()["priority"].copy(), s.max_priority, s.mass(4))
+    with pytest.raises(ValueError, match="cannot be held|must be finite") as e:
+        s.set_priority(np.arange(3), np.array([1.0, bad, 2.0]))
+    assert "nan" in str(e.value) or "inf" in str(e.value) or repr(bad) in str(e.value)
+    with pytest.raises(ValueError):
+        s.check_priority(np.arange(3), np.array([1.0, bad, 2.0]))
+    after = s.state_dict()
+    assert after["priority"].tolist() == before[0].tolist() and s.max_priority == before[1]
+    s.add(np.arange(4, 8))  # new rows get the largest priority kept, still a finite one
+    total, _ = s.mass(8)
+    assert np.isfinite(total) and total > before[2][0]
+    assert multinomial_counts(16, [total, 1.0], np.random.default_rng(0)).sum() == 16
+    assert set(s.sample(64, 8, np.random.default_rng(1)).tolist()) <= set(range(8))
+
+
+def test_the_largest_priority_kept_keeps_every_sum_finite():
+    s = PrioritizedSampler(1024, alpha=1.0)
+    s.add(np.arange(1))
+    s.set_priority(np.arange(1), np.array([MAX_STORED_PRIORITY]))  # the largest that is kept
+    s.add(np.arange(1, 1024))  # every new row gets it: 1024 of them
+    total, smallest = s.mass(1024)
+    assert np.isfinite(total) and np.isfinite(sum([total] * 1000)) and smallest == MAX_STORED_PRIORITY
+    assert len(s.sample(32, 1024, np.random.default_rng(0))) == 32
+    with pytest.raises(ValueError, match="at position 0"):
+        s.set_priority(np.arange(1), np.array([MAX_STORED_PRIORITY * 2]))
+
+
+def test_a_saved_state_whose_priorities_cannot_be_held_is_refused():
+    s = PrioritizedSampler(4, alpha=1.0)
+    with pytest.raises(ValueError, match="sums over them would not stay finite"):
+        s.load_state_dict({"priority": np.array([1e308, 1.0, 0.0, 0.0]), "max_priority": 1e308})
+    with pytest.raises(ValueError, match="sums over them would not stay finite"):
+        s.load_state_dict({"priority": np.array([1.0, 1.0, 0.0, 0.0]), "max_priority": 1e308})
+    assert s.max_priority == 1.0 and s.mass(4)[0] == 0.0
+
+
+def test_one_priority_that_cannot_be_held_stops_the_whole_update_at_the_coordinator():
+    off, on = [StandInShard()], [StandInShard(), StandInShard()]
+    coord = Coordinator(off, [4], on, [5, 5], sampler="prioritized", seed=0, alpha=2.0, eps=1e-6)
+    written_online(coord, [3, 3])
+    for bad in (1e200, 1e155, np.nan):  # 1e155 ** 2 is past what a sum may hold, 1e200 ** 2 past float64
+        with pytest.raises(ValueError, match="cannot be held|must be finite"):
+            coord.update_priority([True, False, False], [0, 0, 1], [0, 1, 2], [0, 0, 0], [1.0, 2.0, bad])
+    assert [s.updates for s in off + on] == [[], [], []]
+    coord.update_priority([True, False, False], [0, 0, 1], [0, 1, 2], [0, 0, 0], [1.0, 2.0, 1e100])
+    assert [len(s.updates) for s in off + on] == [1, 1, 1]
