@@ -242,6 +242,7 @@ class OnlineShard(Shard):
     def stats(self) -> dict[str, Any]:
         self._metrics.gauge("write_count", self._written)
         self._metrics.gauge("capacity", self._capacity)
+        self._metrics.gauge("torn_slots", int((self._gen < 0).sum()))  # left by a crash mid-write, until re-sent
         out = super().stats()
         if self._replication is not None:
             report = self._replication.report(self._written)

@@ -30,8 +30,8 @@ from rayrb.actors.metrics import ActorMetrics
 from rayrb.core.plans import Epoch
 from rayrb.core.samplers import make_sampler, read_indices
 from rayrb.core.validation import ALPHA, EPS
-from rayrb.durability.storage import PriorityStore, remove_directory
-from rayrb.errors import InvalidArgumentError, RowIndexError, RowsLostError, SavedStateError
+from rayrb.durability.storage import PriorityStore, remove_directory, whole
+from rayrb.errors import BufferUnavailableError, InvalidArgumentError, RowIndexError, RowsLostError, SavedStateError
 from rayrb.io.chunks import ChunkDataset, ReadOnlyError
 from rayrb.io.files import process_memory
 
@@ -85,8 +85,20 @@ class Shard:
         return True
 
     # sampling -----------------------------------------------------------------
-    def _info(self, idx: np.ndarray) -> Info:
-        return {"index": idx, "generation": self._generation(idx), **self._sampler.info(idx)}
+    def _info(self, idx: np.ndarray, generation: np.ndarray | None = None) -> Info:
+        gen = self._generation(idx) if generation is None else generation
+        return {"index": idx, "generation": gen, **self._sampler.info(idx)}
+
+    def _whole(self, idx: np.ndarray) -> np.ndarray | None:
+        """The generations of the slots at ``idx``, or None if one holds a row a crash left half written
+        (``rayrb.durability.storage.whole``, the rule every reader of a shard applies): its write, not
+        acknowledged, is sent again (Ray re-sends it to the restarted shard, or the writer retries it by its
+        ``write_id``) and lands over it; until then that slot is never served."""
+        gen = self._generation(idx)
+        if whole(gen):
+            return gen
+        self._metrics.count("reads_of_torn_rows")
+        return None
 
     def mass_stats(self) -> tuple[float, float]:
         """``(total mass, smallest p_i)`` the coordinator allocates by (``(size, 1)`` unless prioritized)."""
@@ -128,7 +140,10 @@ class Shard:
             return None  # planned after writes that have not landed here yet: the caller asks again
         t0 = time.perf_counter()
         idx = self._indices(counts, seeds, epochs, written)
-        rows, info = self._gather(idx), self._info(idx)
+        gen = self._whole(idx)
+        if gen is None:
+            return None  # a row left torn by a crash: the caller asks again, as for writes still to land
+        rows, info = self._gather(idx), self._info(idx, gen)
         self._metrics.count("rows_sampled", len(idx))
         self._metrics.observe("sample_ms", (time.perf_counter() - t0) * 1e3)
         return rows, info
@@ -154,15 +169,19 @@ class Shard:
         """
         import torch
 
+        behind = {"behind": torch.zeros(1, device=self._table.device if self._table is not None else "cpu")}
         if self._behind(written):
-            return {"behind": torch.zeros(1, device=self._table.device if self._table is not None else "cpu")}
+            return behind
         t0 = time.perf_counter()
         idx = self._indices(counts, seeds, epochs, written)  # the rows there were at the plan, as sample_many
+        gen = self._whole(idx)
+        if gen is None:
+            return behind  # a row left torn by a crash: asked again, as sample_many
         rows = self._gather_tensors(idx)
         target = torch.device(device) if device is not None else next(iter(rows.values())).device
         out = {f"rows/{k}": v.to(target, non_blocking=True) for k, v in rows.items()}
         out.update({f"info/{k}": torch.from_numpy(v).to(target, non_blocking=True)
-                    for k, v in self._info(idx).items()})
+                    for k, v in self._info(idx, gen).items()})
         if target.type == "cuda":
             torch.cuda.current_stream(target).synchronize()  # the receiver reads them from another process
         self._metrics.count("rows_sampled", len(idx))
@@ -212,7 +231,12 @@ class Shard:
         idx = np.asarray(idx, dtype=np.int64)
         if idx.size and (idx.min() < 0 or idx.max() >= self.size()):
             raise RowIndexError(f"shard {self.shard_id}: expected indices in [0, {self.size()})")
-        return self._gather(idx), self._info(idx)
+        gen = self._whole(idx)
+        if gen is None:
+            torn = idx[self._generation(idx) <= 0]
+            raise BufferUnavailableError(f"shard {self.shard_id}: expected whole rows, got slots {torn[:8].tolist()} "
+                                         "left half written by a crash, whose write is being sent again: ask again")
+        return self._gather(idx), self._info(idx, gen)
 
     def check_state(self, state: dict[str, np.ndarray]) -> None:
         """Raise if ``state`` does not fit this shard; change nothing (the first phase of a restore)."""

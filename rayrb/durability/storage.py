@@ -99,6 +99,21 @@ class OnlineStorage:
         _remove(self.directory)
 
 
+def whole(generation: np.ndarray) -> bool:
+    """Whether every slot with these generations holds a row that may be served: one whose write finished.
+
+    A write makes its slots' generations negative while it copies their rows in, key by key, and positive once
+    every key holds them (``OnlineShard.extend``); a process killed in between leaves them negative and the rows
+    torn (some keys new, the rest old) until the write is sent again, which lands over them. Zero is a slot never
+    written. This is the one rule for a slot being written: the shard's own reads and the readers of its files on
+    its node (``rayrb.handle.local``) serve only slots it passes.
+
+    >>> whole(np.array([1, 3, 2])), whole(np.array([1, -3, 2])), whole(np.array([1, 0])), whole(np.zeros(0))
+    (True, False, False, True)
+    """
+    return bool(generation.size == 0 or generation.min() > 0)
+
+
 def read_only(spec: RowSpec, capacity: int, directory: str | os.PathLike) -> dict[str, Any] | None:
     """An online shard's files mapped read-only, for a reader in another process on the shard's node
     (``rayrb.handle.local``): ``{"rows", "generation", "written", "identity"}``, or None where the directory

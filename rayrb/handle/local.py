@@ -21,7 +21,9 @@ and sends, as before.
   (its write count). Each row's
   generation is read before and after its copy; the shard makes it negative while it
   writes the row, so a row being overwritten, or torn, is never served: the read then
-  goes to the shard, which serializes it with its writes.
+  goes to the shard, which serializes it with its writes and applies the same rule
+  (``rayrb.durability.storage.whole``) to a row a crash left torn: it waits for the
+  row's write, sent again, to land.
 * **Not local**: online rows on machines whose stores another process may see out of
   order (``ordered_stores``: the generation check needs x86's store order), prioritized
   sampling (the sum tree lives in the shard), rows held on
@@ -44,6 +46,7 @@ import numpy as np
 from rayrb.core.plans import OFFLINE, Epoch
 from rayrb.core.samplers import make_sampler, read_indices
 from rayrb.core.schema import RowSpec
+from rayrb.durability.storage import whole
 
 LOCAL_KINDS = ("uniform", "without_replacement")  # samplers whose indices need no shard state
 TRUST = 0.005  # seconds a check of an online shard's process and files holds (OnlineReader._current)
@@ -140,8 +143,8 @@ class OnlineReader(Reader):
             return None
         gen = maps["generation"]
         before = gen[idx]
-        if idx.size and before.min() <= 0:
-            return None  # a row being written
+        if not whole(before):
+            return None  # a row being written, or left torn by a crash: the shard applies the same rule
         for k, v in maps["rows"].items():
             v.take(idx, axis=0, out=out[k])
         if not (gen[idx] == before).all():

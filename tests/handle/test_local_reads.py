@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import shutil
+import signal
 import time
 
 import numpy as np
@@ -14,6 +15,7 @@ from tensordict import TensorDict
 
 from rayrb.actors.online_shard import OnlineShard
 from rayrb.core.schema import RowSpec
+from rayrb.errors import BufferUnavailableError
 from rayrb.handle.local import OfflineReader, OnlineReader
 
 WIDTH = 16
@@ -125,6 +127,59 @@ def test_no_torn_or_mislabelled_row_while_another_process_overwrites_them(tmp_pa
         stop.set()
         writer.join(30)
     assert writer.exitcode == 0
+
+
+class _Killed:
+    """A key's memory map whose next store kills its process: a crash between a write's per-key copies."""
+
+    def __setitem__(self, key, value):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _torn_writer(directory: str) -> None:
+    s = shard(directory)
+    first, last = list(s._data)  # the keys in the order a write copies them
+    s._data[last] = _Killed()  # slots 0..15 end with the first key new and the last one old
+    s.extend(rows_from(64, 16), first=64)
+
+
+def test_a_row_a_crash_left_half_written_is_never_served_and_its_write_sent_again_lands_once(tmp_path):
+    """A shard killed between its per-key copies of a write that laps slots 0..15 leaves them torn; the restarted
+    shard and a reader of its files both serve only whole rows, and the write, sent again, repairs them once."""
+    d = tmp_path / "on-0"
+    s = shard(d)
+    s.extend(rows_from(0, 64), first=0)
+    s._lives.end()
+    del s
+    writer = multiprocessing.get_context("spawn").Process(target=_torn_writer, args=(str(d),))
+    writer.start()
+    writer.join(120)
+    assert writer.exitcode == -signal.SIGKILL
+    again = shard(d)  # the restarted shard, on the files the crash left
+    assert again.written() == 64 and (again._gen[:16] == -2).all()  # the write was not acknowledged
+    reader = OnlineReader(str(d), SPEC, 64, "uniform")
+
+    def served(seed):
+        """What each read path serves for one read (None: asked again), each row checked whole."""
+        out, got = out_for(8), []
+        for rows, info in ((out, reader.read([8], [seed], [None], 64, out)),
+                           again.sample_many([8], [seed], None, 64) or (None, None)):
+            if info is not None:
+                assert (rows["x"][:, 0] == rows["id"]).all(), f"rows {rows['id'].tolist()} served half written"
+                assert (rows["id"] % 64 == info["index"]).all() and (info["generation"] > 0).all()
+            got.append(info is not None)
+        return got
+
+    results = [served(seed) for seed in range(60)]
+    assert [True, True] in results and [False, False] in results  # rows clear of the torn slots still served
+    assert all(a == b for a, b in results)  # the two paths apply one rule
+    with pytest.raises(BufferUnavailableError, match="half written"):
+        again.gather(np.arange(4))
+    for _ in range(2):  # the write sent again (Ray re-sends it, or the writer retries it), twice: lands once
+        again.extend(rows_from(64, 16), first=64)
+    assert again.written() == 80 and (again._gen[:16] == 2).all()
+    assert all(served(seed) == [True, True] for seed in range(60))
+    np.testing.assert_array_equal(again.gather(np.arange(16))[0]["id"], np.arange(64, 80))
 
 
 def test_files_made_afresh_are_mapped_again_and_never_read_stale(tmp_path):
