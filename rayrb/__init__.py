@@ -37,6 +37,7 @@ _EXPORTS = {
     "load_openml": "rayrb.io.datasets.openml",
     "OPENML_DATASETS": "rayrb.io.datasets.openml",
     "OpenMLEnv": "rayrb.integrations.openml_env",  # imports torchrl
+    "OpenMLExperienceReplay": "rayrb.integrations.openml_replay",  # imports torchrl
 }
 
 from rayrb.io.preprocess import preprocess  # noqa: E402, F401  (rayrb.preprocess is the function)

@@ -80,6 +80,11 @@ class ReadOnlyError(RayrbError, PermissionError):
     """A write to the offline dataset, which is immutable."""
 
 
+class ImmutableDatasetError(ReadOnlyError, RuntimeError):
+    """A write to a dataset served as TorchRL's (``OpenMLExperienceReplay``): the ``RuntimeError`` TorchRL's
+    ``ImmutableDatasetWriter`` raises, in its words."""
+
+
 class PreprocessError(RayrbError, RuntimeError):
     """A preprocess map that failed; nothing was left at its destination."""
 

@@ -39,6 +39,7 @@ from rayrb.errors import InvalidArgumentError, InvalidArgumentTypeError, RowInde
 
 OFFLINE, ONLINE = "offline", "online"
 SIDES = (OFFLINE, ONLINE)
+OFFLINE_GENERATION = 1  # an offline row's generation: written once, never again (priority updates name it)
 
 Rows = dict[str, np.ndarray]
 Info = dict[str, np.ndarray]
@@ -202,6 +203,17 @@ def reads_by_plan(group: GroupPlan) -> list[list[tuple[str, int, Read]]]:
             cursor[(side, shard)] = j + 1
         out.append(parts)
     return out
+
+
+def offline_epoch(reads: Sequence[tuple[str, int, Read]]) -> int | None:
+    """The offline epoch without replacement (its number) one batch's reads draw from (``reads_by_plan``'s, a
+    read per part), or None: no offline rows, or sampled with replacement.
+
+    >>> offline_epoch([("online", 0, ([2], [5], [None], 40)), ("offline", 1, ([3], [7], [Epoch(4, 9, 10, 0)], None))])
+    4
+    >>> offline_epoch([("offline", 0, ([3], [7], [None], None))])
+    """
+    return next((a[2][0].number for side, _, a in reads if side == OFFLINE and a[2] and a[2][0] is not None), None)
 
 
 def concat(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:

@@ -185,6 +185,8 @@ def as_chunk_dataset(source: Any, *, root: str | os.PathLike | None = None, **kw
             raise InvalidArgumentTypeError(f"expected the loader of {str(source)!r} to return a dataset, got the "
                                            f"{type(loaded).__name__} {str(loaded)!r}")
         return as_chunk_dataset(loaded)  # a TorchRL dataset's rows, copied into chunks
+    if callable(getattr(source, "offline_source", None)):  # rayrb's OpenMLExperienceReplay: its chunks (or rows)
+        return as_chunk_dataset(source.offline_source(), root=root, **kwargs)
     if kwargs:
         raise DatasetOptionError(f"dataset options {sorted(kwargs)} apply only to dataset ids (dataset_kwargs are "
                                  f"only forwarded when offline_dataset is a string), got a {type(source).__name__}")

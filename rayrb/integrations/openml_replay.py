@@ -1,0 +1,367 @@
+"""TorchRL's ``OpenMLExperienceReplay`` by its name, over rayrb's sharded, memory-mapped OpenML tables.
+
+``from torchrl.data.datasets import OpenMLExperienceReplay`` becomes ``from rayrb import
+OpenMLExperienceReplay``: the same arguments, in the same order, and the same surface (``sample``,
+iteration, ``len``, transforms, ``preprocess``, ``dumps`` / ``loads``, ``delete``). The table is the
+one ``rayrb.load_openml`` prepares (TorchRL's recipe, written once as chunks), and a rayrb buffer
+serves it: offline only (``offline_fraction=1``), its rows sharded over ``num_shards`` actors, which
+start on the first call that samples. rayrb's own options come as keywords after TorchRL's.
+
+Like TorchRL's, it is a dataset that can be composed:
+``OfflineToOnlineReplayBuffer(OpenMLExperienceReplay(...), online_capacity=...)`` maps the same chunks
+(or, with transforms, the transformed rows, copied once) with the dataset's sampler. It imports torchrl,
+whose transforms and samplers it takes. What differs from TorchRL, and why: ``docs/migrating.md``.
+
+Examples:
+    >>> ds = OpenMLExperienceReplay("mushroom_num", batch_size=256)  # doctest: +SKIP
+    >>> for batch in ds:  # one epoch without replacement, its last batch short  # doctest: +SKIP
+    ...     pass
+    >>> ds.shutdown()  # doctest: +SKIP
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rayrb.core.allocation import row_ranges
+from rayrb.core.plans import OFFLINE_GENERATION
+from rayrb.core.validation import positive_int
+from rayrb.errors import ImmutableDatasetError, InvalidArgumentError, InvalidArgumentTypeError
+
+# TorchRL's ImmutableDatasetWriter's words, raised by every write
+WRITING_ERR = "This dataset doesn't allow writing."
+# Options that would give the buffer an online side: this is a dataset (compose it to have one)
+ONLINE_OPTIONS = ("online_capacity", "online_storage", "offline_fraction", "num_online_shards", "online_sampler",
+                  "online_nodes", "online_replicas", "rate_limiter", "offline_dataset", "num_offline_shards",
+                  "sampler", "offline_sampler", "epoch_end", "drop_last", "alpha", "beta", "eps", "transform")
+
+
+def sampler_options(sampler: Any) -> dict[str, Any]:
+    """rayrb's buffer options for TorchRL's sampler object (``None``: TorchRL's default,
+    ``SamplerWithoutReplacement()``). Only TorchRL's three plain samplers have a rayrb counterpart; any
+    other sampler, or an option rayrb's samplers do not have, is refused, named."""
+    from torchrl.data.replay_buffers import samplers as torchrl_samplers
+
+    kind = type(sampler)
+    if sampler is None:
+        return {"sampler": "without_replacement", "epoch_end": "short"}
+    if kind is torchrl_samplers.RandomSampler:
+        return {"sampler": "uniform"}
+    if kind is torchrl_samplers.SamplerWithoutReplacement:
+        if not sampler.shuffle:  # rayrb's epochs are always shuffled
+            raise InvalidArgumentError("expected SamplerWithoutReplacement(shuffle=True): rayrb's epochs visit "
+                                       "the rows in a shuffled order; got shuffle=False")
+        return {"sampler": "without_replacement", "epoch_end": "drop" if sampler.drop_last else "short"}
+    if kind is torchrl_samplers.PrioritizedSampler:
+        extra = {"reduction": (sampler.reduction, "max"),
+                 "max_priority_within_buffer": (sampler._max_priority_within_buffer, False)}
+        odd = {k: got for k, (got, want) in extra.items() if got != want}
+        if odd:
+            raise InvalidArgumentError(f"expected PrioritizedSampler with reduction='max' and "
+                                       f"max_priority_within_buffer=False (rayrb's sum trees), got {odd}")
+        return {"sampler": "prioritized", "alpha": sampler._alpha, "beta": sampler._beta, "eps": sampler._eps}
+    raise InvalidArgumentTypeError(
+        "expected sampler as None or one of TorchRL's RandomSampler, SamplerWithoutReplacement or "
+        f"PrioritizedSampler (rayrb's samplers: uniform, without replacement, prioritized), got {kind.__name__}")
+
+
+def check_writer(writer: Any) -> Any:
+    """TorchRL's ``ImmutableDatasetWriter`` (``None`` makes one): the offline rows never change."""
+    from torchrl.data.replay_buffers.writers import ImmutableDatasetWriter
+
+    if writer is None:
+        return ImmutableDatasetWriter()
+    if type(writer) is not ImmutableDatasetWriter:
+        raise InvalidArgumentTypeError(
+            "expected writer as None or TorchRL's ImmutableDatasetWriter: an OpenML table is immutable in rayrb "
+            f"(to write rows, compose it: OfflineToOnlineReplayBuffer(dataset, online_capacity=...)), got "
+            f"{type(writer).__name__}")
+    return writer
+
+
+def make_transform(transform: Any) -> Any:
+    """TorchRL's ``Compose`` of ``transform``, as its replay buffers make it (a callable is wrapped)."""
+    from torchrl.envs.transforms.transforms import Compose, Transform, _CallableTransform
+
+    if transform is None:
+        transform = Compose()
+    elif not isinstance(transform, Compose):
+        if not isinstance(transform, Transform):
+            if not callable(transform):
+                raise InvalidArgumentTypeError(f"expected transform as a TorchRL Transform or a callable, got "
+                                               f"{type(transform).__name__}")
+            transform = _CallableTransform(transform)
+        transform = Compose(transform)
+    transform.eval()
+    return transform
+
+
+def chunk_rows_option(rows: int, chunksize: Any, num_chunks: Any) -> int | None:
+    """Rows per preprocess task from TorchRL's ``chunksize`` or ``num_chunks`` (not both, as tensordict's map).
+
+    >>> chunk_rows_option(1000, None, 3), chunk_rows_option(1000, 64, None), chunk_rows_option(10, None, None)
+    (334, 64, None)
+    """
+    if chunksize is not None and num_chunks is not None:
+        raise InvalidArgumentError(f"expected chunksize or num_chunks, not both; got chunksize={chunksize}, "
+                                   f"num_chunks={num_chunks}")
+    if num_chunks is not None:
+        return math.ceil(rows / positive_int("num_chunks", num_chunks))
+    return None if chunksize is None else positive_int("chunksize", chunksize)
+
+
+class OpenMLExperienceReplay:
+    """An experience replay for OpenML data: TorchRL's class, its rows in rayrb's shards.
+
+    Args:
+        name: ``"adult_num"``, ``"adult_onehot"``, ``"mushroom_num"``, ``"mushroom_onehot"``,
+            ``"covertype"``, ``"shuttle"`` or ``"magic"``.
+        batch_size: the batch size ``sample()`` and iteration use.
+        root: where the prepared table is written (``root/openml/<name>-<dtype>``; default
+            ``$RAYRB_HOME`` or ``~/.cache/rayrb``).
+        sampler: TorchRL's ``SamplerWithoutReplacement`` (default, an epoch without replacement whose last
+            batch is short; ``drop_last=True`` drops it), ``RandomSampler`` or ``PrioritizedSampler``.
+        writer: TorchRL's ``ImmutableDatasetWriter`` (default): ``add``, ``extend`` and ``empty`` raise.
+        collate_fn: applied to each batch before the transform.
+        pin_memory: pin each batch (where a CUDA device exists).
+        prefetch: batches drawn ahead (default: the buffer's own, 32; the batches are the same either way).
+        transform: a TorchRL ``Transform`` (or callable) applied to each sampled batch.
+
+    Keyword Args:
+        num_shards: offline shard actors the rows are split over (default 1).
+        data_home: scikit-learn's OpenML cache (default: ``$SCIKIT_LEARN_DATA`` or ``~/scikit_learn_data``).
+        dtype: ``X``'s dtype, ``"float32"`` (default) or ``"float64"`` (TorchRL's values bit for bit).
+        seed: the same seed and ``num_shards`` give the same batches.
+        **buffer_options: other options of ``OfflineToOnlineReplayBuffer`` (``timeout``, ``storage_dir``,
+            ``actor_options``, ``name``, ``local_reads``, ``max_batch_bytes``, ...), none of the online side's.
+    """
+
+    def __init__(self, name: str, batch_size: int, root: str | os.PathLike | None = None, sampler: Any = None,
+                 writer: Any = None, collate_fn: Callable | None = None, pin_memory: bool = False,
+                 prefetch: int | None = None, transform: Any = None, *, num_shards: int = 1,
+                 data_home: str | os.PathLike | None = None, dtype: Any = "float32", seed: int | None = None,
+                 **buffer_options: Any):
+        from rayrb.core.validation import boolean, callable_or_none
+        from rayrb.io.datasets.openml import check_name, default_root, load_openml
+
+        check_name(name)  # before anything is fetched or checked further
+        self.dataset_id, self.batch_size = name, positive_int("batch_size", batch_size)
+        self._options = {**sampler_options(sampler), "num_offline_shards": positive_int("num_shards", num_shards),
+                         "seed": seed, **self._buffer_options(buffer_options)}
+        if prefetch is not None:
+            self._options["prefetch"] = prefetch
+        self._sampler = sampler if sampler is not None else _default_sampler()
+        self._writer = check_writer(writer)
+        self._collate_fn = callable_or_none("collate_fn", collate_fn)
+        self._pin_memory = boolean("pin_memory", pin_memory)
+        self._transform = make_transform(transform)
+        self.root = Path(root) if root is not None else default_root()
+        self._chunks = load_openml(name, root=self.root, data_home=data_home, dtype=dtype)
+        self._rb = None  # the buffer, started by the first call that samples
+
+    @staticmethod
+    def _buffer_options(options: dict[str, Any]) -> dict[str, Any]:
+        refused = sorted(set(options) & set(ONLINE_OPTIONS))
+        if refused:
+            raise InvalidArgumentError(
+                f"OpenMLExperienceReplay is an offline dataset: it takes none of {refused} (TorchRL's sampler= "
+                "and transform= set its sampling; compose it with OfflineToOnlineReplayBuffer(dataset, "
+                "online_capacity=...) for an online side)")
+        return options
+
+    # TorchRL's properties -------------------------------------------------------------------------------------
+    data_path = property(lambda self: self._chunks.root, doc="The prepared table's chunk dataset directory.")
+    data_path_root = property(lambda self: self.root, doc="The root the prepared tables live under.")
+    sampler = property(lambda self: self._sampler, doc="TorchRL's sampler this dataset was given (or its default).")
+    writer = property(lambda self: self._writer, doc="TorchRL's ImmutableDatasetWriter.")
+    storage = property(lambda self: self._chunks, doc="The read-only chunk dataset the shards map "
+                       "(``rayrb.io.chunk_dataset.ChunkDataset``: ``len``, indexing, ``gather``).")
+    transform = property(lambda self: self._transform, doc="TorchRL's Compose applied to each sampled batch.")
+
+    def __len__(self) -> int:
+        return len(self._chunks)
+
+    @property
+    def buffer(self) -> Any:
+        """The rayrb buffer serving the rows (``OfflineToOnlineReplayBuffer``), started when first asked for."""
+        if self._rb is None:
+            from rayrb.handle.owner import OfflineToOnlineReplayBuffer
+
+            self._rb = OfflineToOnlineReplayBuffer(self._chunks, online_capacity=1, offline_fraction=1.0,
+                                                   batch_size=self.batch_size, **self._options)
+        return self._rb
+
+    # sampling -------------------------------------------------------------------------------------------------
+    def sample(self, batch_size: int | None = None, return_info: bool = False) -> Any:
+        """A batch (``batch_size`` rows, default the dataset's), collated, transformed and pinned as TorchRL's;
+        with ``return_info``, ``(batch, info)``: ``info["index"]`` the rows' indices in the table and, sampling by
+        priority, ``info["priority_weight"]``."""
+        batch, info = self.buffer.sample(batch_size, return_info=True)
+        batch = self._finish(batch)
+        return (batch, self._info(info)) if return_info else batch
+
+    def __iter__(self):
+        """Batches until the epoch without replacement ends (its last batch short unless ``drop_last``), or
+        without end with replacement, as TorchRL's datasets iterate."""
+        for batch in self.buffer:
+            yield self._finish(batch)
+
+    def _finish(self, batch: Any) -> Any:
+        if self._collate_fn is not None:
+            batch = self._collate_fn(batch)
+        if len(self._transform):
+            with batch.unlock_() if hasattr(batch, "unlock_") else contextlib.nullcontext():
+                batch = self._transform(batch)
+        if self._pin_memory and torch.cuda.is_available() and getattr(batch, "device", None) in (None, torch.device("cpu")):
+            batch = batch.pin_memory()
+        return batch
+
+    def _info(self, info: dict) -> dict[str, torch.Tensor]:
+        starts = torch.tensor([a for a, _ in row_ranges(len(self), self._options["num_offline_shards"])])
+        out = {"index": starts[torch.as_tensor(info["shard"])] + torch.as_tensor(info["index"])}
+        if "weight" in info:
+            out["priority_weight"] = torch.as_tensor(info["weight"])
+        return out
+
+    def update_priority(self, index: Any, priority: Any) -> int:
+        """TorchRL's: set the priorities of the rows at ``index`` (indices in the table, as ``info["index"]``
+        gives them), sampling by priority; the number of rows sent."""
+        index = torch.as_tensor(index, dtype=torch.int64).reshape(-1)
+        if len(index) and (int(index.min()) < 0 or int(index.max()) >= len(self)):
+            from rayrb.errors import RowIndexError
+
+            raise RowIndexError(f"expected indices in [0, {len(self)}), got {index.min()}..{index.max()}")
+        starts = torch.tensor([a for a, _ in row_ranges(len(self), self._options["num_offline_shards"])])
+        shard = torch.searchsorted(starts, index, right=True) - 1
+        info = {"offline": torch.ones(len(index), dtype=torch.bool), "shard": shard, "index": index - starts[shard],
+                "generation": torch.full((len(index),), OFFLINE_GENERATION, dtype=torch.int64)}
+        return self.buffer.update_priority(info, priority)
+
+    # transforms -----------------------------------------------------------------------------------------------
+    def append_transform(self, transform: Any, *, invert: bool = False) -> OpenMLExperienceReplay:
+        """Append ``transform`` (a TorchRL ``Transform`` or a callable) to those run on each sampled batch;
+        ``invert``: its inverse runs there instead (its forward would run on writes, which this dataset refuses)."""
+        from torchrl.envs.transforms.transforms import Transform, _CallableTransform, _InvertTransform
+
+        if not isinstance(transform, Transform) and callable(transform):
+            transform = _CallableTransform(transform)
+        transform.eval()
+        self._transform.append(_InvertTransform(transform) if invert else transform)
+        return self
+
+    def insert_transform(self, index: int, transform: Any, *, invert: bool = False) -> OpenMLExperienceReplay:
+        """Insert ``transform`` at ``index`` among the transforms run on each sampled batch (``invert`` as in
+        ``append_transform``)."""
+        from torchrl.envs.transforms.transforms import _InvertTransform
+
+        transform.eval()
+        self._transform.insert(index, _InvertTransform(transform) if invert else transform)
+        return self
+
+    # writes, refused as TorchRL's ImmutableDatasetWriter refuses them -------------------------------------------
+    def add(self, data: Any) -> int:
+        raise ImmutableDatasetError(WRITING_ERR)
+
+    def extend(self, data: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        raise ImmutableDatasetError(WRITING_ERR)
+
+    def empty(self, empty_write_count: bool = True) -> None:
+        raise ImmutableDatasetError(WRITING_ERR)
+
+    def register_save_hook(self, hook: Callable) -> None:
+        raise InvalidArgumentError(
+            "a storage save hook has nothing to act on here: dumps() saves the sampling state and priorities, not "
+            "the table's rows (immutable chunks, recorded by their content hash and mapped again on loads); "
+            f"to change the rows, preprocess(fn, dest=...) them; got {hook!r}")
+
+    def register_load_hook(self, hook: Callable) -> None:
+        raise InvalidArgumentError(
+            "a storage load hook has nothing to act on here: loads() restores the sampling state and priorities, "
+            "and the table's rows are mapped from their chunks as they are; to change the rows, "
+            f"preprocess(fn, dest=...) them; got {hook!r}")
+
+    # saving ---------------------------------------------------------------------------------------------------
+    def dumps(self, path: str | os.PathLike) -> None:
+        """Save where the sampling stands (epoch, RNG, priorities) under ``path``; the table itself is recorded by
+        its chunks' content hashes, not copied."""
+        self.buffer.dumps(path)
+
+    def loads(self, path: str | os.PathLike) -> None:
+        """Restore what ``dumps`` saved, whole, or leave the dataset's sampling as it was."""
+        self.buffer.loads(path)
+
+    dump = save = dumps
+    load = loads
+
+    def state_dict(self) -> dict[str, Any]:
+        """The sampling state (``load_state_dict`` resumes the same stream)."""
+        return self.buffer.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.buffer.load_state_dict(state)
+
+    # the table on disk ----------------------------------------------------------------------------------------
+    def preprocess(self, fn: Callable, dim: int = 0, num_workers: int | None = None, *, chunksize: int | None = None,
+                   num_chunks: int | None = None, pool: Any = None, generator: Any = None,
+                   max_tasks_per_child: int | None = None, worker_threads: int = 1, index_with_generator: bool = False,
+                   pbar: bool = False, mp_start_method: str | None = None, num_frames: int | None = None,
+                   dest: str | os.PathLike) -> Any:
+        """Map every row (or the first ``num_frames``) through ``fn`` with Ray tasks into a chunk dataset at
+        ``dest`` (``rayrb.preprocess``: one task per chunk of ``chunksize`` rows, or ``num_chunks`` chunks, at most
+        ``num_workers`` at once); return TorchRL's ``TensorStorage`` of the new rows, for
+        ``ReplayBuffer(storage=...)``. ``dest`` itself is a rayrb dataset: ``OfflineToOnlineReplayBuffer(dest, ...)``
+        maps it without a copy. ``max_tasks_per_child``, ``worker_threads`` and ``mp_start_method`` concern a
+        process pool and have no effect on Ray's workers; ``pool``, ``generator`` and ``index_with_generator`` are
+        refused."""
+        from torchrl.data.replay_buffers import TensorStorage
+
+        from rayrb.io.preprocess import preprocess
+
+        if dim != 0:
+            raise InvalidArgumentError(f"expected dim=0 (a table's rows lie along its first dimension), got {dim}")
+        odd = {k: v for k, v in (("pool", pool), ("generator", generator)) if v is not None}
+        if odd or index_with_generator:
+            raise InvalidArgumentError(f"expected no pool, generator or index_with_generator: Ray tasks map the "
+                                       f"chunks, in order; got {sorted(odd) or ['index_with_generator']}")
+        chunk_rows = chunk_rows_option(len(self) if num_frames is None else min(num_frames, len(self)),
+                                       chunksize, num_chunks)
+        out = preprocess(self.data_path, fn, dest, num_workers=num_workers, chunk_rows=chunk_rows,
+                         num_frames=num_frames, pbar=pbar)
+        return TensorStorage(out.to_tensordict())
+
+    def delete(self) -> None:
+        """Stop the buffer's actors and delete the prepared table from disk (the next dataset of this name
+        prepares it again)."""
+        self.shutdown()
+        self._chunks.delete()
+
+    def shutdown(self) -> None:
+        """Stop the buffer's actors (a later sample starts them again). Idempotent."""
+        if self._rb is not None:
+            self._rb.shutdown()
+            self._rb = None
+
+    def offline_source(self) -> Any:
+        """What a buffer this dataset is composed into maps: its chunks themselves or, with transforms, its rows
+        through them (copied once; TorchRL's offline side runs its dataset's transforms on each offline draw)."""
+        if not len(self._transform):
+            return self._chunks
+        rows = self._chunks.to_tensordict()
+        with rows.unlock_():
+            return self._transform(rows)
+
+    def __repr__(self) -> str:
+        return (f"OpenMLExperienceReplay(name={self.dataset_id!r}, rows={len(self)}, batch_size={self.batch_size}, "
+                f"sampler={type(self._sampler).__name__}, transform={self._transform}, data_path={str(self.data_path)!r})")
+
+
+def _default_sampler() -> Any:
+    from torchrl.data.replay_buffers import SamplerWithoutReplacement
+
+    return SamplerWithoutReplacement()
