@@ -15,7 +15,7 @@ from rayrb.actors.shards import Rows, Shard
 from rayrb.actors.timer import every
 from rayrb.core.schema import RowSpec
 from rayrb.core.validation import positive_int
-from rayrb.durability.copies import merged_count, take_newer
+from rayrb.durability.copies import copy_order, merged_count, take_newer
 from rayrb.durability.runs import held_runs
 from rayrb.durability.storage import OnlineStorage
 from rayrb.errors import RowsLostError, SavedStateError
@@ -54,8 +54,10 @@ class OnlineShard(Shard):
         # Restarted without its files (its node was lost): its rows come from its replicas, or are lost
         self._lost = bool(self._lives.restarts) and not self._store.reopened
         if self._replication is not None:
-            if self._lost:  # restarted without its files: the replicas' rows are taken before any call
-                self._lost = not self._replication.take_all(self.merge, self.shard_id)
+            # Restarted, with files or not: those it found may be older than what was acknowledged (a disk that
+            # came back), so every replica's rows are taken before any call, the newer winning (``merge``)
+            if self._lives.restarts and self._replication.take_all(self.merge, self.shard_id):
+                self._lost = False
             every(CHECK_EVERY, "check_replicas")
         if self._lost and coordinator is not None:  # its count went back: the coordinator takes it again
             lookup(coordinator).resync.remote()
@@ -143,7 +145,11 @@ class OnlineShard(Shard):
 
     def merge(self, state: Mapping[str, np.ndarray]) -> int:
         """Take, slot by slot, the newer rows of another copy of this shard (``state()`` of its primary or of a
-        replica; ``rayrb.durability.copies``); return the write count after. Taking a copy twice changes nothing."""
+        replica; ``rayrb.durability.copies``); return the write count after. Taking a copy twice changes nothing.
+        Across a restore the restore epoch decides first (``copy_order``): rows from before it are not taken."""
+        how = copy_order(self._store.restores, int(state.get("restores", 0)))
+        if how != "merge":  # "keep": the other copy is rebuilt from this one
+            return self.replace(state) if how == "replace" else self._store.written
         take = take_newer(self._data, self._gen, state, f"shard {self.shard_id}")
         if take.size:
             self._sampler.on_write(take)
@@ -162,14 +168,20 @@ class OnlineShard(Shard):
         return count
 
     def replace(self, state: Mapping[str, np.ndarray]) -> int:
-        """Take another copy's state whole (a replica rebuilt from its primary); the write count after."""
-        self.load_state(state)
+        """Take another copy's state whole, with its restore epoch (a replica rebuilt from its primary, a primary
+        whose files are from before a restore its replica took); the write count after."""
+        super().load_state(state)
+        self._store.restores = int(state.get("restores", 0))  # last: rows without it read as the older copy
         self._lost = False
         return self._store.written
 
     def load_state(self, state: Mapping[str, np.ndarray]) -> None:
-        super().load_state(state)
-        if self._replication is not None:  # replaced (a restore): the replicas take it too
+        """A restore: the rows replaced whole, under a restore epoch newer than any copy's (set first, so that a
+        copy from before it never wins a merge); the replicas take it too."""
+        apply = self._checked(state)
+        self._store.restores = max(self._store.restores, int(state.get("restores", 0))) + 1
+        apply()
+        if self._replication is not None:
             self._replication.rebuild_all()
 
     def check_replicas(self) -> None:
@@ -205,7 +217,7 @@ class OnlineShard(Shard):
 
     def _state(self) -> dict[str, np.ndarray]:
         return {**{f"rows/{k}": v for k, v in self._data.items()}, "generation": self._gen,
-                "written": np.int64(self._written)}
+                "written": np.int64(self._written), "restores": np.int64(self._store.restores)}
 
     def _set_state(self, state: dict[str, np.ndarray]) -> Callable[[], None]:
         rows = {k[len("rows/"):]: v for k, v in state.items() if k.startswith("rows/")}

@@ -132,10 +132,20 @@ class Replication:
     def _late(self, r: Replica, call: Any) -> None:
         r.status, r.pending, r.since = WAITING, call, time.monotonic()
 
-    def rebuild_all(self) -> None:
-        """Every replica made again from the primary (its state was replaced: a checkpoint restored)."""
+    def rebuild_all(self, timeout: float = WAIT) -> None:
+        """Every replica made again from the primary (its state was replaced: a checkpoint restored), and waited
+        for (up to ``timeout`` s in all, as a write waits): a restore returns once every copy that answers holds
+        it. A handle beside a replica reads the replica's files when they hold the rows a read was planned over
+        (``rayrb.handle.local``), which counts cannot tell for a restore: rows from before it may count as many
+        or more. One that fails is down; one still busy stays catching, the snapshot ahead of any later piece."""
+        import ray
+
         for r in self.replicas:
             self._rebuild(r)
+        pending = [r.pending for r in self.replicas if r.status == CATCHING and r.pending is not None]
+        if pending:
+            ray.wait(pending, num_returns=len(pending), timeout=timeout)
+            self.poll()  # those that answered are live (their counts checked at the next write), failed ones down
 
     def _rebuild(self, r: Replica) -> None:
         """Send the replica a snapshot of the primary to take in place of its own; later pieces follow it in
@@ -158,16 +168,24 @@ class Replication:
             r.status, r.pending, r.since = DOWN, None, time.monotonic() - RETRY  # try again at the next poll
 
     def take_all(self, merge: Callable[[dict], int], what: str) -> bool:
-        """``merge`` each replica's state into the primary (restarted without its files); whether one answered."""
+        """``merge`` each replica's state into the primary (restarted, its files gone or older than what was
+        acknowledged); whether one answered. A replica of another restore epoch than the primary's after the
+        merges (it missed a restore, or the primary took another replica's whole) is rebuilt: counts alone would
+        not show it."""
         import ray
 
-        took = False
+        took, epochs = False, {}
         for r in self.replicas:
             try:
-                merge(ray.get(lookup(r.name).state.remote(), timeout=WAIT))
-                took = True
+                state = ray.get(lookup(r.name).state.remote(), timeout=WAIT)
+                merge(state)
+                took, epochs[r.name] = True, int(state.get("restores", 0))
             except Exception as e:  # that copy is gone too (a second loss before it was rebuilt)
                 logger.warning("rayrb: shard %s could not take the rows of its replica %s: %r", what, r.name, e)
+        mine = int(self._snapshot().get("restores", 0)) if epochs else 0
+        for r in self.replicas:
+            if r.name in epochs and epochs[r.name] != mine:
+                self._rebuild(r)
         return took
 
     def priorities(self, idx: Any, generation: Any, priority: Any) -> None:

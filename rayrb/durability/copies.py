@@ -60,3 +60,16 @@ def take_newer(rows: dict[str, np.ndarray], generation: np.ndarray, copy: dict[s
             dst[take] = theirs[k][take]
         generation[take] = gen[take]
     return take
+
+
+def copy_order(mine: int, theirs: int) -> str:
+    """How a copy of a shard takes another copy, by their restore epochs (how many times a restore replaced the
+    rows whole): ``"merge"`` slot by slot by generation (the same epoch), ``"keep"`` its own rows (the other's are
+    from before a restore this copy took: it is rebuilt from this one) or ``"replace"`` its own by the other's
+    whole (this copy's files are from before a restore the other took). Generations order rows within an epoch
+    only: the rows written after a restore take the generations of the rows it removed.
+
+    >>> copy_order(2, 2), copy_order(2, 1), copy_order(1, 2)
+    ('merge', 'keep', 'replace')
+    """
+    return "merge" if mine == theirs else ("keep" if theirs < mine else "replace")

@@ -8,6 +8,8 @@ priorities, live in files under one directory per shard:
     written.memmap           int64[1]: rows ever written (the cursor is this mod capacity)
     priority.memmap          float64[capacity]: p_i per slot (prioritized sampling)
     max_priority.memmap      float64[1]
+    restores.memmap          int64[1]: the restore epoch, how many times a restore replaced the rows whole
+                             (``rayrb.durability.copies.copy_order``); made when a directory from before it lacks it
     layout.json              spec and capacity; written last, so a half-made directory is never reopened
 
 A write stores rows, then generations, then priorities, and the write count
@@ -79,6 +81,8 @@ class OnlineStorage:
         self._written = _array(d, "written", (1,), np.int64, fresh)
         self.priority = _array(d, "priority", (self.capacity,), np.float64, fresh) if priorities else None
         self.max_priority = _array(d, "max_priority", (1,), np.float64, fresh) if priorities else None
+        made = fresh or d is None or not (d / "restores.memmap").exists()  # a directory from before the epoch
+        self._restores = _array(d, "restores", (1,), np.int64, made)
         if fresh and d is not None:
             replace_file(d / LAYOUT, json.dumps(layout))
 
@@ -89,6 +93,16 @@ class OnlineStorage:
     @written.setter
     def written(self, value: int) -> None:
         self._written[0] = int(value)
+
+    @property
+    def restores(self) -> int:
+        """The restore epoch of these rows: orders two copies of one shard across restores, which generations
+        cannot (rows written after a restore take the generations of those it removed)."""
+        return int(self._restores[0])
+
+    @restores.setter
+    def restores(self, value: int) -> None:
+        self._restores[0] = int(value)
 
     @property
     def size(self) -> int:

@@ -153,6 +153,56 @@ def test_a_restored_state_reaches_the_replica_and_a_later_loss_keeps_it(ray_sess
     assert written == 4 * PIECE and sorted(values.tolist()) == list(range(written))
 
 
+@pytest.mark.parametrize("stale", ["primary", "replica"])
+def test_a_copy_restarted_on_older_files_than_the_other_copys_takes_the_newer_rows(ray_session, pair, tmp_path,
+                                                                                   stale):
+    """The files a restart finds can be older than what was acknowledged (a bundle moved back to a machine that
+    rejoined with its old disk, shared storage that missed a dead client's last pages). Whichever copy restarts on
+    them, the newer rows win by generation, and both copies end with every acknowledged row."""
+    ray = ray_session
+    primary, replica, dirs = pair
+    for w in range(0, 6 * PIECE, PIECE):
+        write(ray, primary, w)
+    level(ray, primary)
+    which = ("primary", "replica").index(stale)
+    kept = tmp_path / "kept"
+    shutil.copytree(dirs[which], kept)  # the copy's files as they were at 6 pieces
+    for w in range(6 * PIECE, 12 * PIECE, PIECE):  # acknowledged by both copies
+        write(ray, primary, w)
+    shutil.rmtree(dirs[which])
+    shutil.copytree(kept, dirs[which])
+    ray.kill((primary, replica)[which], no_restart=False)  # it restarts on the older files
+    level(ray, primary)
+    for actor in (primary, replica):
+        written, _, values = copy_of(ray, actor)
+        assert written == 12 * PIECE and sorted(values.tolist()) == list(range(written)), stale
+    assert ray.get((primary, replica)[which].stats.remote())["restarts"] == 1
+
+
+def test_a_primary_restarted_on_files_from_before_a_restore_takes_its_replica_whole(ray_session, pair, tmp_path):
+    """Generations cannot tell rows the restore removed from rows written after it; the restore epoch does: the
+    primary's older files give way to the replica that took the restore, and the removed rows stay removed."""
+    ray = ray_session
+    primary, replica, dirs = pair
+    for w in range(0, 4 * PIECE, PIECE):
+        write(ray, primary, w)
+    saved = ray.get(primary.state.remote())
+    for w in range(4 * PIECE, 8 * PIECE, PIECE):  # rows the restore takes back
+        write(ray, primary, w)
+    shutil.copytree(dirs[0], tmp_path / "kept")  # the primary's files from before the restore
+    ray.get(primary.load_state.remote(saved))
+    level(ray, primary)
+    for w in range(4 * PIECE, 6 * PIECE, PIECE):  # written after the restore, over slots the removed rows held
+        write(ray, primary, w)
+    shutil.rmtree(dirs[0])
+    shutil.copytree(tmp_path / "kept", dirs[0])
+    ray.kill(primary, no_restart=False)
+    level(ray, primary)
+    for actor in (primary, replica):
+        written, _, values = copy_of(ray, actor)
+        assert written == 6 * PIECE and sorted(values.tolist()) == list(range(written))
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"online_replicas": 2}, r"expected at least online_replicas=2 alive nodes .* got 1"),
     ({"online_replicas": 2, "storage_dir": None}, r"expected a storage_dir with online_replicas=2"),

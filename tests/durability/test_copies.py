@@ -85,3 +85,33 @@ def test_a_copy_of_other_keys_is_refused_and_changes_nothing(tmp_path):
     with pytest.raises(ValueError, match=r"expected a copy with keys \['x'\]"):
         a.merge(other.state())
     assert held(a) == ([0, 1, 2], 3)
+
+
+def test_a_restore_orders_two_copies_before_their_generations_do(tmp_path):
+    """Rows written after a restore take the generations of the rows it removed (and a copy from before it may
+    hold higher ones): the restore epoch decides first, in both directions. A copy from before the restore takes
+    the restored one whole; the restored one takes nothing from it."""
+    restored, before = shard(tmp_path, "restored"), shard(tmp_path, "before")
+    for s in (restored, before):
+        s.extend(rows(0, 12), first=0)  # 12 rows through 8 slots: slots 0-3 hold rows 8-11, generation 2
+    saved = {k: np.array(v) for k, v in restored.state().items()}
+    restored.extend(rows(12, 14), first=12)
+    saved["rows/x"][:4], saved["generation"][:4], saved["written"] = [0, 1, 2, 3], 1, np.int64(6)
+    saved["generation"][6:] = 0
+    restored.load_state(saved)  # back to rows 0-5, then two more written over what the restore removed
+    restored.extend(rows(100, 102), first=6)
+    assert held(restored) == ([0, 1, 2, 3, 4, 5, 100, 101], 8)
+    restored.merge(before.state())  # the older copy's generation-2 rows are from before the restore
+    assert held(restored) == ([0, 1, 2, 3, 4, 5, 100, 101], 8)
+    before.merge(restored.state())  # the copy from before the restore takes the restored one whole
+    assert held(before) == held(restored) and before.state()["restores"] == restored.state()["restores"] == 1
+    restored.merge(before.state())  # the same epoch now: slot by slot again, and nothing newer to take
+    assert held(restored) == ([0, 1, 2, 3, 4, 5, 100, 101], 8)
+
+
+def test_a_shard_directory_from_before_the_restore_epoch_reopens_at_epoch_0(tmp_path):
+    s = shard(tmp_path, "a")
+    s.extend(rows(0, 3), first=0)
+    (tmp_path / "a" / "restores.memmap").unlink()  # as an older rayrb left it
+    again = shard(tmp_path, "a")
+    assert held(again) == ([0, 1, 2], 3) and again.state()["restores"] == 0
