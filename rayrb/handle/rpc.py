@@ -110,13 +110,17 @@ class Rpc:
         online shard before the writes it was planned over have landed there; bounded by ``timeout``."""
         t0 = time.monotonic()
         result = self.get(ref)
+        late = CallTimeoutError(f"buffer {self.name!r}: online shard {read[:2]} did not apply the writes this read "
+                                f"was planned with within timeout={self.timeout}s")
         while result is None or (direct is not None and "behind" in result):
             if self.timeout is not None and time.monotonic() - t0 > self.timeout:
-                raise CallTimeoutError(f"buffer {self.name!r}: online shard {read[:2]} did not apply the writes this "
-                                       f"read was planned with within timeout={self.timeout}s")
+                raise late
             time.sleep(0.001)
             left = None if self.timeout is None else max(0.0, self.timeout - (time.monotonic() - t0))
-            result = self.get(self.read(*read, direct=direct), timeout=left)
+            try:
+                result = self.get(self.read(*read, direct=direct), timeout=left)
+            except CallTimeoutError:  # named by the configured timeout, not by what was left of it
+                raise late from None
         return result
 
     def node_of(self, actor: int | str) -> str:

@@ -31,6 +31,27 @@ def test_reads_that_stay_behind_raise_within_the_timeout_remote_calls_included(m
     assert time.monotonic() - t0 < 1.5  # counting only the sleeps between asks, it waited about 100 s
 
 
+def test_a_read_asked_again_that_times_out_names_the_configured_timeout_not_what_was_left(monkeypatch):
+    import ray
+    from ray.exceptions import GetTimeoutError
+
+    asked = []
+
+    def behind_then_silent(refs, timeout=None):  # the first answer: not landed yet; the next never comes
+        asked.append(timeout)
+        if len(asked) == 1:
+            return None
+        time.sleep(timeout)
+        raise GetTimeoutError("timed out")
+
+    monkeypatch.setattr(ray, "get", behind_then_silent)
+    rpc = Rpc(None, [Shard(), Shard()], 1, name="t", timeout=0.3)
+    with pytest.raises(TimeoutError, match=r"online shard \('online', 0\) did not apply the writes .* within "
+                                           r"timeout=0\.3s$"):
+        rpc.fetch_read(("online", 0, ([1], [0], [None], 10)), "ref")
+    assert len(asked) == 2 and asked[1] < 0.3  # the second ask had only what was left
+
+
 class Coordinator:
     """Holds ``extend`` back ``held`` times; records the ``waited`` each call reports."""
 
