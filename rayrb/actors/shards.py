@@ -27,7 +27,7 @@ import numpy as np
 
 from rayrb.actors.lifecycle import begin
 from rayrb.actors.metrics import ActorMetrics
-from rayrb.core.plans import Epoch
+from rayrb.core.plans import OFFLINE_GENERATION, Epoch
 from rayrb.core.samplers import make_sampler, read_indices
 from rayrb.core.validation import ALPHA, EPS
 from rayrb.durability.storage import PriorityStore, remove_directory, whole
@@ -322,7 +322,7 @@ class OfflineShard(Shard):
         return self._ds.gather(idx + self._start)
 
     def _generation(self, idx: np.ndarray) -> np.ndarray:
-        return np.ones(idx.shape, dtype=np.int64)  # written once, never again
+        return np.full(idx.shape, OFFLINE_GENERATION, dtype=np.int64)
 
     def extend(self, *args: Any, **kwargs: Any):
         raise ReadOnlyError(f"offline shard {self.shard_id} is immutable: write to the online buffer instead")

@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from rayrb.core.plans import OFFLINE, Epoch
+from rayrb.core.plans import OFFLINE, OFFLINE_GENERATION, Epoch
 from rayrb.core.samplers import make_sampler, read_indices
 from rayrb.core.schema import RowSpec
 from rayrb.durability.storage import whole
@@ -90,7 +90,7 @@ class OfflineReader(Reader):
         if idx is None:
             return None
         self._ds.gather(idx + self._start, out=out, checked=False)  # drawn in [0, size): within the rows
-        return {"index": idx, "generation": np.ones(idx.shape, np.int64)}
+        return {"index": idx, "generation": np.full(idx.shape, OFFLINE_GENERATION, np.int64)}
 
 
 class OnlineReader(Reader):
