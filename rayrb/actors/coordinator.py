@@ -75,7 +75,7 @@ class Coordinator:
         log = WriteLog(online_capacities) if online_shards else None
         self._writing = Writing(log, self._shards[ONLINE], self._state, self._metrics, replicated=replicated)
         if self._state is not None:
-            if self._lives.restarts:
+            if self._lives.restarts or (self._lives.unsure and self._state.load() is not None):  # a copy kept
                 self._restart(self._state.load())
             else:
                 self._state.clear()

@@ -56,7 +56,8 @@ class OnlineShard(Shard):
         if self._replication is not None:
             # Restarted, with files or not: those it found may be older than what was acknowledged (a disk that
             # came back), so every replica's rows are taken before any call, the newer winning (``merge``)
-            if self._lives.restarts and self._replication.take_all(self.merge, self.shard_id):
+            restarted = self._lives.restarts or self._lives.unsure  # unsure: merging empty replicas changes nothing
+            if restarted and self._replication.take_all(self.merge, self.shard_id):
                 self._lost = False
             every(CHECK_EVERY, "check_replicas")
         if self._lost and coordinator is not None:  # its count went back: the coordinator takes it again

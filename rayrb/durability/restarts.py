@@ -31,6 +31,8 @@ Examples:
     (30.0, None, 8)
     >>> RestartLog(d).started(None), RestartLog(tempfile.mkdtemp()).started(20)  # Ray cannot say; no record here
     (0.0, 0.0)
+    >>> log = RestartLog(tempfile.mkdtemp()); log.started(None), log.restarts, log.unsure  # neither can say
+    (0.0, 0, True)
 """
 from __future__ import annotations
 
@@ -54,6 +56,9 @@ class RestartLog:
         self.actor, self.cluster = actor, cluster  # who keeps the directory, for clean-up
         self.restarts, self.failed_starts, self.starting, self.last_cause = 0, 0, False, None
         self.found = False  # a record of an earlier start of this actor is here: this start is a restart
+        # neither Ray's actor table nor a record here could say whether this start is the first: what the actor
+        # kept elsewhere (the coordinator's GCS copy, a shard's replicas) decides
+        self.unsure = False
         self.lease: Any = None  # the directory's lease, kept while the actor lives (rayrb.actors.lifecycle.begin)
         if self.path is not None:
             try:
@@ -67,6 +72,7 @@ class RestartLog:
     def started(self, ray_restarts: int | None, cause: str | None = None) -> float:
         """Record a start, Ray's ``ray_restarts``-th restart of the actor (0: its first start; None: Ray could
         not say, so the record here decides); the seconds to wait before going on."""
+        self.unsure = ray_restarts is None and not self.found
         if ray_restarts is None or (ray_restarts == 0 and self.found):  # a record here: not a first start
             ray_restarts = self.restarts + 1 if self.found else 0
         ray_restarts, wait = int(ray_restarts), 0.0

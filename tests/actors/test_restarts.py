@@ -134,4 +134,28 @@ def test_a_restart_is_a_restart_when_rays_actor_table_does_not_answer(tmp_path, 
     assert again.restarts == 1 and again.stats()["restarts"] == 1
     monkeypatch.setattr(lifecycle, "whoami", lambda: ("ab" * 16, "c" * 56, None, None))
     fresh = lifecycle.begin(str(tmp_path / "new"), "a shard")  # no record: a first start
-    assert fresh.restarts == 0
+    assert fresh.restarts == 0 and fresh.unsure
+
+
+def test_a_coordinator_moved_to_another_node_while_rays_actor_table_does_not_answer_keeps_its_gcs_copy(
+        tmp_path, monkeypatch):
+    """Its restart record stays on the lost node's disk, and the actor table does not answer: the GCS copy of its
+    state is then what shows an earlier start. It restarts from that copy, and never clears it."""
+    import shutil
+
+    from rayrb.actors import coordinator, lifecycle
+    from rayrb.durability.mirror import DictMirror
+
+    gcs, d = DictMirror(), tmp_path / "coordinator"
+    monkeypatch.setattr(coordinator, "GcsMirror", lambda: gcs)
+    monkeypatch.setattr(lifecycle, "whoami", lambda: ("ab" * 16, "c" * 56, 0, None))
+    first = coordinator.Coordinator([object()], [100], [], [], seed=0, state_dir=str(d), replicated=True)
+    answers = [first.plan(16, 1, call=f"learner/{i}") for i in range(3)]
+    kept = first.state_dict()
+    first._lives.end()
+    shutil.rmtree(d)  # the node and its disk are gone
+    monkeypatch.setattr(lifecycle, "whoami", lambda: ("ab" * 16, "c" * 56, None, None))  # the table fails
+    moved = coordinator.Coordinator([object()], [100], [], [], seed=0, state_dir=str(d), replicated=True)
+    assert moved.state_dict() == kept and gcs.keys(f"{d}/state.")
+    assert moved.plan(16, 1, call="learner/2").args == answers[2].args  # its answer kept, not planned anew
+    moved.close()
