@@ -7,12 +7,14 @@ import os
 import shutil
 import signal
 import time
+import uuid
 
 import numpy as np
 import pytest
 import torch
 from tensordict import TensorDict
 
+from rayrb.actors.lifecycle import actor_class
 from rayrb.actors.online_shard import OnlineShard
 from rayrb.core.schema import RowSpec
 from rayrb.errors import BufferUnavailableError
@@ -305,6 +307,49 @@ def test_a_shard_killed_restarted_or_losing_its_files_under_a_handle_gives_the_r
     same(10)
     assert on.stats()["handle"]["fell_back_reads"] > fell_back  # read by the shard, not from a stale map
     assert on.stats()["handle"]["local_reads"] > 0
+
+
+class PausedShard(OnlineShard):
+    """An online shard that can be held busy: what is sent to it behind ``pause`` waits, as behind a slow copy."""
+
+    def pause(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+
+def test_after_a_restore_a_handle_beside_a_replica_never_reads_its_rows_from_before(ray_session, tmp_path):
+    """A restore into a primary whose replica is busy: once the restore has returned, a reader of the replica's
+    files (a handle on its node) serves the restored rows or goes to the primary, never the replica's older rows
+    (their count, 128, covers the 64 rows the restored primary counts)."""
+    ray = ray_session
+    tag = uuid.uuid4().hex[:8]
+    cls = actor_class(PausedShard)
+    dirs = [tmp_path / "on-0", tmp_path / "on-0.r1"]
+    replica = cls.options(name=f"{tag}/on-0.r1", num_cpus=0).remote(SPEC.to_json(), 64, f"{tag}/on-0.r1",
+                                                                  state_dir=str(dirs[1]))
+    primary = cls.options(name=f"{tag}/on-0", num_cpus=0).remote(SPEC.to_json(), 64, f"{tag}/on-0",
+                                                                 state_dir=str(dirs[0]), replicas=[f"{tag}/on-0.r1"])
+    try:
+        def write(first):
+            ref = ray.put(rows_from(first, 64))
+            ray.get(primary.extend.remote(ref, 0, 64, first=first, forward=[ref]))
+
+        write(0)
+        saved = ray.get(primary.state.remote())
+        write(64)  # laps the shard: every slot holds a row the restore takes back
+        reader = OnlineReader(str(dirs[1]), SPEC, 64, "uniform")
+        assert reader.read([8], [1], [None], 128, out_for(8)) is not None  # read here, from the replica
+        replica.pause.remote(2.0)  # the replica busy when the restore reaches it
+        ray.get(primary.load_state.remote(saved))
+        for seed in range(20):
+            out = out_for(32)
+            info = reader.read([32], [seed], [None], 64, out)
+            assert info is None or (out["id"] < 64).all(), (
+                f"served ids {sorted(set(out['id'].tolist()))[:6]} (generations {sorted(set(info['generation']))}; "
+                "the primary counts 64 rows): rows from before the restore")
+        assert info is not None  # the replica holds the restored rows: read here again
+    finally:
+        for actor in (primary, replica):
+            ray.kill(actor, no_restart=True)
 
 
 @pytest.mark.usefixtures("ray_session")
