@@ -253,9 +253,10 @@ class CoordinatorState:
         for line in self._read_lines():
             try:
                 write_id, pieces, *rest = json.loads(line)
-            except ValueError:
-                continue  # torn by a crash mid-append
-            out.append((write_id, pieces, rest[0] if rest else None, int(rest[1]) if len(rest) > 1 else None))
+                number = int(rest[1]) if len(rest) > 1 else None
+            except (ValueError, TypeError):
+                continue  # torn by a crash mid-append, or damaged
+            out.append((write_id, pieces, rest[0] if rest else None, number))
         return out
 
     def _read_lines(self) -> Iterator[str]:

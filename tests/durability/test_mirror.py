@@ -144,3 +144,15 @@ def test_an_older_mirror_gives_way_to_the_newer_local_files_and_is_brought_level
     assert moved.load() == {"version": 4}
     assert [w for w, _, _ in moved.writes()] == ["w0", "w1", "w2", "w3"]
     assert moved.load_reply("call-2") == '{"answer": 2}'
+
+
+
+def test_a_damaged_journal_line_is_skipped_and_does_not_decide_which_copy_is_newer(tmp_path):
+    mirror = DictMirror()
+    d, _, _, newer = _history(tmp_path, mirror)
+    with open(d / "writes.log", "a") as f:
+        f.write('["w9", [[0, 90, 100, 90]], null, "not a number"]\n')
+    back = CoordinatorState(d, mirror=mirror)
+    assert back.writes() == newer.writes()[:3] and [w for w, _, _ in back.writes()] == ["w0", "w1", "w2"]
+    back.journal("w3", [(0, 30, 40, 30)])  # numbered after the last whole line
+    assert mirror.keys(back._key + "writes/")[-1].endswith(f"{3:012d}")
