@@ -32,8 +32,10 @@ import torch
 from rayrb.core.allocation import row_ranges
 from rayrb.core.plans import OFFLINE_GENERATION
 from rayrb.core.validation import positive_int
-from rayrb.errors import ImmutableDatasetError, InvalidArgumentError, InvalidArgumentTypeError
+from rayrb.errors import ImmutableDatasetError, InvalidArgumentError, InvalidArgumentTypeError, InvalidStateError
 
+# The buffer behind the dataset: every batch offline; its online side (rayrb's buffers have one) stays empty
+OFFLINE_ONLY = {"online_capacity": 1, "offline_fraction": 1.0}
 # TorchRL's ImmutableDatasetWriter's words, raised by every write
 WRITING_ERR = "This dataset doesn't allow writing."
 # Options that would give the buffer an online side: this is a dataset (compose it to have one)
@@ -85,21 +87,54 @@ def check_writer(writer: Any) -> Any:
     return writer
 
 
-def make_transform(transform: Any) -> Any:
-    """TorchRL's ``Compose`` of ``transform``, as its replay buffers make it (a callable is wrapped)."""
-    from torchrl.envs.transforms.transforms import Compose, Transform, _CallableTransform
+def one_transform(transform: Any, invert: bool = False) -> Any:
+    """``transform`` as a TorchRL ``Transform`` in eval mode, as its replay buffers take one (a callable is
+    wrapped); ``invert``: wrapped so that its inverse runs on sampled batches."""
+    from torchrl.envs.transforms.transforms import Transform, _CallableTransform, _InvertTransform
 
-    if transform is None:
-        transform = Compose()
-    elif not isinstance(transform, Compose):
-        if not isinstance(transform, Transform):
-            if not callable(transform):
-                raise InvalidArgumentTypeError(f"expected transform as a TorchRL Transform or a callable, got "
-                                               f"{type(transform).__name__}")
-            transform = _CallableTransform(transform)
-        transform = Compose(transform)
+    if not isinstance(transform, Transform):
+        if not callable(transform):
+            raise InvalidArgumentTypeError(f"expected transform as a TorchRL Transform or a callable, got "
+                                           f"{type(transform).__name__}")
+        transform = _CallableTransform(transform)
     transform.eval()
-    return transform
+    return _InvertTransform(transform) if invert else transform
+
+
+def make_transform(transform: Any) -> Any:
+    """TorchRL's ``Compose`` of ``transform`` (``None``: an empty one), as its replay buffers make it."""
+    from torchrl.envs.transforms.transforms import Compose
+
+    if transform is None or isinstance(transform, Compose):
+        composed = Compose() if transform is None else transform
+        composed.eval()
+        return composed
+    return Compose(one_transform(transform))
+
+
+def checked_options(given: dict[str, Any], own: dict[str, Any]) -> dict[str, Any]:
+    """The offline-only buffer's options, a user's ``given`` and those TorchRL's arguments set (``own``), checked
+    now as the buffer checks them, although it starts later: a bad option is refused when the dataset is made, not
+    at its first sample."""
+    import inspect
+
+    from rayrb.handle.owner import OfflineToOnlineReplayBuffer
+    from rayrb.handle.settings import checked_settings
+
+    refused = sorted(set(given) & set(ONLINE_OPTIONS))
+    if refused:
+        raise InvalidArgumentError(
+            f"OpenMLExperienceReplay is an offline dataset: it takes none of {refused} (TorchRL's sampler= and "
+            "transform= set its sampling; compose it with OfflineToOnlineReplayBuffer(dataset, online_capacity=...) "
+            "for an online side)")
+    takes = inspect.signature(OfflineToOnlineReplayBuffer.__init__).parameters
+    unknown = sorted(k for k in given if k not in takes or takes[k].kind is not inspect.Parameter.KEYWORD_ONLY)
+    if unknown:
+        raise InvalidArgumentTypeError(f"OpenMLExperienceReplay got unexpected keyword arguments {unknown}")
+    options = {**given, **own}
+    settings = inspect.signature(checked_settings).parameters
+    checked_settings(None, **OFFLINE_ONLY, **{k: v for k, v in options.items() if k in settings})
+    return options
 
 
 def chunk_rows_option(rows: int, chunksize: Any, num_chunks: Any) -> int | None:
@@ -152,10 +187,9 @@ class OpenMLExperienceReplay:
 
         check_name(name)  # before anything is fetched or checked further
         self.dataset_id, self.batch_size = name, positive_int("batch_size", batch_size)
-        self._options = {**sampler_options(sampler), "num_offline_shards": positive_int("num_shards", num_shards),
-                         "seed": seed, **self._buffer_options(buffer_options)}
-        if prefetch is not None:
-            self._options["prefetch"] = prefetch
+        own = {"num_offline_shards": num_shards, "seed": seed, "batch_size": self.batch_size,
+               **({} if prefetch is None else {"prefetch": prefetch}), **sampler_options(sampler)}
+        self._options = checked_options(buffer_options, own)
         self._sampler = sampler if sampler is not None else _default_sampler()
         self._writer = check_writer(writer)
         self._collate_fn = callable_or_none("collate_fn", collate_fn)
@@ -163,17 +197,10 @@ class OpenMLExperienceReplay:
         self._transform = make_transform(transform)
         self.root = Path(root) if root is not None else default_root()
         self._chunks = load_openml(name, root=self.root, data_home=data_home, dtype=dtype)
-        self._rb = None  # the buffer, started by the first call that samples
-
-    @staticmethod
-    def _buffer_options(options: dict[str, Any]) -> dict[str, Any]:
-        refused = sorted(set(options) & set(ONLINE_OPTIONS))
-        if refused:
-            raise InvalidArgumentError(
-                f"OpenMLExperienceReplay is an offline dataset: it takes none of {refused} (TorchRL's sampler= "
-                "and transform= set its sampling; compose it with OfflineToOnlineReplayBuffer(dataset, "
-                "online_capacity=...) for an online side)")
-        return options
+        if self._options["num_offline_shards"] > len(self._chunks):
+            raise InvalidArgumentError(f"expected num_shards at most the table's {len(self._chunks)} rows, got "
+                                       f"{self._options['num_offline_shards']}")
+        self._rb, self._deleted = None, False  # the buffer, started by the first call that samples
 
     # TorchRL's properties -------------------------------------------------------------------------------------
     data_path = property(lambda self: self._chunks.root, doc="The prepared table's chunk dataset directory.")
@@ -193,8 +220,10 @@ class OpenMLExperienceReplay:
         if self._rb is None:
             from rayrb.handle.owner import OfflineToOnlineReplayBuffer
 
-            self._rb = OfflineToOnlineReplayBuffer(self._chunks, online_capacity=1, offline_fraction=1.0,
-                                                   batch_size=self.batch_size, **self._options)
+            if self._deleted:
+                raise InvalidStateError(f"the table {self.dataset_id!r} was deleted from {self.data_path}: a new "
+                                        f"OpenMLExperienceReplay({self.dataset_id!r}, ...) prepares it again")
+            self._rb = OfflineToOnlineReplayBuffer(self._chunks, **OFFLINE_ONLY, **self._options)
         return self._rb
 
     # sampling -------------------------------------------------------------------------------------------------
@@ -247,21 +276,13 @@ class OpenMLExperienceReplay:
     def append_transform(self, transform: Any, *, invert: bool = False) -> OpenMLExperienceReplay:
         """Append ``transform`` (a TorchRL ``Transform`` or a callable) to those run on each sampled batch;
         ``invert``: its inverse runs there instead (its forward would run on writes, which this dataset refuses)."""
-        from torchrl.envs.transforms.transforms import Transform, _CallableTransform, _InvertTransform
-
-        if not isinstance(transform, Transform) and callable(transform):
-            transform = _CallableTransform(transform)
-        transform.eval()
-        self._transform.append(_InvertTransform(transform) if invert else transform)
+        self._transform.append(one_transform(transform, invert))
         return self
 
     def insert_transform(self, index: int, transform: Any, *, invert: bool = False) -> OpenMLExperienceReplay:
         """Insert ``transform`` at ``index`` among the transforms run on each sampled batch (``invert`` as in
         ``append_transform``)."""
-        from torchrl.envs.transforms.transforms import _InvertTransform
-
-        transform.eval()
-        self._transform.insert(index, _InvertTransform(transform) if invert else transform)
+        self._transform.insert(index, one_transform(transform, invert))
         return self
 
     # writes, refused as TorchRL's ImmutableDatasetWriter refuses them -------------------------------------------
@@ -339,6 +360,7 @@ class OpenMLExperienceReplay:
         """Stop the buffer's actors and delete the prepared table from disk (the next dataset of this name
         prepares it again)."""
         self.shutdown()
+        self._deleted = True
         self._chunks.delete()
 
     def shutdown(self) -> None:

@@ -223,3 +223,29 @@ def test_delete_removes_the_table_and_the_next_dataset_prepares_it_again():
     assert not path.exists()
     again = OpenMLExperienceReplay("shuttle", batch_size=16)
     assert again.data_path == path and len(again) == 58000
+
+
+@pytest.mark.parametrize("options", [{"timeout": -1}, {"prefetch": -1}, {"max_batch_bytes": 0}, {"batch_sise": 8},
+                                     {"num_shards": MUSHROOM_ROWS + 1}, {"storage_device": "tpu"}])
+def test_bad_options_are_refused_when_constructed_not_at_the_first_sample(options):
+    with pytest.raises((ValueError, TypeError)):
+        OpenMLExperienceReplay("mushroom_num", batch_size=4, **options)
+
+
+def test_transforms_that_are_neither_a_transform_nor_callable_are_refused_and_change_nothing(shared):
+    for add in (lambda: shared.append_transform(3), lambda: shared.insert_transform(0, "x")):
+        with pytest.raises(TypeError, match="Transform or a callable"):
+            add()
+    assert len(shared.transform) == 0
+    shared.insert_transform(0, lambda td: td.set("one", td["y"] * 0 + 1))  # a callable, as append takes one
+    try:
+        assert bool((shared.sample(4)["one"] == 1).all())
+    finally:
+        del shared.transform[:]
+
+
+def test_a_deleted_table_is_not_sampled(shared):
+    ds = OpenMLExperienceReplay("magic", batch_size=16)
+    ds.delete()
+    with pytest.raises(RuntimeError, match="deleted"):
+        ds.sample()
