@@ -17,7 +17,7 @@ from rayrb.core.schema import RowSpec
 from rayrb.core.validation import positive_int
 from rayrb.durability.copies import copy_order, merged_count, take_newer
 from rayrb.durability.runs import held_runs
-from rayrb.durability.storage import OnlineStorage
+from rayrb.durability.storage import OnlineStorage, store_rows
 from rayrb.errors import RowsLostError, SavedStateError
 
 CHECK_EVERY = 2.0  # seconds between a primary's checks of its replicas when no write comes
@@ -116,20 +116,12 @@ class OnlineShard(Shard):
         slots = pos[fresh]
         if self._table is not None:  # the device copy serves reads: written first, as it may refuse the rows
             self._table.write(slots, {k: rows[k][fresh] for k in self._data})
-        # Readers in other processes on this node copy rows straight out of the memory maps
-        # (rayrb.handle.local): a slot's generation is negative while its row is being written, and they
-        # compare it before and after their copy, so a row half written is never served.
-        before = self._gen[slots].copy()
-        self._gen[slots] = -gen[fresh]
-        try:
-            for k, dst in self._data.items():
-                dst[slots] = rows[k][fresh]  # copies out of the object store; the memory maps keep what is acknowledged
+        try:  # copies out of the object store, marked as being written meanwhile (store_rows)
+            store_rows(self._data, self._gen, slots, rows, fresh, gen[fresh])
         except BaseException:
-            self._gen[slots] = before  # the rows there were not all replaced: as they were, but readers retry
             if self._table is not None:  # back to what the memory maps hold
                 self._table.write(slots, {k: v[slots] for k, v in self._data.items()})
             raise
-        self._gen[slots] = gen[fresh]
         self._sampler.on_write(slots)
         self._advance(first, first + n)  # last: this is what makes the rows visible after a restart
         if self._replication is not None:  # acknowledged once every live replica holds the rows too

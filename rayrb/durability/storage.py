@@ -128,6 +128,35 @@ def whole(generation: np.ndarray) -> bool:
     return bool(generation.size == 0 or generation.min() > 0)
 
 
+def store_rows(rows: dict[str, np.ndarray], generation: np.ndarray, slots: np.ndarray,
+               new: dict[str, np.ndarray], keep: np.ndarray, gen: np.ndarray) -> None:
+    """Copy ``new[k][keep]`` into ``rows[k]`` at ``slots``, key by key, under generations ``gen``, each slot's
+    generation negative from before its first key is copied until after its last: readers in other processes on
+    the node (``rayrb.handle.local``) compare it before and after their copy, and a crash in between leaves it
+    negative, so a slot half copied is never served (``whole``). A copy that raises once a key was replaced leaves
+    the slots so marked, torn, as a crash would, until the write's retry lands over them; one that raises before
+    leaves them as they were.
+
+    >>> rows, g = {"a": np.zeros(3), "b": np.zeros(3)}, np.array([1, 1, 1])
+    >>> new = {"a": np.array([5., 6.]), "b": np.array([7., 8.])}
+    >>> store_rows(rows, g, np.array([0, 2]), new, np.array([True, True]), np.array([2, 2]))
+    >>> g.tolist(), rows["b"].tolist()
+    ([2, 1, 2], [7.0, 0.0, 8.0])
+    """
+    before = generation[slots].copy()
+    generation[slots] = -gen
+    copied = 0
+    try:
+        for k, dst in rows.items():
+            dst[slots] = new[k][keep]
+            copied += 1
+    except BaseException:
+        if not copied:  # no key replaced: the rows are whole, as they were
+            generation[slots] = before
+        raise
+    generation[slots] = gen
+
+
 def read_only(spec: RowSpec, capacity: int, directory: str | os.PathLike) -> dict[str, Any] | None:
     """An online shard's files mapped read-only, for a reader in another process on the shard's node
     (``rayrb.handle.local``): ``{"rows", "generation", "written", "identity"}``, or None where the directory
