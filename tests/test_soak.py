@@ -1,8 +1,10 @@
 """Bounded soak: writers and samplers run while shards are killed; nothing acknowledged is lost or doubled."""
 from __future__ import annotations
 
+import json
 import os
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -32,8 +34,9 @@ def kill_and_time_restart(ray, shard) -> float:
 def held_ids(dump, shards) -> list[int]:
     """The ids of every row these shards' files in the dump ``dump`` hold."""
     held = []
+    files = json.loads((dump / "buffer.json").read_text())["files"]  # [<dir>/]shard-<j>.npz
     for j in shards:
-        with np.load(dump / f"shard-{j}.npz") as state:
+        with np.load(dump / next(n for n in files if Path(n).name == f"shard-{j}.npz")) as state:
             held.extend(state["rows/id"][:min(int(state["written"]), len(state["rows/id"]))].tolist())
     return held
 

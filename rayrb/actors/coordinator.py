@@ -283,10 +283,10 @@ class Coordinator:
         for side in SIDES:  # priorities may have changed under us: re-query every shard
             self._drawing.requery_masses(side, range(len(self._shards[side])))
 
-    def checkpoint(self, path: str) -> dict[str, Any]:
-        """Submit every shard's dump behind the writes sent so far, and take this state at the same cut."""
-        shards = self._shards[OFFLINE] + self._shards[ONLINE]
-        acks = [s.dump.remote(f"{path}/shard-{j}.npz") for j, s in enumerate(shards)]
+    def checkpoint(self, path: str | None) -> dict[str, Any]:
+        """Every shard's dump into ``path`` (its state as an object where None) and this state, at one cut."""
+        acks = [s.dump.remote(f"{path}/shard-{j}.npz") if path is not None else s.state.remote()
+                for j, s in enumerate(self._shards[OFFLINE] + self._shards[ONLINE])]
         return {"acks": acks, "state": self.state_dict(), "sizes": self.sizes()}
 
     def stats(self, include_shards: bool = True) -> dict[str, Any]:

@@ -3,35 +3,43 @@
 Saving is a consistent cut. The coordinator submits every shard's dump behind
 every write it has sent, and records its own state (write counts, RNG, step,
 epochs) at that same moment, so every acknowledged write is in the checkpoint and
-the saved counts match the saved rows. The files go to a temporary directory
-beside the target, each with its size and CRC-32 in the manifest, and the
-directory is renamed into place only when the manifest is written.
+the saved counts match the saved rows. ``dumps(path)`` writes into ``path`` as
+TorchRL's does, and touches nothing there that is not its own: the shard files go
+to a directory of their own inside it (``buffer-<hex>/``), each with its size and
+CRC-32 in the manifest, and the checkpoint changes in one step when
+``path/buffer.json`` is renamed over the previous manifest; only then are the
+files the previous manifest named removed. A path that is a link to a directory
+is written through, on the target's file system.
 
 Restoring checks the whole checkpoint first: the manifest, the row spec, the
 sampler, the offline dataset (by its chunks' hashes) and the shard layout, and
 each file's size and checksum. Only then do shards load it, so a refused
-checkpoint leaves the buffer as it was.
+checkpoint leaves the buffer as it was. Restoring only reads the checkpoint: the
+buffer's state kept to put it back, and shard states re-cut for another layout,
+travel in Ray's object store, so a checkpoint on read-only storage loads.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
-import tempfile
 import uuid
-from pathlib import Path
+from collections.abc import Mapping
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import numpy as np
 
 from rayrb.core.allocation import split_evenly
 from rayrb.durability.writelog import slots
-from rayrb.errors import SavedStateError
-from rayrb.io.files import file_digest, replace_dir, replace_file
+from rayrb.errors import InvalidArgumentError, SavedStateError
+from rayrb.io.files import file_digest, replace_file
 
-# 3: the manifest carries a digest of itself; 4: and the priority exponents its priorities were stored under
-FORMAT, VERSION = "rayrb.buffer", 4
-READABLE = (2, 3, 4)
+# 3: the manifest carries a digest of itself; 4: and the priority exponents its priorities were stored under;
+# 5: the shard files in a directory of their own beside the manifest (their names are paths relative to it)
+FORMAT, VERSION = "rayrb.buffer", 5
+READABLE = (2, 3, 4, 5)
 MANIFEST = "buffer.json"
 
 
@@ -42,20 +50,81 @@ def dataset_fingerprint(dataset: Any) -> str:
 
 
 def save(rb: Any, path: Path) -> None:
+    """Write a checkpoint of ``rb`` into the directory ``path`` (made if missing), replacing only a previous
+    checkpoint there: its manifest, then the files that manifest named. Other entries in ``path`` stay as they
+    are; a save that raises leaves the previous checkpoint whole and nothing of its own behind."""
     from rayrb.io.chunks import ChunkDataset
 
-    def write(tmp: Path) -> None:
-        cut = rb.rpc.get(rb.rpc.coord.checkpoint.remote(str(tmp)))
-        files = dict(rb.rpc.get(cut["acks"]))
+    target = _checkpoint_dir(Path(path))
+    previous = _previous_files(target)
+    data = f"buffer-{uuid.uuid4().hex[:8]}"
+    (target / data).mkdir()
+    try:
+        cut = rb.rpc.get(rb.rpc.coord.checkpoint.remote(str(target / data)))
+        files = {f"{data}/{name}": digest for name, digest in rb.rpc.get(cut["acks"])}
         meta = {"format": FORMAT, "version": VERSION, "dataset": rb.dataset_root,
                 "dataset_fingerprint": dataset_fingerprint(ChunkDataset.open(rb.dataset_root)),
                 "spec": rb.spec.to_json(), "sampler": rb.sampler_name, "priority": rb.priority_options,
                 "sizes": cut["sizes"], "coordinator": cut["state"], "files": files}
         meta = json.loads(json.dumps(meta, default=int))  # as it will be read back
         meta["digest"] = manifest_digest(meta)
-        replace_file(tmp / MANIFEST, json.dumps(meta), sync=True)
+        replace_file(target / MANIFEST, json.dumps(meta), sync=True)  # the one step that changes the checkpoint
+    except BaseException:
+        shutil.rmtree(target / data, ignore_errors=True)
+        raise
+    _remove_files(target, [n for n in previous if n not in files])
 
-    replace_dir(path, write)
+
+def _checkpoint_dir(path: Path) -> Path:
+    """The directory a checkpoint at ``path`` is written in: ``path`` itself, or where the links it is lead (so
+    the link stays, and the files land on the target's file system). Refused: a file, or a ``buffer.json``
+    there that is not a rayrb manifest (a user's file of that name is never overwritten)."""
+    target = Path(os.path.realpath(path))
+    if target.exists() and not target.is_dir():
+        raise InvalidArgumentError(f"expected a directory (or nothing) at {path} to write a checkpoint in, got a file")
+    target.mkdir(parents=True, exist_ok=True)
+    manifest = target / MANIFEST
+    if manifest.exists() or manifest.is_symlink():
+        try:
+            ours = json.loads(manifest.read_text()).get("format") == FORMAT
+        except (OSError, ValueError, AttributeError):
+            ours = False
+        if not ours:
+            raise InvalidArgumentError(f"expected {manifest} to be a rayrb checkpoint's manifest (format "
+                                       f"{FORMAT!r}) or absent, got another file: it is left as it is; save "
+                                       "the checkpoint elsewhere, or move that file away")
+    return target
+
+
+def _previous_files(target: Path) -> list[str]:
+    """The files the checkpoint now in ``target`` names (none if there is none, or its manifest is damaged)."""
+    try:
+        meta = json.loads((target / MANIFEST).read_text())
+        names = list(meta["files"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    return [n for n in names if _inside(n)]
+
+
+def _remove_files(target: Path, names: list[str]) -> None:
+    """Remove these checkpoint files, then the directories of their own that held them, once empty; best effort:
+    the new checkpoint is already in place."""
+    dirs = set()
+    for name in names:
+        (target / name).unlink(missing_ok=True)
+        if len(PurePosixPath(name).parts) == 2:
+            dirs.add(target / PurePosixPath(name).parts[0])
+    for d in dirs:
+        try:
+            d.rmdir()
+        except OSError:
+            pass  # not empty: something else lives there too, and stays
+
+
+def _inside(name: Any) -> bool:
+    """Whether a manifest's file name stays inside its checkpoint (a relative path without ``..``)."""
+    p = PurePosixPath(name) if isinstance(name, str) else None
+    return p is not None and not p.is_absolute() and ".." not in p.parts and len(p.parts) in (1, 2)
 
 
 def manifest_digest(meta: dict[str, Any]) -> str:
@@ -85,6 +154,9 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
     if missing:
         raise SavedStateError(f"checkpoint manifest {path / MANIFEST} lacks {missing}")
     for name, want in meta["files"].items():
+        if not _inside(name):
+            raise SavedStateError(f"checkpoint manifest {path / MANIFEST} names a file outside the checkpoint: "
+                                  f"{name!r}")
         f = path / name
         if not f.is_file():
             raise SavedStateError(f"checkpoint {path} is missing {name}")
@@ -94,8 +166,10 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
     return meta
 
 
-def check_compatible(meta: dict[str, Any], rb: Any, sizes: dict[str, list[int]]) -> None:
-    """Raise, naming what differs, unless ``rb`` can load this checkpoint."""
+def check_compatible(meta: dict[str, Any], rb: Any, sizes: dict[str, list[int]],
+                     priority_exponents: Mapping[str, float] | None = None) -> None:
+    """Raise, naming what differs, unless ``rb`` can load this checkpoint. ``priority_exponents``: the ``alpha`` and
+    ``eps`` the caller says a checkpoint that does not record them (version 2 or 3) was written with."""
     from rayrb.core.schema import RowSpec
     from rayrb.io.chunks import ChunkDataset
 
@@ -107,10 +181,11 @@ def check_compatible(meta: dict[str, Any], rb: Any, sizes: dict[str, list[int]])
     if meta["dataset_fingerprint"] != dataset_fingerprint(ChunkDataset.open(rb.dataset_root)):
         diffs.append(f"offline dataset {meta['dataset']} vs {rb.dataset_root} (different rows)")
     if "prioritized" in str(rb.sampler_name):  # stored priorities are (|p| + eps)^alpha: they mean nothing under others
-        saved_prio = meta.get("priority")
+        saved_prio = _saved_exponents(meta, priority_exponents)
         if saved_prio is None:
             diffs.append(f"priority exponents: a version {meta['version']} checkpoint does not record its alpha and "
-                         f"eps, this buffer samples by priority with {rb.priority_options}")
+                         f"eps, this buffer samples by priority with {rb.priority_options}; if it was written with "
+                         f"them, say so: loads(path, priority_exponents={rb.priority_options})")
         else:
             diffs += [f"{k} {saved_prio.get(k)!r} vs {v!r}" for k, v in rb.priority_options.items()
                       if saved_prio.get(k) != v]
@@ -125,6 +200,22 @@ def check_compatible(meta: dict[str, Any], rb: Any, sizes: dict[str, list[int]])
                      "shard counts may differ, the total capacity may not")
     if diffs:
         raise SavedStateError("the checkpoint does not fit this buffer: " + "; ".join(diffs))
+
+
+def _saved_exponents(meta: dict[str, Any], said: Mapping[str, float] | None) -> dict[str, float] | None:
+    """The exponents the checkpoint's priorities were stored under: its own record, else what the caller said. A
+    caller's word that contradicts the record is refused: the record is what the priorities were stored under."""
+    if said is not None:
+        from rayrb.core.validation import priority_options
+
+        if not isinstance(said, Mapping) or set(said) != {"alpha", "eps"}:
+            raise InvalidArgumentError(f"expected priority_exponents as {{'alpha': ..., 'eps': ...}}, got {said!r}")
+        said = {k: v for k, v in priority_options(alpha=said["alpha"], eps=said["eps"]).items() if k != "beta"}
+    saved = meta.get("priority")
+    if saved is not None and said is not None and said != saved:
+        raise SavedStateError(f"priority_exponents={said} contradicts the checkpoint's own record {saved}: "
+                              "pass priority_exponents only for a checkpoint that does not record them")
+    return saved if saved is not None else said
 
 
 def _plain(value: Any) -> Any:
@@ -196,70 +287,66 @@ def reshard(states: list[dict[str, np.ndarray]], offline_sizes: tuple[list[int],
     return out
 
 
-def restore(rb: Any, path: Path) -> None:
+def restore(rb: Any, path: Path, priority_exponents: Mapping[str, float] | None = None) -> None:
     """Load checkpoint ``path`` into ``rb`` whole, or leave ``rb`` as it was.
 
     Every part is checked before any actor changes: the manifest (format, version, its
     digest), each file's size and checksum, spec, sampler, dataset and layout, the
     coordinator's section (a draw is tried on a copy of the sampling state), and each
-    shard's file by that shard. Then the buffer as it is is saved beside ``path`` and
-    the checkpoint applied; if applying still fails, that save is put back (and if even
-    that fails, the error says the buffer is unusable).
+    shard's file by that shard. Then the buffer as it is is kept (each shard's state in
+    the object store, at one cut) and the checkpoint applied; if applying still fails,
+    that is put back (and if even that fails, the error says the buffer is unusable).
+    Nothing is written to the file system: ``path`` may be read-only.
     """
+    import ray
+
     path = Path(path)
     meta = read_checkpoint(path)
     sizes = rb.sizes()
-    check_compatible(meta, rb, sizes)
-    names = sorted(meta["files"], key=lambda n: int(n.split("-")[1].split(".")[0]))
+    check_compatible(meta, rb, sizes, priority_exponents)
+    sources: list[Any] = [str(path / n) for n in _shard_files(meta)]  # each shard reads its file
     state = dict(meta["coordinator"])
-    tmp = None
     if not same_layout(meta["sizes"], sizes):
         # Another shard layout: re-cut the saved shards, and start the epochs afresh over the new shards.
         saved = []
-        for n in names:
+        for n in _shard_files(meta):
             with np.load(path / n) as f:
                 saved.append(dict(f))
         states = reshard(saved, (meta["sizes"]["offline"], sizes["offline"]),
                          (meta["sizes"]["online_capacity"], sizes["online_capacity"]))
-        tmp = Path(tempfile.mkdtemp(prefix=".reshard-", dir=path.parent))
-        names = []
-        for j, st in enumerate(states):
-            np.savez(tmp / f"shard-{j}.npz", **st)
-            names.append(str(tmp / f"shard-{j}.npz"))
+        sources = [ray.put(st) for st in states]
         state.pop("allocator", None)
-    backup = None
+    rb.rpc.get(rb.rpc.coord.check_state_dict.remote(state))
+    # Every shard checks its part before any shard loads one: a refused part changes no shard.
+    rb.rpc.get([s.check.remote(x) if isinstance(x, str) else s.check_state.remote(x)
+                for s, x in zip(rb.rpc.shards, sources)])
+    before = rb.rpc.get(rb.rpc.coord.checkpoint.remote(None))  # refs to each shard's state now, and the coordinator's
     try:
-        rb.rpc.get(rb.rpc.coord.check_state_dict.remote(state))
-        # Every shard checks its file before any shard loads one: a refused file changes no shard.
-        rb.rpc.get([s.check.remote(str(path / n)) for s, n in zip(rb.rpc.shards, names)])
-        backup = path.parent / f".{path.name}.before-{uuid.uuid4().hex[:8]}"
-        save(rb, backup)
-        try:
-            _apply(rb, [str(path / n) for n in names], state)
-        except BaseException as e:
-            _put_back(rb, backup, e)
-            raise
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-        if backup is not None:
-            shutil.rmtree(backup, ignore_errors=True)
+        _apply(rb, sources, state)
+    except BaseException as e:
+        _put_back(rb, before, e)
+        raise
 
 
-def _apply(rb: Any, files: list[str], state: dict[str, Any]) -> None:
-    rb.rpc.get([s.load.remote(f) for s, f in zip(rb.rpc.shards, files)])
+def _shard_files(meta: dict[str, Any]) -> list[str]:
+    """The manifest's shard files in shard order (``[<dir>/]shard-<j>.npz``)."""
+    return sorted(meta["files"], key=lambda n: int(PurePosixPath(n).name.split("-")[1].split(".")[0]))
+
+
+def _apply(rb: Any, sources: list[Any], state: dict[str, Any]) -> None:
+    """Give each shard its part (a file's path, or its state in the object store), then the coordinator its."""
+    rb.rpc.get([s.load.remote(x) if isinstance(x, str) else s.load_state.remote(x)
+                for s, x in zip(rb.rpc.shards, sources)])
     rb.rpc.get(rb.rpc.coord.resync.remote())
     rb.rpc.get(rb.rpc.coord.load_state_dict.remote(state))
 
 
-def _put_back(rb: Any, backup: Path, error: BaseException) -> None:
-    """After a restore failed halfway: the buffer as it was before it, from the save taken then."""
+def _put_back(rb: Any, before: dict[str, Any], error: BaseException) -> None:
+    """After a restore failed halfway: the buffer as it was before it, from the states kept then."""
     from rayrb.errors import BufferUnavailableError
 
     try:
-        meta = read_checkpoint(backup)
-        names = sorted(meta["files"], key=lambda n: int(n.split("-")[1].split(".")[0]))
-        _apply(rb, [str(backup / n) for n in names], meta["coordinator"])
+        _apply(rb, list(before["acks"]), before["state"])
     except BaseException as again:
         raise BufferUnavailableError(
             f"restoring the checkpoint failed halfway ({type(error).__name__}: {error}) and putting the buffer "

@@ -218,9 +218,10 @@ class OfflineToOnlineReplayBuffer(BufferClient):
     def dumps(self, path: str | os.PathLike) -> None:
         """Save the online rows, priorities and sampling state under ``path`` (TorchRL's name).
 
-        The cut is consistent: every write acknowledged before this call is in it. The
-        checkpoint is written beside ``path`` and moved into place whole, manifest last; the
-        offline dataset is not copied, the checkpoint records which one it was.
+        The cut is consistent: every write acknowledged before this call is in it. It is written into
+        ``path`` (through a link), its shard files in a directory of their own, and takes effect when its
+        manifest ``buffer.json`` replaces the previous one; only the previous checkpoint's files are removed,
+        nothing else in ``path``. The offline dataset is not copied, the checkpoint records which one it was.
 
         Args:
             path: a directory the shard actors can write (shared storage on a cluster).
@@ -231,18 +232,18 @@ class OfflineToOnlineReplayBuffer(BufferClient):
         save(self, Path(path))
 
     @gives_back
-    def loads(self, path: str | os.PathLike) -> None:
-        """Restore what ``dumps`` saved into this buffer, whole, or leave the buffer as it was.
+    def loads(self, path: str | os.PathLike, *, priority_exponents: dict[str, float] | None = None) -> None:
+        """Restore what ``dumps`` saved into this buffer, whole, or leave the buffer as it was; ``path`` is only read.
 
-        Every part is checked before any actor changes (manifest digest, files' checksums, spec,
-        sampler, dataset, layout, the coordinator's section); if applying still fails halfway, the
-        buffer is put back as it was (``docs/durability.md``). The buffer's settings stay its own: a
-        checkpoint saved under another rate limiter, or (sampling by priority) other ``alpha`` or ``eps``,
-        is refused, naming the difference. The offline fraction's schedule and step are part of the sampling
-        state the checkpoint restores, so they become the checkpoint's; ``beta`` stays the buffer's.
+        Every part is checked before any actor changes (manifest digest, files' checksums, spec, sampler, dataset,
+        layout, the coordinator's section); if applying still fails halfway, the buffer is put back as it was
+        (``docs/durability.md``). The buffer's settings stay its own: a checkpoint saved under another rate limiter,
+        or (sampling by priority) other ``alpha`` or ``eps``, is refused, naming the difference. The sampling state
+        (the offline fraction's schedule and step included) becomes the checkpoint's; ``beta`` stays the buffer's.
 
         Args:
             path: a checkpoint directory ``dumps`` wrote.
+            priority_exponents: ``{"alpha": ..., "eps": ...}`` an older checkpoint that does not record them was written with.
 
         Raises:
             ValueError: the checkpoint is damaged or does not fit this buffer: another row spec, sampler,
@@ -251,7 +252,7 @@ class OfflineToOnlineReplayBuffer(BufferClient):
         """
         from rayrb.handle.checkpoint import restore
 
-        restore(self, Path(path))
+        restore(self, Path(path), priority_exponents)
 
     dump, load = dumps, loads
 

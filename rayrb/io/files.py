@@ -50,23 +50,27 @@ def replace_dir(path: str | os.PathLike, write: Callable[[Path], Any]) -> Path:
     the old directory or the new one, never part of either, and a ``write`` that raises leaves ``path`` as it was
     and nothing beside it.
 
-    Datasets built in place and checkpoints go through here. The swap is one ``renameat2(RENAME_EXCHANGE)`` on
+    Datasets built in place go through here. The swap is one ``renameat2(RENAME_EXCHANGE)`` on
     Linux; where that is missing, the old directory is renamed aside first, so a crash between the two renames
-    leaves it beside ``path`` (``.<name>.old-*``), not lost, and a failed second rename puts it back.
+    leaves it beside ``path`` (``.<name>.old-*``), not lost, and a failed second rename puts it back. Where
+    ``path`` is a link to a directory, the directory it leads to is replaced (beside itself, on its file system)
+    and the link kept.
 
     >>> import tempfile; d = Path(tempfile.mkdtemp()) / "ds"
     >>> _ = replace_dir(d, lambda t: (t / "a").write_text("1")); _ = replace_dir(d, lambda t: (t / "b").write_text("2"))
     >>> sorted(p.name for p in d.iterdir()), sorted(p.name for p in d.parent.iterdir())
     (['b'], ['ds'])
     """
-    path = Path(path)
+    given = Path(path)
+    # Written through a link: renaming over the link itself would put a real directory in its place.
+    path = Path(os.path.realpath(given))
     path.parent.mkdir(parents=True, exist_ok=True)
     new = _beside(path, "tmp")
     new.mkdir()
     try:
         write(new)
         if _exchange(new, path):  # ``new`` now names the old directory
-            return path
+            return given
         old = None
         if path.exists():
             old = _beside(path, "old")
@@ -78,7 +82,7 @@ def replace_dir(path: str | os.PathLike, write: Callable[[Path], Any]) -> Path:
                 os.rename(old, path)
             raise
         new = old  # the old directory, removed below; None where there was none
-        return path
+        return given
     finally:
         if new is not None:
             shutil.rmtree(new, ignore_errors=True)

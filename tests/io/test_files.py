@@ -3,6 +3,9 @@ new one, never part of either, and nothing beside it. No Ray."""
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -112,3 +115,26 @@ def test_renameat2_exchange_swaps_two_directories(tmp_path):
     (a / "x").write_text("a"), (b / "y").write_text("b")
     assert files._exchange(a, b) and names(a) == ["y"] and names(b) == ["x"]
     assert not files._exchange(a, tmp_path / "absent")  # nothing to swap with: the caller renames
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "rename-aside"])
+def test_a_linked_directory_is_replaced_through_the_link_on_its_own_file_system(tmp_path, monkeypatch, exchange):
+    """The link stays a link, the directory it leads to is swapped beside itself (on /dev/shm where there is one,
+    another file system than tmp_path's), and nothing is left beside the link."""
+    if not exchange:
+        monkeypatch.setattr(files, "_RENAMEAT2", None)
+    elif files._RENAMEAT2 is None:
+        pytest.skip("no renameat2 here")
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path
+    real_parent = Path(tempfile.mkdtemp(dir=base))
+    try:
+        real = real_parent / "data"
+        replace_dir(real, lambda d: (d / "a").write_text("1"))
+        link = tmp_path / "link"
+        link.symlink_to(real)
+        assert replace_dir(link, lambda d: (d / "b").write_text("2")) == link
+        assert link.is_symlink() and os.readlink(link) == str(real)
+        assert names(real) == ["b"] and names(tmp_path) == ["link"] and names(real_parent) == ["data"]
+        assert (real / "b").stat().st_dev == real_parent.stat().st_dev
+    finally:
+        shutil.rmtree(real_parent, ignore_errors=True)
