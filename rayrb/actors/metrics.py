@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from rayrb.core.names import name_key
+
 EXPORT_EVERY = 1.0  # seconds between exports of counters to Ray's metrics
 _BOUNDARIES_MS = [0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 1000]
 
@@ -51,7 +53,7 @@ class ActorMetrics:
                 else:
                     m = metrics.Histogram(full, description=f"rayrb {self.component} {name}",
                                           boundaries=_BOUNDARIES_MS, tag_keys=tag_keys)
-                m.set_default_tags(self.tags)
+                m.set_default_tags({k: name_key(v) for k, v in self.tags.items()})  # Ray takes ASCII tags only
             except Exception:  # metrics are best-effort: never fail a data path over them
                 m = None
             self._ray[key] = m

@@ -45,6 +45,7 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from rayrb.core.names import directory_name
 from rayrb.durability.lease import FILE as LEASE
 from rayrb.durability.restarts import FILE as RESTARTS
 
@@ -58,7 +59,7 @@ ActorState = Callable[[str], "str | None"]  # an actor id -> its state in Ray's 
 
 def version_name(buffer: str, cluster: str, actor: str) -> str:
     """The file name of a version map kept in ``/dev/shm`` by coordinator ``actor`` of ``cluster``."""
-    return f"rayrb-{buffer.replace('/', '_')}-{cluster[:CLUSTER_CHARS]}-{actor}.version"
+    return f"rayrb-{directory_name(buffer)}-{cluster[:CLUSTER_CHARS]}-{actor}.version"
 
 
 def alive(pid: int) -> bool:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from rayrb.core.allocation import row_ranges, split_evenly
+from rayrb.core.names import buffer_name, directory_name
 from rayrb.core.plans import OFFLINE, ONLINE
 from rayrb.core.schedules import Schedule
 from rayrb.core.validation import ALPHA, BETA, EPS
@@ -151,6 +152,7 @@ class OfflineToOnlineReplayBuffer(BufferClient):
         local_reads: bool = True, **dataset_kwargs: Any,
     ):
         self.rpc, self._owned_dirs, self._copies = None, [], []  # until the actors run, nothing is usable or owned
+        name = buffer_name(name)  # any string: its forms for Ray's tags and the files are core.names's
         s = checked_settings(  # every option checked once, before any actor exists; trusted from here on
             offline_dataset, online_capacity=online_capacity, online_storage=online_storage,
             offline_fraction=offline_fraction, batch_size=batch_size, transform=transform,
@@ -163,7 +165,6 @@ class OfflineToOnlineReplayBuffer(BufferClient):
         dataset, self._owned_dirs, s = launch.offline_chunks(  # a sampler asked for wins over a TorchRL dataset's
             offline_dataset, s, sampler is not None or offline_sampler is not None, dataset_root, dataset_kwargs)
         self._dataset_root, self._offline_rows, self._settings = str(dataset.root), len(dataset), s
-        name = name or f"rayrb-{uuid.uuid4().hex[:12]}"
         try:
             coord, shards, read_device, layout, self._copies = _start_actors(dataset, name, s, seed=seed,
                                                                              actor_options=actor_options or {})
@@ -319,7 +320,7 @@ def _start_actors(dataset: ChunkDataset, name: str, s: BufferSettings, *, seed: 
     restart = {"max_restarts": s.max_restarts, "max_task_retries": CALL_RETRIES if s.max_restarts else 0}
     off_opts = {**restart, **opts}
     on_opts = {**restart, **opts} if storage_dir is not None else opts
-    instance = f"{name.replace('/', '_')}-{uuid.uuid4().hex[:8]}"
+    instance = f"{directory_name(name)}-{uuid.uuid4().hex[:8]}"
     started: list = []  # everything started, killed if one start fails
     try:
         # first: a cluster that cannot hold the copies refuses the buffer before any actor starts
