@@ -170,21 +170,23 @@ class Coordinator:
 
     @saved
     def plan(self, batch_size: int, num_batches: int = 1, *, stream: str | None = None, served: int | None = None,
-             call: str | None = None, slices: int = 1, waited: float = 0.0) -> GroupPlan | HeldBack:
+             call: str | None = None, slices: int = 1, waited: float = 0.0, owing: int | None = None
+             ) -> GroupPlan | HeldBack:
         """Plan a group of batches for the caller to read (``Drawing.plan``)."""
         counted = self._writing.counted()  # once: it asks Ray which pieces are acknowledged
         group = self._drawing.plan(batch_size, num_batches, sizes=self._sizes(counted), counted=counted,
                                    version=self._version.value, stream=stream, served=served, call=call,
-                                   slices=slices)
+                                   slices=slices, owing=owing)
         if not isinstance(group, HeldBack):
             self._drawing.waited("sample", waited)
         return group
 
     def plan_packed(self, request: tuple) -> str | HeldBack:
-        """``plan`` as a stream asks it: ``(batch_size, num_batches, stream, served, call, waited)`` in, the group's
-        JSON text out; Ray's cost per call is nearly half that of keywords and a pickled plan (docs/benchmarks.md)."""
-        batch_size, num_batches, stream, served, call, waited = request
-        group = self.plan(batch_size, num_batches, stream=stream, served=served, call=call, waited=waited)
+        """``plan`` as a stream asks it: ``(batch_size, num_batches, stream, served, call, waited, owing)`` in, the
+        group's JSON text out; Ray's cost per call is nearly half that of keywords and a pickled plan
+        (docs/benchmarks.md)."""
+        batch_size, num_batches, stream, served, call, waited, owing = request
+        group = self.plan(batch_size, num_batches, stream=stream, served=served, call=call, waited=waited, owing=owing)
         return group if isinstance(group, HeldBack) else group.encoded()
 
     def served(self, stream: str, number: int) -> int:
@@ -268,20 +270,18 @@ class Coordinator:
         return [s.load_state.remote(st) for s, st in zip(self._shards[side], states)]
 
     def state_dict(self) -> dict[str, Any]:
-        """The sampling state, as if the batches drawn ahead and not yet served were given back."""
+        """The sampling state, draws ahead given back, with the draws the buffer owes (``Drawing.state_dict``)."""
         return self._drawing.state_dict()
 
     def check_state_dict(self, state: dict[str, Any]) -> None:
         """Raise, naming what is wrong, unless ``load_state_dict`` would take ``state``; change nothing."""
-        self._planner.check_state_dict(state, self._sizes())
+        self._drawing.check_state_dict(state, self._sizes())
 
     @saved
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the sampling state; checked whole before anything changes."""
-        self._planner.load_state_dict(state)
-        self._changed(settings=True)
-        for side in SIDES:  # priorities may have changed under us: re-query every shard
-            self._drawing.requery_masses(side, range(len(self._shards[side])))
+        """Restore the sampling state and the draws it owes (``Drawing.load_state_dict``), or change nothing."""
+        self._drawing.load_state_dict(state)
+        self._changed()
 
     def checkpoint(self, path: str | None) -> dict[str, Any]:
         """Every shard's dump into ``path`` (its state as an object where None) and this state, at one cut."""

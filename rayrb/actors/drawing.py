@@ -16,8 +16,9 @@ import numpy as np
 
 from rayrb.core.ahead import AheadLog, GiveBack
 from rayrb.core.planner import Planner
-from rayrb.core.plans import OFFLINE, ONLINE, SIDES, BatchPlan, GroupPlan, Part, decode_group, route_priorities
+from rayrb.core.plans import OFFLINE, ONLINE, SIDES, BatchPlan, GroupPlan, Part, route_priorities
 from rayrb.core.samplers import stored_priorities
+from rayrb.core.sampling_state import checked_orphans
 from rayrb.core.validation import ALPHA, EPS, positive_int
 from rayrb.durability.replies import ReplyCache
 from rayrb.errors import DrawError, HeldBack, InvalidArgumentError
@@ -79,7 +80,7 @@ class Drawing:
     # planning -------------------------------------------------------------------
     def plan(self, batch_size: int, num_batches: int, *, sizes: Sizes, counted: np.ndarray, version: int,
              stream: str | None = None, served: int | None = None, call: str | None = None,
-             slices: int = 1) -> GroupPlan | HeldBack:
+             slices: int = 1, owing: int | None = None) -> GroupPlan | HeldBack:
         """Plan ``num_batches`` consecutive batches (or, with ``slices``, one batch cut in that many slices).
 
         The batches are exactly those of as many single calls. ``stream`` names a
@@ -88,9 +89,11 @@ class Drawing:
         the rate limiter). Without a stream, a sampler that cannot group batches
         plans one. ``served`` reports, as ``served`` does, the stream's last
         batch handed over. ``call`` names the call: made again (Ray re-sends it to a
-        restarted coordinator when the reply was lost) it gets the same plan.
+        restarted coordinator when the reply was lost) it gets the same plan. ``owing``: the
+        caller just served the batch that ended that offline epoch; it gets the epoch's
+        orphans of its batch size (``_adopt``) and nothing new, an empty group if none.
         """
-        request = (batch_size, num_batches, stream, slices)
+        request = (batch_size, num_batches, stream, slices, owing)
         again = self.replies.get(call, request)
         if again is not None:
             self._metrics.count("calls_answered_again")
@@ -102,9 +105,10 @@ class Drawing:
         batch_size = positive_int("batch_size", batch_size)
         if not 1 <= slices <= batch_size:
             raise InvalidArgumentError(f"num_slices must be in [1, batch_size={batch_size}], got {slices}")
-        if self.ahead.orphans and slices == 1:  # batches another handle drew and will never serve go first
-            adopted = self._adopt(batch_size, num_batches, stream, version)
-            if adopted is not None:
+        if owing is not None or (self.ahead.orphans and slices == 1):  # batches no handle will serve go first
+            adopted = self._adopt(batch_size, num_batches, stream, version, sizes, owing)
+            if adopted is not None or owing is not None:
+                adopted = adopted or GroupPlan([], version=version)
                 self.replies.put(call, request, adopted)
                 return adopted
         if stream is None and not self.planner.alloc.groups_batches:
@@ -159,25 +163,15 @@ class Drawing:
             group.args.append((counts, seeds, epochs, int(counted[i]) if side == ONLINE else None))
         return group
 
-    def _adopt(self, batch_size: int, k: int, stream: str | None, version: int) -> GroupPlan | None:
-        """Orphans of this batch size (``AheadLog.orphan``) as one group: the first ``k`` at most, as far as they
-        share each shard's planned write count (a group carries one per shard); None if there are none."""
-        groups = [decode_group(o[1]) for o in self.ahead.orphans if o[0] == batch_size][:k]
-        if not groups:
-            return None
-        plans, by_shard = [], {}
-        for g in groups:
-            if any(by_shard.get(key, args)[3] != args[3] for key, args in zip(g.reads, g.args)):
-                break  # planned at another write count: the next call takes it
-            plans += g.plans
-            for key, (c, s, e, w) in zip(g.reads, g.args):
-                counts, seeds, epochs, _ = by_shard.setdefault(key, ([], [], [], w))
-                counts += c
-                seeds += s
-                epochs += e
-        adopted = self.ahead.adopt(stream, batch_size, len(plans))
-        self._metrics.count("batches_adopted", len(adopted))
-        return GroupPlan(plans, list(by_shard), list(by_shard.values()), version=version, first=adopted[0][0])
+    def _adopt(self, batch_size: int, k: int, stream: str | None, version: int, sizes: Sizes,
+               owing: int | None = None) -> GroupPlan | None:
+        """Orphans of this batch size as one group (``AheadLog.adopt``), or None."""
+        group = self.ahead.adopt(stream, batch_size, k, owing=owing,
+                                 ended=lambda epoch: self.planner.epoch_ended(epoch, batch_size, sizes))
+        if group is not None:
+            group.version = version
+            self._metrics.count("batches_adopted", len(group.plans))
+        return group
 
     def served(self, stream: str, number: int) -> None:
         self.ahead.served(stream, int(number))
@@ -224,8 +218,25 @@ class Drawing:
         self.planner.unrecord_samples(self.ahead.drop_orphans())
 
     def state_dict(self) -> dict[str, Any]:
-        """The sampling state, as if the batches drawn ahead and not yet served were given back."""
-        return self.planner.state_dict(at=self.ahead.first_unserved())
+        """The sampling state, as if the batches drawn ahead and not yet served were given back, with the draws
+        the buffer owes (orphans: drawn, and no handle will serve them; the next caller of their size does)."""
+        orphans = [list(o) for o in self.ahead.orphans]
+        return {**self.planner.state_dict(at=self.ahead.first_unserved()), "orphans": orphans}
+
+    def check_state_dict(self, state: Any, sizes: Sizes | None = None) -> list[list[Any]]:
+        """Raise, naming what is wrong, unless ``load_state_dict`` takes ``state``; its orphans, checked."""
+        self.planner.check_state_dict(state, sizes)
+        return checked_orphans(state, self.planner.num_shards)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Take ``state_dict``'s state whole (checked before anything changes): the planner's, and the orphans it
+        owes in place of those owed now. Every draw made so far stands; the shards' masses are asked for again."""
+        orphans = self.check_state_dict(state)
+        self.forget()  # the orphans owed now go (a limiter the state leaves as it is stops counting them)
+        self.planner.load_state_dict(state)
+        self.ahead.orphans = orphans
+        for side in SIDES:  # priorities may have changed under us
+            self.requery_masses(side, range(len(self._shards[side])))
 
     def saved(self) -> dict[str, Any]:
         """What a restart needs (plain JSON data): the planner's state, the side views' RNG and the log of draws

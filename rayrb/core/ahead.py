@@ -39,7 +39,10 @@ from __future__ import annotations
 import enum
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any, NamedTuple
+
+from rayrb.core.plans import GroupPlan, decode_group, offline_epoch, reads_by_plan
 
 MAX_AHEAD = 512  # draws one handle may have ahead: the log keeps no more of a handle's, so no more can be given back
 MAX_HANDLES = 1024  # handles tracked at once; the oldest is forgotten past this
@@ -159,21 +162,56 @@ class AheadLog:
         [0, 1, 2]
         >>> log.orphan("it", [(8, "batch 1", 8, 2), (8, "batch 2", 8, 2)]); log.unserved("it"), log.unserved_rows()
         (0, 4)
-        >>> log.adopt("learner", 8, 5), log.adopt("learner", 8, 5), log.unserved("learner")
-        ([(3, 'batch 1'), (4, 'batch 2')], [], 2)
+        >>> len(log.orphans)  # the next caller of their size serves them (``adopt``)
+        2
         """
         self.drop(handle)
         self.orphans += [[int(b), batch, int(r), int(o)] for b, batch, r, o in batches]
 
-    def adopt(self, handle: str | None, batch_size: int, k: int) -> list[tuple[int, Any]]:
-        """Up to ``k`` orphans of ``batch_size`` rows, now drawn for ``handle`` (numbered, standing; a caller that
-        draws nothing ahead, None, serves them at once: number -1): ``(number, batch)`` pairs, oldest first."""
-        out = []
-        for o in [o for o in self.orphans if o[0] == batch_size][:k]:
+    def adopt(self, handle: str | None, batch_size: int, k: int, *, owing: int | None = None,
+              ended: Callable[[int], bool] = lambda epoch: False) -> GroupPlan | None:
+        """Up to ``k`` orphans of ``batch_size`` rows (with ``owing``, only those of offline epochs up to that one),
+        oldest first, now drawn for ``handle`` as one group (numbered, standing; a caller that draws nothing ahead,
+        None, serves them at once: number -1), as far as they share each shard's planned write count (a group
+        carries one per shard); None if there are none. The last orphan of an offline epoch that has ``ended`` (its
+        last batch was drawn, by another handle) ends the epoch in its place: a pass over it serves that one too.
+
+        >>> from rayrb.core.plans import BatchPlan, Epoch, Part
+        >>> def batch(epoch, start):
+        ...     return GroupPlan([BatchPlan([Part("offline", 0, 4)], 4, 0, 1.0)], [("offline", 0)],
+        ...                      [([4], [1], [Epoch(epoch, 7, 12, start)], None)]).encoded()
+        >>> log = AheadLog(); log.orphan("it", [(4, batch(1, 0), 4, 0), (4, batch(1, 4), 4, 0), (4, batch(2, 0), 4, 0)])
+        >>> g = log.adopt("h", 4, 8, owing=1, ended=lambda epoch: epoch == 1)
+        >>> g.first, [p.last_of_epoch for p in g.plans], len(log.orphans)
+        (0, [False, True], 1)
+        >>> log.adopt("h", 4, 8, owing=1), log.adopt(None, 4, 8).first, log.orphans
+        (None, -1, [])
+        """
+        found = []
+        for o in self.orphans:
+            if o[0] == batch_size:
+                group = decode_group(o[1])
+                epoch = offline_epoch(reads_by_plan(group)[0])
+                if owing is None or (epoch is not None and epoch <= owing):
+                    found.append((o, group, epoch))
+        plans, by_shard, taken = [], {}, []
+        for o, g, _ in found[:k]:
+            if any(by_shard.get(key, args)[3] != args[3] for key, args in zip(g.reads, g.args)):
+                break  # planned at another write count: the next call takes it
+            plans += g.plans
+            taken.append(o)
+            for key, (counts, seeds, epochs, w) in zip(g.reads, g.args):
+                into = by_shard.setdefault(key, ([], [], [], w))
+                into[0].extend(counts), into[1].extend(seeds), into[2].extend(epochs)
+        epochs = [e for _, _, e in found]
+        for j, plan in enumerate(plans):  # one plan per orphan, found[j]'s
+            if epochs[j] is not None and epochs[j] not in epochs[j + 1:]:
+                plan.last_of_epoch = plan.last_of_epoch or ended(epochs[j])
+        numbers = []
+        for o in taken:
             self.orphans.remove(o)
-            number = -1 if handle is None else self.record(handle, None, o[2], o[3])
-            out.append((number, o[1]))
-        return out
+            numbers.append(-1 if handle is None else self.record(handle, None, o[2], o[3]))
+        return GroupPlan(plans, list(by_shard), list(by_shard.values()), first=numbers[0]) if taken else None
 
     def drop_orphans(self) -> int:
         """Forget the orphans (the settings or the sampling state changed under them); their online rows."""
@@ -206,6 +244,16 @@ class AheadLog:
         self.latest = None
 
     def first_unserved(self) -> tuple | None:
-        """The snapshot before the most recent handle's oldest draw not known to be served, or None."""
-        entries = self._entries.get(self.latest) if self.latest is not None else None
-        return entries[0][1] if entries else None
+        """The snapshot before the most recent handle's oldest draw that can be rewound and is not known to be
+        served, or None. Draws of its that stand (orphans it took over) come before those and stay drawn.
+
+        >>> from rayrb.core.plans import BatchPlan, Part
+        >>> batch = GroupPlan([BatchPlan([Part("offline", 0, 8)], 8, 0, 1.0)], [("offline", 0)],
+        ...                   [([8], [1], [None], None)]).encoded()
+        >>> log = AheadLog(); log.orphan("it", [(8, batch, 8, 0)]); log.adopt("h", 8, 1).first
+        0
+        >>> log.first_unserved(), log.record("h", ("state", 1), rows=8), log.first_unserved()
+        (None, 1, ('state', 1))
+        """
+        entries = self._entries.get(self.latest, ()) if self.latest is not None else ()
+        return next((e[1] for e in entries if e[1] is not None), None)

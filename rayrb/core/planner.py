@@ -187,6 +187,11 @@ class Planner:
             return False
         return room < split_checked(batch_size, self.fraction(sizes), online)[0]
 
+    def epoch_ended(self, epoch: int, batch_size: int, sizes: Sizes) -> bool:
+        """Whether offline epoch ``epoch`` (its number) has had its last batch drawn, at ``batch_size`` rows."""
+        now = self.alloc.stats().get("epochs", {}).get(OFFLINE, 0)
+        return now > epoch or (now == epoch and self._ends_epoch(batch_size, sizes, int(sizes[ONLINE].sum())))
+
     def _shorten(self, batch_size: int, fraction: float, online: int) -> dict[str, int]:
         """The split of this batch, or, at the end of an epoch that serves short batches, of the largest
         shorter batch whose exact split fits in what each side has left."""

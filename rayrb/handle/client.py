@@ -123,7 +123,7 @@ class BufferClient:
         while True:
             held = self._sampling.loop(batch_size).next(batch_size)
             yield self.output.finish(held.batch, False)
-            if held.last:
+            if self._sampling.ends_epoch(held):
                 return
 
     @gives_back

@@ -7,17 +7,19 @@ from typing import Any
 
 import numpy as np
 
-from rayrb.core.plans import GroupPlan, provenance, reads_by_plan
+from rayrb.core.plans import GroupPlan, offline_epoch, provenance, reads_by_plan
 
 
 class Held:
-    """A batch handed over: its rows (for direct reads, ``(TensorDict, info)``), whether it ends an epoch, the
-    version it was planned at, its number; ``info()`` builds its provenance when asked for."""
+    """A batch handed over: its rows (for direct reads, ``(TensorDict, info)``), whether it ends an epoch (and
+    which: ``epoch``, the offline epoch's number), the version it was planned at, its number; ``info()`` builds its
+    provenance when asked for."""
 
-    __slots__ = ("batch", "last", "version", "number", "_plan", "_infos")
+    __slots__ = ("batch", "last", "epoch", "version", "number", "_plan", "_infos")
 
-    def __init__(self, batch: Any, last: bool, version: int, number: int, plan: Any = None, infos: Any = None):
-        self.batch, self.last, self.version, self.number = batch, last, version, number
+    def __init__(self, batch: Any, last: bool, version: int, number: int, plan: Any = None, infos: Any = None,
+                 epoch: int | None = None):
+        self.batch, self.last, self.version, self.number, self.epoch = batch, last, version, number, epoch
         self._plan, self._infos = plan, infos
 
     def info(self) -> dict[str, np.ndarray]:
@@ -133,11 +135,12 @@ class Reads:
         """Batch ``b``: each part read here into the batch's own arrays, or copied there from its shard read
         (one copy of every row, and nothing that pins a shard read's object); provenance left for ``info()``."""
         last = bool(b.plan.last_of_epoch)
+        epoch = offline_epoch(b.reads) if last else None
         if self._direct is not None:
             from rayrb.actors.transport import receive
 
             return Held(receive(b.plan, *(self._remote_part(b, i) for i in range(len(b.reads)))), last,
-                        b.version, b.number)
+                        b.version, b.number, epoch=epoch)
         rows: dict[str, np.ndarray] = {}
         infos, offset = [], 0
         for i, (side, shard, args) in enumerate(b.reads):
@@ -154,4 +157,4 @@ class Reads:
                     v[...] = part_rows[k]
             infos.append(info)
             offset += count
-        return Held(rows, last, b.version, b.number, b.plan, infos)
+        return Held(rows, last, b.version, b.number, b.plan, infos, epoch)

@@ -71,6 +71,11 @@ class Sampling:
             if stream.rpc.name == self.rpc.name and not stream.closed:
                 stream.report()
 
+    def ends_epoch(self, held: Any) -> bool:
+        """Whether the loop's batch ``held`` ends its offline epoch for a pass over it (``for batch in rb``): it is
+        the epoch's last batch drawn, and the epoch owes no orphans the loop serves next (``Stream.owes``)."""
+        return held.last and not (held.epoch is not None and self.stream.owes(held.epoch))
+
     def next_fraction(self) -> float | None:
         """The offline fraction of the loop's next batch, if it is planned (``Stream.next_fraction``)."""
         return self.stream.next_fraction() if self.stream is not None else None

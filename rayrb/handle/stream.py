@@ -46,8 +46,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from rayrb.core.ahead import GiveBack
-from rayrb.core.plans import decode_group
+from rayrb.core.ahead import MAX_AHEAD, GiveBack
+from rayrb.core.plans import GroupPlan, decode_group, offline_epoch
 from rayrb.errors import HeldBack, RowsLostError
 from rayrb.handle.policies import Ahead, Loop
 from rayrb.handle.reads import Held, Planned, Reads, orphans, planned
@@ -60,13 +60,39 @@ FIRST_PLAN = 16  # batches a stream's first plan call covers, doubling per call 
 # early (an iterator per training step, a loop that writes soon) gives back little the coordinator drew for nothing
 
 
-class _Asked:
-    """A plan call: its ref and how many batches it asked for."""
+class PlanCalls(deque):
+    """A stream's plan calls not answered yet, in order: each ``(ref, batches asked for)``."""
 
-    __slots__ = ("ref", "k")
+    def __init__(self, rpc: Any):
+        super().__init__()
+        self.rpc = rpc
 
-    def __init__(self, ref: Any, k: int):
-        self.ref, self.k = ref, k
+    @property
+    def batches(self) -> int:
+        return sum(k for _, k in self)
+
+    def ask(self, request: tuple) -> None:
+        """Send a plan call (``Coordinator.plan_packed``'s ``request``)."""
+        self.append((self.rpc.tell("plan_packed", request), request[1]))
+
+    def answered(self) -> bool:
+        """Whether the first call's answer has come back (never waits)."""
+        import ray
+
+        return bool(self) and bool(ray.wait([self[0][0]], timeout=0)[0])
+
+    def take(self) -> GroupPlan | HeldBack:
+        """The first call's answer, waited for. A refused draw (which drew nothing) is dropped with its error; a
+        wait that times out leaves the call first in line, since the coordinator may still draw it."""
+        try:
+            group = self.rpc.get(self[0][0])
+        except (TimeoutError, KeyboardInterrupt):
+            raise
+        except BaseException:
+            self.popleft()
+            raise
+        self.popleft()
+        return decode_group(group) if isinstance(group, str) else group  # plan_packed answers the group's text
 
 
 def plan_size(batch_size: int) -> int:
@@ -92,7 +118,7 @@ class Stream:
         self.direct = direct  # the shard handles a GPU actor reads directly from, or None
         self._left = limit  # batches still to hand over (an iterator's num_batches)
         self.id = uuid.uuid4().hex  # names this stream's draws at the coordinator
-        self._asked: deque[_Asked] = deque()  # plan calls not answered yet, in order
+        self._asked = PlanCalls(rpc)
         self._planned: deque[Planned] = deque()  # batches planned and not handed over, in order
         self._covered = 0  # of those, the first ones whose shard reads are submitted
         # of those, the ones with a shard read: rows held, or on their way, ahead (the rest are read here when served)
@@ -113,7 +139,7 @@ class Stream:
     @property
     def ahead(self) -> int:
         """Batches planned (or asked for) and not handed over: what a give-back returns."""
-        return len(self._planned) + sum(a.k for a in self._asked)
+        return len(self._planned) + self._asked.batches
 
     def next(self, batch_size: int | None = None) -> Held:
         """The next batch of the stream (its rows and info, whether it ends an epoch)."""
@@ -183,22 +209,17 @@ class Stream:
             return
         self._cover(min(len(self._planned), max(window, self._covered)))
 
-    def _ask(self, k: int, waited: float) -> None:
+    def _ask(self, k: int, waited: float, owing: int | None = None) -> None:
         served = self._unreported()  # what was served rides along
         # without drawing ahead nothing is held to give back: the coordinator keeps no log for this stream
         stream = self.id if self.depth else None
-        request = (self.batch_size, max(1, k), stream, served, uuid.uuid4().hex, waited)
-        self._asked.append(_Asked(self.rpc.tell("plan_packed", request), max(1, k)))
+        request = (self.batch_size, max(1, k), stream, served, uuid.uuid4().hex, waited, owing)
+        self._asked.ask(request)
         self.stats["groups"] += 1
 
     def _resolve_answered(self) -> None:
         """Take the plan answers that have come back (never waits)."""
-        import ray
-
-        while self._asked:
-            ready, _ = ray.wait([self._asked[0].ref], timeout=0)
-            if not ready:
-                return
+        while self._asked.answered():
             try:
                 if self._resolve() is not None:
                     return  # held back: the next batch asks again
@@ -206,22 +227,9 @@ class Stream:
                 return  # the error surfaces when the batch is asked for
 
     def _resolve(self) -> HeldBack | None:
-        """Turn the first plan call's answer into planned batches; the ``HeldBack`` if the limiter held it back.
-
-        A refused draw (which drew nothing) is dropped with its error; a wait that times
-        out leaves the call first in line, since the coordinator may still draw it.
-        """
-        asked = self._asked[0]
-        try:
-            group = self.rpc.get(asked.ref)
-        except (TimeoutError, KeyboardInterrupt):
-            raise
-        except BaseException:
-            self._asked.popleft()
-            raise
-        self._asked.popleft()
-        if isinstance(group, str):  # plan_packed's answer
-            group = decode_group(group)
+        """Turn the first plan call's answer into planned batches (``PlanCalls.take``); the ``HeldBack`` if the
+        limiter held it back."""
+        group = self._asked.take()
         if isinstance(group, HeldBack):
             return group
         self.rpc.answered_at(group.version)
@@ -261,6 +269,18 @@ class Stream:
             if not self._planned or version is None or self._planned[0].version < version:
                 return None
             return float(self._planned[0].plan.fraction)
+
+    def owes(self, epoch: int) -> bool:
+        """Whether offline epoch ``epoch``, whose last batch this stream just served, owes batches it serves next
+        (a pass over the epoch goes on to the one that ends it now): orphans of the epoch it took over, or that the
+        coordinator hands it now (``Drawing.plan``'s ``owing``), before what it planned beyond the epoch."""
+        with self._lock:
+            self._give_back(pace=False)  # what cannot be given back stays first
+            before = len(self._planned)
+            self._ask(MAX_AHEAD, 0.0, owing=epoch)
+            self._resolve()  # never held back: the orphans were drawn already
+            return len(self._planned) > before or any(b.plan.last_of_epoch and offline_epoch(b.reads) == epoch
+                                                      for b in self._planned)
 
     def _resize(self, batch_size: int) -> None:
         self._give_back()

@@ -90,12 +90,12 @@ def test_plan_packed_answers_plans_text_and_the_same_text_to_a_call_asked_again(
         return c
 
     packed, twin = coordinator(), coordinator()
-    text = packed.plan_packed((16, 3, "s", None, "c1", 0.0))
+    text = packed.plan_packed((16, 3, "s", None, "c1", 0.0, None))
     assert isinstance(text, str) and decode_group(text) == twin.plan(16, 3, stream="s", call="c2")
-    assert packed.plan_packed((16, 3, "s", None, "c1", 0.0)) == text  # the reply was lost: the same batches
-    assert decode_group(packed.plan_packed((16, 2, "s", 2, "c3", 0.0))) == twin.plan(16, 2, stream="s", served=2)
+    assert packed.plan_packed((16, 3, "s", None, "c1", 0.0, None)) == text  # the reply was lost: the same batches
+    assert decode_group(packed.plan_packed((16, 2, "s", 2, "c3", 0.0, None))) == twin.plan(16, 2, stream="s", served=2)
     with pytest.raises(ValueError, match="a call id names one call"):
-        packed.plan_packed((16, 4, "s", None, "c1", 0.0))
+        packed.plan_packed((16, 4, "s", None, "c1", 0.0, None))
 
 
 def test_assemble_refuses_a_wrong_part_count_and_assemble_slice_postprocesses():

@@ -1,0 +1,87 @@
+"""The draws a buffer owes: batches an iterator drew ahead without replacement, never served and handed back when
+it closed (orphans), are served by the next caller. They survive a checkpoint round trip and a coordinator
+restart, and an epoch's pass does not end while it still owes them: every row of the epoch is served once."""
+from __future__ import annotations
+
+import pytest
+import torch
+from restart_util import kill_coordinator
+from tensordict import TensorDict
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+KW = {"online_capacity": 10, "num_offline_shards": 2, "num_online_shards": 1, "seed": 5, "batch_size": 4,
+      "prefetch": 0, "sampler": "without_replacement", "offline_fraction": 1.0}
+
+
+def rows(n: int) -> TensorDict:
+    ids = torch.arange(n, dtype=torch.int64)
+    return TensorDict({"obs": ids.float()[:, None], "id": ids}, [n])
+
+
+def orphaned(rb, served: int = 2) -> list[int]:
+    """An iterator plans ahead, serves ``served`` batches, and closes after the ``sample()`` loop drew (so its
+    draws stand and it hands them back as orphans); the rows served so far."""
+    it = rb.iter_batches(prefetch=4)
+    got = [next(it)["id"] for _ in range(served)]
+    assert it.ahead > 8, it.ahead  # drawn ahead: what it will never serve
+    got.append(rb.sample()["id"])
+    it.close()
+    return torch.cat(got).tolist()
+
+
+def rest_of_epoch(rb) -> list[int]:
+    """The rows ``sample()`` serves up to the batch that ends the epoch (``for batch in rb`` would stop there)."""
+    out = []
+    for batch in rb:
+        out += batch["id"].tolist()
+        assert len(out) <= 4 * len(rb), "the epoch did not end"
+    return out
+
+
+def assert_one_epoch(served: list[int], n: int) -> None:
+    missing, twice = n - len(set(served)), len(served) - len(set(served))
+    assert missing == 0 and twice == 0, (f"the epoch ended with {missing} of its {n} rows never served and "
+                                         f"{twice} served twice")
+    assert sorted(served) == list(range(n))
+
+
+@pytest.mark.parametrize("how", ["dumps and loads", "state_dict"])
+def test_a_checkpoint_round_trip_keeps_what_a_closed_iterator_left(make_buffer, tmp_path, how):
+    rb = make_buffer(rows(1024), **KW)
+    served = orphaned(rb)
+    if how == "dumps and loads":
+        rb.dumps(tmp_path / "ckpt")
+        rb.loads(tmp_path / "ckpt")
+    else:
+        rb.load_state_dict(rb.state_dict())
+    assert_one_epoch(served + rest_of_epoch(rb), 1024)
+
+
+def test_a_twin_loading_the_checkpoint_serves_what_a_closed_iterator_left(make_buffer, tmp_path):
+    rb = make_buffer(rows(1024), **KW)
+    served = orphaned(rb)
+    rb.dumps(tmp_path / "ckpt")
+    twin = make_buffer(rows(1024), **KW)
+    twin.loads(tmp_path / "ckpt")
+    theirs, mine = rest_of_epoch(twin), rest_of_epoch(rb)
+    assert theirs == mine  # the same batches, in the same order: the saved stream goes on as the buffer's
+    assert_one_epoch(served + theirs, 1024)
+
+
+def test_a_restarted_coordinator_still_owes_what_a_closed_iterator_left(make_buffer):
+    rb = make_buffer(rows(1024), **KW)
+    served = orphaned(rb)
+    kill_coordinator(rb)
+    assert_one_epoch(served + rest_of_epoch(rb), 1024)
+
+
+def test_an_epoch_pass_serves_what_a_closed_iterator_left_before_it_ends(make_buffer):
+    rb = make_buffer(rows(256), **{**KW, "prefetch": 8})
+    it = rb.iter_batches(prefetch=4)
+    served = torch.cat([next(it)["id"] for _ in range(2)]).tolist()
+    assert it.ahead > 8, it.ahead
+    for batch in rb:  # the loop draws the rest of the epoch ahead, its last batch flagged the epoch's last
+        served += batch["id"].tolist()
+        it.close()  # after the loop drew: the iterator's draws stand and go to the next caller (twice: a no-op)
+    assert_one_epoch(served, 256)
