@@ -54,10 +54,9 @@ class OnlineShard(Shard):
         # Restarted without its files (its node was lost): its rows come from its replicas, or are lost
         self._lost = bool(self._lives.restarts) and not self._store.reopened
         if self._replication is not None:
-            # Restarted, with files or not: those it found may be older than what was acknowledged (a disk that
-            # came back), so every replica's rows are taken before any call, the newer winning (``merge``)
-            restarted = self._lives.restarts or self._lives.unsure  # unsure: merging empty replicas changes nothing
-            if restarted and self._replication.take_all(self.merge, self.shard_id):
+            # Restarted, files found or not (they may be older than what was acknowledged): the replicas' rows
+            # are taken before any call, the newer winning (``merge``); unsure: merging empty ones changes nothing
+            if (self._lives.restarts or self._lives.unsure) and self._replication.take_all(self.merge, self.shard_id):
                 self._lost = False
             every(CHECK_EVERY, "check_replicas")
         if self._lost and coordinator is not None:  # its count went back: the coordinator takes it again
@@ -125,21 +124,25 @@ class OnlineShard(Shard):
         self._sampler.on_write(slots)
         self._advance(first, first + n)  # last: this is what makes the rows visible after a restart
         if self._replication is not None:  # acknowledged once every live replica holds the rows too
-            self._replication.settle(sent, self._store.written)
+            self._replication.settle(sent, self.order())
         self._metrics.count("rows_written", int(fresh.sum()))
         self._metrics.observe("extend_ms", (time.perf_counter() - t0) * 1e3)
         return pos, gen
 
     # replicas -----------------------------------------------------------------------
-    def replicate(self, rows: Mapping[str, np.ndarray], start: int, stop: int, first: int) -> int:
-        """A piece its primary was given; this copy's write count after."""
+    def replicate(self, rows: Mapping[str, np.ndarray], start: int, stop: int, first: int) -> tuple[int, int]:
+        """A piece its primary was given; this copy's ``order()`` after."""
         self.extend(rows, start, stop, first=first)
-        return self._store.written
+        return self.order()
+
+    def order(self) -> tuple[int, int]:
+        """``(write count, restore epoch)``: a replica holds its primary's rows when both are the primary's."""
+        return self._store.written, self._store.restores
 
     def merge(self, state: Mapping[str, np.ndarray]) -> int:
         """Take, slot by slot, the newer rows of another copy of this shard (``state()`` of its primary or of a
-        replica; ``rayrb.durability.copies``); return the write count after. Taking a copy twice changes nothing.
-        Across a restore the restore epoch decides first (``copy_order``): rows from before it are not taken."""
+        replica; ``rayrb.durability.copies``), a restore epoch first (``copy_order``); the write count after.
+        Taking a copy twice changes nothing."""
         how = copy_order(self._store.restores, int(state.get("restores", 0)))
         if how != "merge":  # "keep": the other copy is rebuilt from this one
             return self.replace(state) if how == "replace" else self._store.written
@@ -161,8 +164,7 @@ class OnlineShard(Shard):
         return count
 
     def replace(self, state: Mapping[str, np.ndarray]) -> int:
-        """Take another copy's state whole, with its restore epoch (a replica rebuilt from its primary, a primary
-        whose files are from before a restore its replica took); the write count after."""
+        """Take another copy's state whole, with its restore epoch (``copy_order``); the write count after."""
         super().load_state(state)
         self._store.restores = int(state.get("restores", 0))  # last: rows without it read as the older copy
         self._lost = False
@@ -180,7 +182,7 @@ class OnlineShard(Shard):
     def check_replicas(self) -> None:
         """Between writes: replicas that restarted empty or fell behind are rebuilt (a timer sends this)."""
         if self._replication is not None:
-            self._replication.check(self._store.written)
+            self._replication.check(self.order())
 
     def _advance(self, first: int, end: int) -> None:
         written = self._store.written

@@ -84,9 +84,11 @@ class Replication:
                     sent.append((r, call))
         return sent
 
-    def settle(self, calls: list[tuple[Replica, Any]], count: int, timeout: float = WAIT) -> None:
-        """Wait (up to ``timeout`` s in all) for the live replicas' answers (their write counts); one that fails,
-        is late or counts otherwise than the primary's ``count`` is rebuilt (or waited for) while writes go on."""
+    def settle(self, calls: list[tuple[Replica, Any]], order: tuple[int, int], timeout: float = WAIT) -> None:
+        """Wait (up to ``timeout`` s in all) for the live replicas' answers (``OnlineShard.order``: write count and
+        restore epoch); one that fails, is late or answers otherwise than the primary's ``order`` is rebuilt (or
+        waited for) while writes go on. The epoch shows a replica restarted on files from before a restore, which
+        may count as many rows."""
         import ray
 
         deadline = time.monotonic() + timeout
@@ -96,17 +98,19 @@ class Replication:
                 self._late(r, call)
                 continue
             try:
-                r.count = int(ray.get(call))
+                answer = tuple(int(x) for x in ray.get(call))
             except Exception:
                 self._rebuild(r)
                 continue
-            if r.count != count:
+            r.count = answer[0]
+            if answer != tuple(order):
                 self._rebuild(r)
 
-    def check(self, count: int) -> None:
-        """Between writes: ask each live replica its count (a replica restarted empty while no write came)."""
+    def check(self, order: tuple[int, int]) -> None:
+        """Between writes: ask each live replica its count and epoch (one restarted empty, or on older files, while
+        no write came)."""
         self.poll()
-        self.settle([(r, self._actor(r).written.remote()) for r in self.replicas if r.status == LIVE], count, 5.0)
+        self.settle([(r, self._actor(r).order.remote()) for r in self.replicas if r.status == LIVE], order, 5.0)
 
     def poll(self) -> None:
         """Move replicas along: a late call that came back starts a rebuild; a finished rebuild makes the replica

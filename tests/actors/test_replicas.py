@@ -203,6 +203,34 @@ def test_a_primary_restarted_on_files_from_before_a_restore_takes_its_replica_wh
         assert written == 6 * PIECE and sorted(values.tolist()) == list(range(written))
 
 
+def test_a_replica_restarted_on_files_from_before_a_restore_that_count_as_many_rows_is_rebuilt(ray_session, pair,
+                                                                                                tmp_path):
+    """Counts cannot tell a replica's files from before a restore when they count as many rows as the primary:
+    the restore epoch in its answers does, and the primary rebuilds it."""
+    ray = ray_session
+    primary, replica, dirs = pair
+    for w in range(0, 8 * PIECE, PIECE):
+        write(ray, primary, w)
+    level(ray, primary)
+    saved = ray.get(primary.state.remote())
+    shutil.copytree(dirs[1], tmp_path / "kept")  # the replica's files, 8 pieces, from before the restore
+    saved["written"], saved["generation"][4 * PIECE:] = np.int64(4 * PIECE), 0
+    ray.get(primary.load_state.remote(saved))  # back to 4 pieces ...
+    for w in range(4 * PIECE, 8 * PIECE, PIECE):  # ... and 4 others in their place: 8 pieces again
+        ref = ray.put({"x": np.arange(w, w + PIECE, dtype=np.int64) + 10_000})
+        ray.get(primary.extend.remote(ref, 0, PIECE, first=w, forward=[ref]))
+    level(ray, primary)
+    shutil.rmtree(dirs[1])
+    shutil.copytree(tmp_path / "kept", dirs[1])
+    ray.kill(replica, no_restart=False)  # it restarts on the older files, at the primary's count
+    ray.get(replica.ping.remote())
+    level(ray, primary)
+    expected = list(range(4 * PIECE)) + list(range(10_000 + 4 * PIECE, 10_000 + 8 * PIECE))
+    for actor in (primary, replica):
+        written, _, values = copy_of(ray, actor)
+        assert written == 8 * PIECE and sorted(values.tolist()) == expected
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"online_replicas": 2}, r"expected at least online_replicas=2 alive nodes .* got 1"),
     ({"online_replicas": 2, "storage_dir": None}, r"expected a storage_dir with online_replicas=2"),
