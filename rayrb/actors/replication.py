@@ -14,11 +14,12 @@ is in one of four states:
 * ``down``: dead for good (Ray will not restart it): a rebuild is tried again every
   ``RETRY`` seconds.
 
-A replica that answers with another count than the primary's (it restarted empty, or
-missed a piece) is rebuilt: it takes the primary's snapshot whole (so a checkpoint restored
-into the primary reaches its replicas too), and a piece arriving twice changes nothing. A
-primary restarted without its files does the converse with a merge: slot by slot it keeps
-the newer row of its own and each replica's (``rayrb.durability.copies``). ``docs/durability.md`` says what a node loss takes with and without replicas.
+A replica that answers with another count or restore epoch than the primary's (it restarted
+empty or on older files, or missed a piece) is rebuilt: it takes the primary's snapshot whole
+(so a checkpoint restored into the primary reaches its replicas too), and a piece arriving
+twice changes nothing. A restarted primary, files found or not (they may be older than what
+was acknowledged), does the converse with a merge: by restore epoch, then slot by slot by
+generation, it keeps the newer of its own rows and each replica's (``rayrb.durability.copies``). ``docs/durability.md`` says what a node loss takes with and without replicas.
 """
 from __future__ import annotations
 
