@@ -5,6 +5,7 @@ without importing torch, nothing is copied into RAM until rows are gathered, and
 """
 from __future__ import annotations
 
+import mmap
 import os
 import shutil
 from collections.abc import Mapping
@@ -65,6 +66,7 @@ class ChunkDataset:
         self.chunks = [ChunkInfo(**c) for c in manifest["chunks"]]
         self.offsets = np.cumsum([0] + [c.rows for c in self.chunks])
         self._maps: dict[tuple[int, str], dict[str, np.memmap]] = {}
+        self._mapped: dict[int, list[tuple[str, mmap.mmap, int]]] = {}  # each gathered chunk's files, as mapped
 
     @classmethod
     def open(cls, root: str | os.PathLike, *, verify: bool = False) -> "ChunkDataset":
@@ -177,10 +179,22 @@ class ChunkDataset:
         return out
 
     def _plain(self, i: int) -> dict[str, np.ndarray]:
-        """Chunk ``i``'s read-only maps as plain arrays: ``np.memmap``'s own indexing costs more than small reads."""
+        """Chunk ``i``'s read-only maps as plain arrays (``np.memmap``'s own indexing costs more than small reads),
+        after checking that none of its files has become shorter than mapped since it was opened."""
         key = (i, "plain")
         if key not in self._maps:
-            self._maps[key] = {k: np.asarray(v) for k, v in self.chunk_arrays(i).items()}
+            maps = self.chunk_arrays(i)
+            # a map's base is its mmap, whose size() is its file's now (one fstat of the mapped file, ~1 us)
+            self._mapped[i] = [(k, v.base, v.nbytes) for k, v in maps.items() if isinstance(v.base, mmap.mmap)]
+            self._maps[key] = {k: np.asarray(v) for k, v in maps.items()}
+        for k, mapped, nbytes in self._mapped[i]:
+            # Reading a page past the end of a file truncated under its maps kills the process (SIGBUS): the
+            # dataset is immutable, so a file cut short is refused before any read, naming it. A cut between this
+            # check and the copy still kills the reader: no check can close that window.
+            if mapped.size() < nbytes:
+                raise ChunkError(f"chunk {self.chunks[i].path}: key {k!r} expected {nbytes} bytes, its file holds "
+                                 f"{mapped.size()}: the dataset was changed under its readers (it is immutable); "
+                                 "prepare it again")
         return self._maps[key]
 
     def __getitem__(self, index: Any):

@@ -165,3 +165,42 @@ def test_every_stored_dtype_round_trips_through_a_chunk(tmp_path, dtype):
     back = ds[np.array([2, 0])]["x"]
     assert back.numpy().dtype.name == dtype
     np.testing.assert_array_equal(back.numpy(), data["x"][[2, 0]])
+
+
+# a chunk cut short under its readers ----------------------------------------------------------------------------
+VICTIM = """
+import os, sys
+import numpy as np
+from rayrb.handle.local import OfflineReader
+from rayrb.io.chunks import ChunkDataset, ChunkError
+
+root, how = sys.argv[1], sys.argv[2]
+if how == "local":  # a handle's own read from an offline shard's chunks (rayrb.handle.local)
+    reader = OfflineReader(root, 0, 4096, "uniform")
+    out = {"X": np.empty((64, 512), np.float32)}
+    gather = lambda: reader.read([64], [7], None, None, out)
+else:
+    ds = ChunkDataset.open(root)
+    gather = lambda: ds.gather(np.arange(4096 - 64, 4096) if how == "tail" else np.array([1, 4095]))
+gather()  # mapped, pages read
+os.truncate(os.path.join(root, "chunk-00000", "X.memmap"), 4096)  # another process cuts the file
+try:
+    gather()
+except ChunkError as e:
+    print("refused:", e)
+    sys.exit(0)
+print("served")
+"""
+
+
+@pytest.mark.parametrize("how", ["local", "tail", "two_chunks"])
+def test_a_chunk_cut_short_under_a_reader_is_refused_naming_it_not_a_sigbus(tmp_path, how):
+    import subprocess
+    import sys
+
+    chunk_rows = 4096 if how != "two_chunks" else 2048
+    write_dataset({"X": np.ones((4096, 512), np.float32)}, tmp_path / "ds", chunk_rows=chunk_rows)
+    done = subprocess.run([sys.executable, "-c", VICTIM, str(tmp_path / "ds"), how], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, f"the reader died (signal {-done.returncode}): {done.stderr[-2000:]}"
+    assert "refused: chunk chunk-00000: key 'X' expected" in done.stdout and "holds 4096" in done.stdout
