@@ -26,12 +26,18 @@ from rayrb.errors import InvalidArgumentError, SchemaError
 
 
 def newer(mine: np.ndarray, theirs: np.ndarray) -> np.ndarray:
-    """Slots where the other copy holds a newer row than this one (a larger generation)."""
+    """Slots where the other copy holds a newer row than this one (a larger generation), or the same row whole
+    where this copy's is marked as being written: a crash tore it (``rayrb.durability.storage.whole``).
+
+    >>> newer(np.array([2, -2, -2, 1, -3]), np.array([2, 2, -2, 0, 2])).tolist()
+    [False, True, False, False, False]
+    """
     mine, theirs = np.asarray(mine, np.int64), np.asarray(theirs, np.int64)
     if mine.shape != theirs.shape:
         raise InvalidArgumentError(
             f"expected two copies of one shard ({mine.shape[0]} slots), got {theirs.shape[0]} slots")
-    return theirs > np.abs(mine)  # a negative generation is a row being written: its row is the absolute value's
+    # a negative generation is a row being written, or torn: the row of the absolute value's, not yet whole
+    return (theirs > np.abs(mine)) | ((mine < 0) & (theirs == -mine))
 
 
 def merged_count(generation: np.ndarray, mine: int, theirs: int) -> int:

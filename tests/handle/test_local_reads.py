@@ -184,6 +184,27 @@ def test_a_row_a_crash_left_half_written_is_never_served_and_its_write_sent_agai
     np.testing.assert_array_equal(again.gather(np.arange(16))[0]["id"], np.arange(64, 80))
 
 
+def test_a_restarted_shard_takes_the_rows_a_crash_tore_whole_from_a_copy_that_holds_them(tmp_path):
+    """The write a crash tore in the primary had reached its replica first (a primary sends each piece to its
+    replicas before it copies it): merging the replica's rows in repairs the torn slots, and the write counts."""
+    d = tmp_path / "on-0"
+    s = shard(d)
+    s.extend(rows_from(0, 64), first=0)
+    s._lives.end()
+    del s
+    writer = multiprocessing.get_context("spawn").Process(target=_torn_writer, args=(str(d),))
+    writer.start()
+    writer.join(120)
+    copy = shard(tmp_path / "on-0.r1")
+    copy.extend(rows_from(0, 80), first=0)
+    again = shard(d)
+    assert (again._gen[:16] < 0).all()
+    assert again.merge(copy.state()) == 80
+    assert (again._gen[:16] == 2).all() and again.sample_many([64], [3], None, 80) is not None
+    rows = again.gather(np.arange(64))[0]
+    assert (rows["x"][:, 0] == rows["id"]).all() and sorted(rows["id"].tolist()) == list(range(16, 80))
+
+
 def test_a_write_that_raises_between_its_per_key_copies_leaves_no_row_served_torn(tmp_path):
     """A write that fails after some keys were copied (an error, not a crash) is not acknowledged; its slots are
     torn and stay out of every read until its retry lands, as after a crash."""
