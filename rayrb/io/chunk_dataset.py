@@ -8,6 +8,7 @@ from __future__ import annotations
 import mmap
 import os
 import shutil
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -44,12 +45,17 @@ def _chunk_files(directory: str | os.PathLike, spec: RowSpec, rows: int) -> dict
         shape = (rows, *f.shape)
         want = int(np.prod(shape, dtype=np.int64)) * np.dtype(f.dtype).itemsize
         try:
-            size = path.stat().st_size
+            info = path.stat()
         except FileNotFoundError:
             if want == 0:  # a key with no bytes (a zero-width column) may have no file: nothing to map
                 out[k] = (path, shape, np.dtype(f.dtype))
                 continue
             raise ChunkError(f"chunk {directory.name}: file for key {k!r} is missing ({path})") from None
+        except OSError as e:  # a symlink loop, a chunk that is a file, a file this process may not read
+            raise ChunkError(f"chunk {directory.name}: file for key {k!r} cannot be read ({e})") from None
+        size = info.st_size
+        if not stat.S_ISREG(info.st_mode):
+            raise ChunkError(f"chunk {directory.name}: expected a file for key {k!r} at {path}, found no plain file")
         if size != want:
             raise ChunkError(f"chunk {directory.name}: key {k!r} expected {want} bytes in {path.name}, found {size}")
         out[k] = (path, shape, np.dtype(f.dtype))

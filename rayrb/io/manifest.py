@@ -66,6 +66,8 @@ def read_manifest(root: str | os.PathLike) -> dict[str, Any]:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ChunkError(f"{path}: the manifest is not valid JSON ({e}); the dataset is damaged or was not "
                          "written completely: prepare it again") from None
+    except OSError as e:  # there, but not readable by this process
+        raise ChunkError(f"{path}: the manifest cannot be read ({e})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("version") != FORMAT_VERSION:
         manifest = manifest if isinstance(manifest, dict) else {}
         raise ChunkError(
@@ -103,6 +105,7 @@ def check_manifest(manifest: dict[str, Any], where: Any = MANIFEST) -> None:
     chunks = manifest.get("chunks")
     if not isinstance(chunks, list):
         raise ChunkError(f"{where}: field chunks: expected a list of chunk entries, got {type(chunks).__name__}")
+    seen: set[tuple[str, ...]] = set()
     for i, c in enumerate(chunks):
         field = f"{where}: field chunks[{i}]"
         if not isinstance(c, dict) or not {"path", "rows", "hash"} <= set(c) <= set(_CHUNK_FIELDS):
@@ -112,12 +115,13 @@ def check_manifest(manifest: dict[str, Any], where: Any = MANIFEST) -> None:
             kind, words = _CHUNK_FIELDS[key]
             if not isinstance(value, kind) or (key == "rows" and not _count(value)):
                 raise ChunkError(f"{field}.{key}: expected {words}, got {value!r}")
-        if any(c["path"] == other["path"] for other in chunks[:i]):
-            raise ChunkError(f"{field}.path: expected each chunk once, got {c['path']!r} twice")
-        parts = Path(c["path"]).parts
+        parts = Path(c["path"]).parts  # "./a" and "a" are one chunk
         if not parts or Path(c["path"]).is_absolute() or ".." in parts or "\0" in c["path"]:
             raise ChunkError(f"{field}.path: expected a path relative to the dataset and inside it (no '..', not "
                              f"absolute), got {c['path']!r}")
+        if parts in seen:
+            raise ChunkError(f"{field}.path: expected each chunk once, got {c['path']!r} twice")
+        seen.add(parts)
 
 
 def _count(value: Any) -> bool:

@@ -67,10 +67,35 @@ def test_links_inside_the_dataset_and_a_linked_root_still_open(two, tmp_path):
     np.testing.assert_array_equal(got, np.arange(20, dtype=np.float32).reshape(10, 2))
 
 
-def test_a_chunk_listed_twice_is_refused(two):
+@pytest.mark.parametrize("again", ["chunk-00000", "./chunk-00000", "chunk-00000/"])
+def test_a_chunk_listed_twice_is_refused(two, again):
     ds, _ = two
-    rewrite(ds, lambda m: m["chunks"][1].update(path="chunk-00000", hash=m["chunks"][0]["hash"]))
+    rewrite(ds, lambda m: m["chunks"][1].update(path=again, hash=m["chunks"][0]["hash"]))
     with pytest.raises(ChunkError, match=r"chunks\[1\]\.path: expected each chunk once"):
+        ChunkDataset.open(ds)
+
+
+def _loop(chunk):
+    shutil.rmtree(chunk)
+    os.symlink(chunk.name, chunk)
+
+
+def _a_file(chunk):
+    shutil.rmtree(chunk)
+    chunk.write_text("not a chunk")
+
+
+def _a_directory(chunk):
+    os.unlink(chunk / "X.memmap")
+    os.mkdir(chunk / "X.memmap")
+
+
+@pytest.mark.parametrize("damage, words", [(_loop, "cannot be read"), (_a_file, "cannot be read"),
+                                           (_a_directory, "expected a file for key 'X'")])
+def test_a_chunk_that_is_no_directory_of_files_is_a_chunk_error(two, damage, words):
+    ds, _ = two
+    damage(ds / "chunk-00001")
+    with pytest.raises(ChunkError, match=f"chunk chunk-00001: .*{words}"):
         ChunkDataset.open(ds)
 
 
