@@ -135,6 +135,20 @@ def test_an_epoch_serves_every_row_once_and_info_indexes_the_table(shared):
     assert len(shared) == MUSHROOM_ROWS and shared.data_path.is_relative_to(shared.data_path_root)
 
 
+def test_a_shard_killed_mid_epoch_comes_back_and_the_epoch_still_serves_every_row_once(shared):
+    import ray
+
+    for _ in shared:  # to the end of whatever epoch other tests began
+        pass
+    _, info = shared.sample(return_info=True)
+    seen = [info["index"]]
+    ray.kill(shared.buffer.rpc.shards[0], no_restart=False)  # the offline shard of the table's first half
+    for _ in range(3):
+        _, info = shared.sample(return_info=True)
+        seen.append(info["index"])
+    assert torch.equal(torch.cat(seen).sort().values, torch.arange(MUSHROOM_ROWS))
+
+
 def test_collate_then_transforms_in_order_and_inverted_ones_run_their_inverse(shared):
     calls = []
     shared._collate_fn = lambda td: calls.append("collate") or td
