@@ -76,12 +76,43 @@ def test_a_restarted_coordinator_still_owes_what_a_closed_iterator_left(make_buf
     assert_one_epoch(served + rest_of_epoch(rb), 1024)
 
 
-def test_an_epoch_pass_serves_what_a_closed_iterator_left_before_it_ends(make_buffer):
-    rb = make_buffer(rows(256), **{**KW, "prefetch": 8})
+@pytest.mark.parametrize("epoch_end, loop_prefetch", [("short", 8), ("short", 0), ("drop", 8)])
+def test_an_epoch_pass_serves_what_a_closed_iterator_left_before_it_ends(make_buffer, epoch_end, loop_prefetch):
+    n = 256 if epoch_end == "short" else 258  # 64 batches of 4 (and, dropping, 2 rows the epoch drops)
+    rb = make_buffer(rows(n), **{**KW, "prefetch": loop_prefetch, "epoch_end": epoch_end})
     it = rb.iter_batches(prefetch=4)
     served = torch.cat([next(it)["id"] for _ in range(2)]).tolist()
-    assert it.ahead > 8, it.ahead
-    for batch in rb:  # the loop draws the rest of the epoch ahead, its last batch flagged the epoch's last
+    assert it.ahead == 46, it.ahead  # batches 2-47 planned, the loop draws 48-63
+    passed = 0
+    for batch in rb:  # the loop draws the rest of the epoch, the last flagged last
         served += batch["id"].tolist()
-        it.close()  # after the loop drew: the iterator's draws stand and go to the next caller (twice: a no-op)
-    assert_one_epoch(served, 256)
+        passed += 1
+        if passed == (1 if loop_prefetch else 16):  # the loop drew the epoch's last batch (ahead, or now)
+            it.close()  # the iterator's draws stand: it hands them to the next caller
+    assert len(served) == len(set(served)) == 256, f"{256 - len(set(served))} rows never served, " \
+                                                   f"{len(served) - len(set(served))} twice"
+    assert set(served) <= set(range(n))
+    assert rb.stats()["coordinator"]["batches_adopted"] == 46
+
+
+def test_a_checkpoint_whose_orphans_were_edited_is_refused_and_changes_nothing(make_buffer, tmp_path):
+    import json
+
+    from rayrb.errors import SavedStateError
+    from rayrb.handle.checkpoint import MANIFEST, manifest_digest
+
+    rb = make_buffer(rows(1024), **KW)
+    orphaned(rb)
+    rb.dumps(tmp_path / "ckpt")
+    manifest = tmp_path / "ckpt" / MANIFEST
+    meta = json.loads(manifest.read_text())
+    assert len(meta["coordinator"]["orphans"]) == 46
+    meta["coordinator"]["orphans"][5][1] = meta["coordinator"]["orphans"][5][1].replace('["offline",1]',
+                                                                                        '["offline",2]')
+    meta["digest"] = manifest_digest(meta)  # edited with care: only the orphan is wrong
+    manifest.write_text(json.dumps(meta))
+    other = make_buffer(rows(1024), **KW)
+    served = orphaned(other)  # owes orphans of its own
+    with pytest.raises(SavedStateError, match=r"\['orphans'\]\[5\].*it reads offline shard 2"):
+        other.loads(tmp_path / "ckpt")
+    assert_one_epoch(served + rest_of_epoch(other), 1024)  # still owed, and served
