@@ -5,7 +5,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import shutil
-import signal
 import time
 import uuid
 
@@ -17,7 +16,6 @@ from tensordict import TensorDict
 from rayrb.actors.lifecycle import actor_class
 from rayrb.actors.online_shard import OnlineShard
 from rayrb.core.schema import RowSpec
-from rayrb.errors import BufferUnavailableError
 from rayrb.handle.local import OfflineReader, OnlineReader
 
 WIDTH = 16
@@ -129,104 +127,6 @@ def test_no_torn_or_mislabelled_row_while_another_process_overwrites_them(tmp_pa
         stop.set()
         writer.join(30)
     assert writer.exitcode == 0
-
-
-class _Killed:
-    """A key's memory map whose next store kills its process: a crash between a write's per-key copies."""
-
-    def __setitem__(self, key, value):
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _torn_writer(directory: str) -> None:
-    s = shard(directory)
-    first, last = list(s._data)  # the keys in the order a write copies them
-    s._data[last] = _Killed()  # slots 0..15 end with the first key new and the last one old
-    s.extend(rows_from(64, 16), first=64)
-
-
-def test_a_row_a_crash_left_half_written_is_never_served_and_its_write_sent_again_lands_once(tmp_path):
-    """A shard killed between its per-key copies of a write that laps slots 0..15 leaves them torn; the restarted
-    shard and a reader of its files both serve only whole rows, and the write, sent again, repairs them once."""
-    d = tmp_path / "on-0"
-    s = shard(d)
-    s.extend(rows_from(0, 64), first=0)
-    s._lives.end()
-    del s
-    writer = multiprocessing.get_context("spawn").Process(target=_torn_writer, args=(str(d),))
-    writer.start()
-    writer.join(120)
-    assert writer.exitcode == -signal.SIGKILL
-    again = shard(d)  # the restarted shard, on the files the crash left
-    assert again.written() == 64 and (again._gen[:16] == -2).all()  # the write was not acknowledged
-    reader = OnlineReader(str(d), SPEC, 64, "uniform")
-
-    def served(seed):
-        """What each read path serves for one read (None: asked again), each row checked whole."""
-        out, got = out_for(8), []
-        for rows, info in ((out, reader.read([8], [seed], [None], 64, out)),
-                           again.sample_many([8], [seed], None, 64) or (None, None)):
-            if info is not None:
-                assert (rows["x"][:, 0] == rows["id"]).all(), f"rows {rows['id'].tolist()} served half written"
-                assert (rows["id"] % 64 == info["index"]).all() and (info["generation"] > 0).all()
-            got.append(info is not None)
-        return got
-
-    results = [served(seed) for seed in range(60)]
-    assert [True, True] in results and [False, False] in results  # rows clear of the torn slots still served
-    assert all(a == b for a, b in results)  # the two paths apply one rule
-    with pytest.raises(BufferUnavailableError, match="half written"):
-        again.gather(np.arange(4))
-    for _ in range(2):  # the write sent again (Ray re-sends it, or the writer retries it), twice: lands once
-        again.extend(rows_from(64, 16), first=64)
-    assert again.written() == 80 and (again._gen[:16] == 2).all()
-    assert all(served(seed) == [True, True] for seed in range(60))
-    np.testing.assert_array_equal(again.gather(np.arange(16))[0]["id"], np.arange(64, 80))
-
-
-def test_a_restarted_shard_takes_the_rows_a_crash_tore_whole_from_a_copy_that_holds_them(tmp_path):
-    """The write a crash tore in the primary had reached its replica first (a primary sends each piece to its
-    replicas before it copies it): merging the replica's rows in repairs the torn slots, and the write counts."""
-    d = tmp_path / "on-0"
-    s = shard(d)
-    s.extend(rows_from(0, 64), first=0)
-    s._lives.end()
-    del s
-    writer = multiprocessing.get_context("spawn").Process(target=_torn_writer, args=(str(d),))
-    writer.start()
-    writer.join(120)
-    copy = shard(tmp_path / "on-0.r1")
-    copy.extend(rows_from(0, 80), first=0)
-    again = shard(d)
-    assert (again._gen[:16] < 0).all()
-    assert again.merge(copy.state()) == 80
-    assert (again._gen[:16] == 2).all() and again.sample_many([64], [3], None, 80) is not None
-    rows = again.gather(np.arange(64))[0]
-    assert (rows["x"][:, 0] == rows["id"]).all() and sorted(rows["id"].tolist()) == list(range(16, 80))
-
-
-def test_a_write_that_raises_between_its_per_key_copies_leaves_no_row_served_torn(tmp_path):
-    """A write that fails after some keys were copied (an error, not a crash) is not acknowledged; its slots are
-    torn and stay out of every read until its retry lands, as after a crash."""
-    d, s, reader = filled(tmp_path)
-    first, last = list(s._data)
-    real = s._data[last]
-
-    class Fails:
-        def __setitem__(self, key, value):
-            raise MemoryError("no room for the last key")
-
-    s._data[last] = Fails()
-    with pytest.raises(MemoryError):
-        s.extend(rows_from(64, 16), first=64)
-    s._data[last] = real
-    for seed in range(40):
-        out = out_for(8)
-        for rows, info in ((out, reader.read([8], [seed], [None], 64, out)),
-                           s.sample_many([8], [seed], None, 64) or (None, None)):
-            assert info is None or (rows["x"][:, 0] == rows["id"]).all(), f"rows {rows['id'].tolist()} served torn"
-    s.extend(rows_from(64, 16), first=64)  # the retry
-    assert s.written() == 80 and s.sample_many([64], [1], None, 80) is not None
 
 
 def test_files_made_afresh_are_mapped_again_and_never_read_stale(tmp_path):
