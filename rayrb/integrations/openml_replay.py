@@ -231,9 +231,10 @@ class OpenMLExperienceReplay:
         """A batch (``batch_size`` rows, default the dataset's), collated, transformed and pinned as TorchRL's;
         with ``return_info``, ``(batch, info)``: ``info["index"]`` the rows' indices in the table and, sampling by
         priority, ``info["priority_weight"]``."""
+        if not return_info:  # provenance is built only when asked for
+            return self._finish(self.buffer.sample(batch_size))
         batch, info = self.buffer.sample(batch_size, return_info=True)
-        batch = self._finish(batch)
-        return (batch, self._info(info)) if return_info else batch
+        return self._finish(batch), self._info(info)
 
     def __iter__(self):
         """Batches until the epoch without replacement ends (its last batch short unless ``drop_last``), or
