@@ -39,3 +39,26 @@ def test_a_name_that_is_not_a_string_is_refused_before_any_actor(ray_session, ma
     with pytest.raises(InvalidArgumentTypeError, match="name must be a string .* got int 7"):
         make_buffer(dataset, online_capacity=8, batch_size=4, name=7)
     assert {a["name"] for a in ray_session.util.list_named_actors(all_namespaces=True)} == before
+
+
+def test_a_unicode_named_buffer_feeds_learners_over_a_gloo_group(ray_session, make_buffer, dataset):
+    ray = ray_session
+
+    @ray.remote(num_cpus=0, enable_tensor_transport=True)
+    class Learner:
+        def update(self, meta, *parts):
+            from rayrb.actors.transport import receive
+
+            td, _ = receive(meta, *parts)
+            return td["x"].shape[0]
+
+    learners = [Learner.remote() for _ in range(2)]
+    try:  # the group is named after the buffer
+        rb = make_buffer(dataset, online_capacity=8, batch_size=4, name="回放 ü", transport="gloo", timeout=120)
+        rb.extend({"x": np.full((3, 2), 7, np.float32)})
+        rb.connect_learners(learners)
+        assert sum(rb.feed("update")) == 4
+        rb.shutdown()
+    finally:
+        for learner in learners:
+            ray.kill(learner)
