@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from rayrb.core.allocation import row_ranges, split_evenly
-from rayrb.core.names import buffer_name, directory_name
+from rayrb.core.names import directory_name
 from rayrb.core.plans import OFFLINE, ONLINE
 from rayrb.core.schedules import Schedule
 from rayrb.core.validation import ALPHA, BETA, EPS
@@ -82,7 +82,8 @@ class OfflineToOnlineReplayBuffer(BufferClient):
             drops those rows and begins the next epoch at once; ``"raise"`` refuses the call.
         drop_last (bool): TorchRL's name: ``True`` is ``epoch_end="drop"``, ``False`` is ``"short"``.
         seed (int): with a fixed shard layout, the same seed gives the same batches.
-        name (str): the coordinator's actor name (default: a unique one).
+        name (str): the coordinator's actor name, any string (default: a unique one); its shards are
+            ``<name>/off-0``, ... Metric tags and state directories take an ASCII form of it (docs/guarantees.md).
         dataset_root: where in-memory offline data is written as a chunk dataset.
         actor_options (dict): extra ``.options(...)`` for the actors (default ``num_cpus=0``).
         online_replicas (int): copies of each online shard, each on another node (default 1). With 2 or
@@ -152,7 +153,6 @@ class OfflineToOnlineReplayBuffer(BufferClient):
         local_reads: bool = True, **dataset_kwargs: Any,
     ):
         self.rpc, self._owned_dirs, self._copies = None, [], []  # until the actors run, nothing is usable or owned
-        name = buffer_name(name)  # any string: its forms for Ray's tags and the files are core.names's
         s = checked_settings(  # every option checked once, before any actor exists; trusted from here on
             offline_dataset, online_capacity=online_capacity, online_storage=online_storage,
             offline_fraction=offline_fraction, batch_size=batch_size, transform=transform,
@@ -161,10 +161,11 @@ class OfflineToOnlineReplayBuffer(BufferClient):
             actor_options=actor_options, online_nodes=online_nodes, online_replicas=online_replicas, timeout=timeout,
             transport=transport, alpha=alpha, beta=beta, eps=eps, max_batch_bytes=max_batch_bytes,
             storage_dir=storage_dir, rate_limiter=rate_limiter, prefetch=prefetch, storage_device=storage_device,
-            max_restarts=max_restarts, local_reads=local_reads)
+            max_restarts=max_restarts, local_reads=local_reads, name=name)
         dataset, self._owned_dirs, s = launch.offline_chunks(  # a sampler asked for wins over a TorchRL dataset's
             offline_dataset, s, sampler is not None or offline_sampler is not None, dataset_root, dataset_kwargs)
         self._dataset_root, self._offline_rows, self._settings = str(dataset.root), len(dataset), s
+        name = s.name
         try:
             coord, shards, read_device, layout, self._copies = _start_actors(dataset, name, s, seed=seed,
                                                                              actor_options=actor_options or {})

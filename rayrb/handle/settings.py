@@ -30,6 +30,7 @@ from typing import Any
 from rayrb.actors.placement import online_nodes_option
 from rayrb.actors.transport import check_storage_device, check_transport
 from rayrb.core.allocators import epoch_end_option
+from rayrb.core.names import buffer_name
 from rayrb.core.plans import OFFLINE, ONLINE
 from rayrb.core.rate_limiter import make_rate_limiter
 from rayrb.core.samplers import sampler_class
@@ -84,6 +85,7 @@ class BufferSettings:
     prefetch: int
     online_replicas: int
     storage_dir: str | None
+    name: str  # as given: its forms for metric tags and file names are rayrb.core.names's
 
     @property
     def samplers(self) -> dict[str, str]:
@@ -111,7 +113,7 @@ def checked_settings(offline_dataset: Any, *, online_capacity: Any = None, onlin
                      alpha: Any = ALPHA, beta: Any = BETA, eps: Any = EPS,
                      max_batch_bytes: Any = DEFAULT_MAX_BATCH_BYTES, storage_dir: Any = DEFAULT_STORAGE,
                      rate_limiter: Any = None, prefetch: Any = PREFETCH, storage_device: Any = "cpu",
-                     max_restarts: Any = -1, local_reads: Any = True) -> BufferSettings:
+                     max_restarts: Any = -1, local_reads: Any = True, name: Any = None) -> BufferSettings:
     """The buffer's options checked, each once, in ``OfflineToOnlineReplayBuffer``'s order (its defaults too)."""
     m = positive_int("num_offline_shards", num_offline_shards)
     k = positive_int("num_online_shards", num_online_shards)
@@ -145,7 +147,7 @@ def checked_settings(offline_dataset: Any, *, online_capacity: Any = None, onlin
         storage_device=storage_device, rate_limiter=MappingProxyType(limiter.config()),
         limited=limiter.samples_per_insert is not None, local_reads=local_reads, timeout=timeout,
         transform=transform, max_batch_bytes=max_batch_bytes, prefetch=prefetch, online_replicas=replicas,
-        storage_dir=None if storage_dir is None else str(storage_dir), **prio)
+        storage_dir=None if storage_dir is None else str(storage_dir), name=buffer_name(name), **prio)
 
 
 def client_options(timeout: Any = "same", prefetch: Any = "same", local_reads: Any = "same") -> dict[str, Any]:

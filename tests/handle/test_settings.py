@@ -138,3 +138,10 @@ def test_a_clients_own_options_are_checked_as_the_buffers():
         client_options(local_reads="yes")
     with pytest.raises(InvalidArgumentError, match="timeout must be a finite number > 0.0, got 0"):
         client_options(timeout=0)
+
+
+def test_the_name_is_any_string_and_checked_with_the_options(chunks):
+    assert checked_settings(chunks, online_capacity=10, name="回放 ü").name == "回放 ü"
+    assert checked_settings(chunks, online_capacity=10).name.startswith("rayrb-")  # a unique one
+    with pytest.raises(InvalidArgumentTypeError, match="name must be a string .* got int 7"):
+        checked_settings(chunks, online_capacity=10, name=7)
