@@ -231,6 +231,42 @@ def test_a_replica_restarted_on_files_from_before_a_restore_that_count_as_many_r
         assert written == 8 * PIECE and sorted(values.tolist()) == expected
 
 
+def test_a_write_retried_after_the_coordinator_restarted_on_older_files_is_answered_not_applied_again(
+        ray_session, tmp_path):
+    """The coordinator of a buffer with replicas restarts on an older copy of its directory (an old disk back)
+    while its GCS copy holds the newer journal: a write retried under its id is answered from that journal."""
+    from rayrb.actors.coordinator import Coordinator
+
+    ray, tag = ray_session, uuid.uuid4().hex[:8]
+    opts = {"num_cpus": 0, "max_restarts": -1, "max_task_retries": 10}
+    shard = actor_class(OnlineShard).options(name=f"{tag}/on-0", **opts).remote(
+        SPEC, CAPACITY, f"{tag}/on-0", state_dir=str(tmp_path / "on-0"))
+    ray.get(shard.ping.remote())
+    d = tmp_path / "coordinator"
+    coord = actor_class(Coordinator).options(name=f"{tag}/coordinator", **opts).remote(
+        [], [], [f"{tag}/on-0"], [CAPACITY], offline_fraction=0.0, seed=0, state_dir=str(d), replicated=True)
+
+    def extend(i):
+        ref = ray.put({"x": np.arange(10 * i, 10 * i + 10, dtype=np.int64)})
+        _, acks = ray.get(coord.extend.remote([ref], 10, write_id=f"w{i}", digest=f"d{i}"))
+        ray.get(acks)
+
+    try:
+        extend(0)
+        shutil.copytree(d, tmp_path / "kept")  # the directory as the old disk keeps it: w0 journalled, not w1
+        extend(1)
+        shutil.rmtree(d)
+        shutil.copytree(tmp_path / "kept", d)
+        ray.kill(coord, no_restart=False)
+        extend(1)  # the writer retries: its first call's answer was lost with the coordinator
+        written, _, values = copy_of(ray, shard)
+        assert written == 20 and sorted(values.tolist()) == list(range(20))  # each row once
+    finally:
+        ray.get(coord.close.remote())
+        ray.kill(coord, no_restart=True)
+        ray.kill(shard, no_restart=True)
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"online_replicas": 2}, r"expected at least online_replicas=2 alive nodes .* got 1"),
     ({"online_replicas": 2, "storage_dir": None}, r"expected a storage_dir with online_replicas=2"),
