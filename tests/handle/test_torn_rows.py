@@ -1,16 +1,21 @@
 """Rows a crash (or an error) left half written, one key new and the others old: never served by the shard's own
 reads nor by a handle reading its files (one rule, rayrb.durability.storage.whole), and repaired by the write's
-retry or by a copy that holds them whole. No Ray: shards in this process and in one killed mid-write."""
+retry or by a copy that holds them whole: shards in this process and in one killed mid-write, and a shard actor
+that Ray restarts after it died mid-write."""
 from __future__ import annotations
 
 import multiprocessing
 import os
 import signal
+import time
+import uuid
 
 import numpy as np
 import pytest
 from test_local_reads import SPEC, filled, out_for, rows_from, shard
 
+from rayrb.actors.lifecycle import actor_class
+from rayrb.actors.online_shard import OnlineShard
 from rayrb.errors import BufferUnavailableError
 from rayrb.handle.local import OnlineReader
 
@@ -111,3 +116,48 @@ def test_a_write_that_raises_between_its_per_key_copies_leaves_no_row_served_tor
             assert info is None or (rows["x"][:, 0] == rows["id"]).all(), f"rows {rows['id'].tolist()} served torn"
     s.extend(rows_from(64, 16), first=64)  # the retry
     assert s.written() == 80 and s.sample_many([64], [1], None, 80) is not None
+
+
+class DiesMidWrite(OnlineShard):
+    """An online shard whose process is killed between the per-key copies of its next write, once told so."""
+
+    def die_in_next_write(self) -> None:
+        self._data[list(self._data)[-1]] = _Killed()
+
+
+def test_a_shard_ray_restarts_after_it_died_mid_write_serves_no_torn_row_and_takes_the_retry_once(ray_session,
+                                                                                                   tmp_path):
+    """Ray restarts the shard on the files its crash left; its reads and a handle's reads of its files serve whole
+    rows only while the write is missing, and the writer's retry (sent twice) lands once."""
+    ray = ray_session
+    d, tag = tmp_path / "on-0", uuid.uuid4().hex[:8]
+    actor = actor_class(DiesMidWrite).options(name=f"{tag}/on-0", num_cpus=0, max_restarts=-1, max_task_retries=0
+                                              ).remote(SPEC.to_json(), 64, f"{tag}/on-0", state_dir=str(d))
+    try:
+        ray.get(actor.extend.remote(rows_from(0, 64), first=0))
+        ray.get(actor.die_in_next_write.remote())
+        with pytest.raises(ray.exceptions.RayActorError):  # not re-sent by Ray here: the writer retries it
+            ray.get(actor.extend.remote(rows_from(64, 16), first=64))
+        for _ in range(600):  # until Ray has restarted it (calls are not re-sent here: refused while it restarts)
+            try:
+                ray.get(actor.ping.remote())
+                break
+            except ray.exceptions.RayActorError:
+                time.sleep(0.1)
+        reader = OnlineReader(str(d), SPEC, 64, "uniform")
+        served = 0
+        for seed in range(30):
+            out = out_for(8)
+            shard_read = ray.get(actor.sample_many.remote([8], [seed], None, 64)) or (None, None)
+            for rows, info in ((out, reader.read([8], [seed], [None], 64, out)), shard_read):
+                if info is not None:
+                    served += 1
+                    assert (rows["x"][:, 0] == rows["id"]).all(), f"rows {rows['id'].tolist()} served half written"
+        assert served > 0
+        for _ in range(2):
+            ray.get(actor.extend.remote(rows_from(64, 16), first=64))
+        rows, info = ray.get(actor.sample_many.remote([64], [1], None, 80))
+        assert ray.get(actor.written.remote()) == 80 and (rows["x"][:, 0] == rows["id"]).all()
+        assert sorted(set(ray.get(actor.state.remote())["rows/id"].tolist())) == list(range(16, 80))
+    finally:
+        ray.kill(actor, no_restart=True)
