@@ -5,6 +5,7 @@ without importing torch, nothing is copied into RAM until rows are gathered, and
 """
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import shutil
@@ -43,7 +44,7 @@ def _chunk_files(directory: str | os.PathLike, spec: RowSpec, rows: int) -> dict
         *parents, leaf = k.split(SEP)
         path = directory.joinpath(*parents, f"{leaf}.memmap")
         shape = (rows, *f.shape)
-        want = int(np.prod(shape, dtype=np.int64)) * np.dtype(f.dtype).itemsize
+        want = math.prod(shape) * np.dtype(f.dtype).itemsize  # exact: a manifest's shape may be huge, never wraps
         try:
             info = path.stat()
         except FileNotFoundError:

@@ -79,7 +79,7 @@ def read_manifest(root: str | os.PathLike) -> dict[str, Any]:
 
 
 # each chunk entry's fields: their types, and the words an error says
-_CHUNK_FIELDS = {"path": (str, "a string"), "rows": (int, "a non-negative integer"), "hash": (str, "a string"),
+_CHUNK_FIELDS = {"path": (str, "a string"), "rows": (int, "an integer in [0, 2**62]"), "hash": (str, "a string"),
                  "node": ((str, type(None)), "a node id or null"), "extra": (dict, "a mapping")}
 
 
@@ -101,7 +101,7 @@ def check_manifest(manifest: dict[str, Any], where: Any = MANIFEST) -> None:
     except SchemaError as e:
         raise ChunkError(f"{where}: field spec: {e}") from None
     if not _count(manifest.get("rows")):
-        raise ChunkError(f"{where}: field rows: expected a non-negative integer, got {manifest.get('rows')!r}")
+        raise ChunkError(f"{where}: field rows: expected an integer in [0, 2**62], got {manifest.get('rows')!r}")
     chunks = manifest.get("chunks")
     if not isinstance(chunks, list):
         raise ChunkError(f"{where}: field chunks: expected a list of chunk entries, got {type(chunks).__name__}")
@@ -122,7 +122,12 @@ def check_manifest(manifest: dict[str, Any], where: Any = MANIFEST) -> None:
         if parts in seen:
             raise ChunkError(f"{field}.path: expected each chunk once, got {c['path']!r} twice")
         seen.add(parts)
+    if sum(c["rows"] for c in chunks) > MAX_ROWS:
+        raise ChunkError(f"{where}: field chunks: expected at most 2**62 rows in all, got {sum(c['rows'] for c in chunks)}")
+
+
+MAX_ROWS = 1 << 62  # rows are counted in int64 offsets
 
 
 def _count(value: Any) -> bool:
-    return type(value) is int and value >= 0
+    return type(value) is int and 0 <= value <= MAX_ROWS
