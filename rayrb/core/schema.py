@@ -23,6 +23,7 @@ Examples:
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +40,7 @@ BOOKKEEPING_KEYS = frozenset({"index", "_weight", "priority_weight"})
 # their numpy names. Others (objects, strings, float128, a dtype spelled ">f4") could not be mapped or served.
 STORED_DTYPES = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
                  "float16", "float32", "float64", "complex64", "complex128")
+MAX_ROW_VALUES = 1 << 40
 
 def key_str(key: str | tuple[str, ...]) -> str:
     return key if isinstance(key, str) else SEP.join(key)
@@ -60,6 +62,8 @@ def field_spec(key: Any, shape: Any, dtype: Any) -> "FieldSpec":
                           f"(they name files), got {key!r}")
     if not isinstance(shape, (list, tuple)) or not all(type(s) is int and s >= 0 for s in shape):
         raise SchemaError(f"key {key!r}: expected a shape of non-negative integers, got {shape!r}")
+    if math.prod(shape) > MAX_ROW_VALUES:  # numpy could not make an array of even one such row
+        raise SchemaError(f"key {key!r}: expected at most 2**40 values in a row, got shape {list(shape)}")
     if not isinstance(dtype, str) or dtype not in STORED_DTYPES:
         raise SchemaError(f"key {key!r}: expected a dtype rayrb stores (one of {', '.join(STORED_DTYPES)}), "
                           f"got {dtype!r}")
