@@ -93,7 +93,7 @@ class Drawing:
         caller just served the batch that ended that offline epoch; it gets the epoch's
         orphans of its batch size (``_adopt``) and nothing new, an empty group if none.
         """
-        request = (batch_size, num_batches, stream, slices, owing)
+        request = (batch_size, num_batches, stream, slices) + (() if owing is None else (owing,))
         again = self.replies.get(call, request)
         if again is not None:
             self._metrics.count("calls_answered_again")

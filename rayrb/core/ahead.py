@@ -118,9 +118,10 @@ class AheadLog:
 
     def take_back(self, handle: str, count: int) -> Taken | None:
         """Remove ``handle``'s last ``count`` draws if they can be rewound: the snapshot before them and their
-        rows; else None and nothing changes (another caller drew since, or they were served)."""
+        rows; else None and nothing changes (another caller drew since, or they were served, or one of them stands:
+        an orphan taken over, which cannot be rewound with them)."""
         entries = self._entries.get(handle, [])
-        if handle != self.latest or not 0 < count <= len(entries) or entries[-count][1] is None:
+        if handle != self.latest or not 0 < count <= len(entries) or any(e[1] is None for e in entries[-count:]):
             return None
         taken = entries[-count:]
         del entries[-count:]

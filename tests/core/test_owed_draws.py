@@ -147,3 +147,16 @@ def test_a_pass_that_served_the_epochs_last_batch_gets_its_orphans_and_the_last_
     later = plan(d, "loop", 5)  # epoch 2's orphans go to the next plan call, which does not end the epoch
     assert rows(later) == rows(it2)[1:] and not any(p.last_of_epoch for p in later.plans)
     assert d.ahead.orphans == []
+
+
+def test_a_give_back_of_draws_that_include_orphans_taken_over_keeps_them_all():
+    """The loop drew four batches it can give back, then took over orphans (which stand) in its next plan call;
+    giving back everything it holds cannot rewind past the orphans: it keeps all of it, and no row is lost."""
+    d = drawing()
+    it = plan(d, "it", 4)
+    own = plan(d, "loop", 4)
+    close(d, "it", it, 1)
+    adopted = plan(d, "loop", 10)
+    assert rows(adopted) == rows(it)[1:]
+    assert d.undo("loop", len(own.plans) + len(adopted.plans)) == GiveBack.KEEP
+    assert rows(plan(d, "loop", 1)) != rows(own)[:1]  # the planner was not rewound to before the loop's own draws
