@@ -82,8 +82,7 @@ class OfflineToOnlineReplayBuffer(BufferClient):
             drops those rows and begins the next epoch at once; ``"raise"`` refuses the call.
         drop_last (bool): TorchRL's name: ``True`` is ``epoch_end="drop"``, ``False`` is ``"short"``.
         seed (int): with a fixed shard layout, the same seed gives the same batches.
-        name (str): the coordinator's actor name, any string (default: a unique one); its shards are
-            ``<name>/off-0``, ... Metric tags and state directories take an ASCII form of it (docs/guarantees.md).
+        name (str): the coordinator's actor name, any string (default: a unique one; docs/guarantees.md).
         dataset_root: where in-memory offline data is written as a chunk dataset.
         actor_options (dict): extra ``.options(...)`` for the actors (default ``num_cpus=0``).
         online_replicas (int): copies of each online shard, each on another node (default 1). With 2 or
