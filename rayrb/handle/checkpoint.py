@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Mapping
@@ -91,8 +92,8 @@ def _checkpoint_dir(path: Path) -> Path:
             ours = False
         if not ours:
             raise InvalidArgumentError(f"expected {manifest} to be a rayrb checkpoint's manifest (format "
-                                       f"{FORMAT!r}) or absent, got another file: it is left as it is; save "
-                                       "the checkpoint elsewhere, or move that file away")
+                                       f"{FORMAT!r}) or absent, got another file (or a damaged manifest): it is "
+                                       "left as it is; save the checkpoint elsewhere, or move that file away")
     return target
 
 
@@ -103,7 +104,7 @@ def _previous_files(target: Path) -> list[str]:
         names = list(meta["files"])
     except (OSError, ValueError, KeyError, TypeError):
         return []
-    return [n for n in names if _inside(n)]
+    return [n for n in names if _inside(n) and _SHARD_FILE.fullmatch(n)]  # what dumps writes, nothing else
 
 
 def _remove_files(target: Path, names: list[str]) -> None:
@@ -119,6 +120,9 @@ def _remove_files(target: Path, names: list[str]) -> None:
             d.rmdir()
         except OSError:
             pass  # not empty: something else lives there too, and stays
+
+
+_SHARD_FILE = re.compile(r"(buffer-[0-9a-f]{8}/)?shard-[0-9]+\.npz")  # the names dumps gives (versions 2-4: no dir)
 
 
 def _inside(name: Any) -> bool:

@@ -97,6 +97,27 @@ def test_dumps_refuses_a_file_or_a_foreign_buffer_json_and_touches_neither(sourc
     assert names(run) == ["buffer.json"] and (run / "buffer.json").read_text() == '{"replay": "my own settings"}'
 
 
+def test_dumps_removes_only_shard_files_a_previous_manifest_names(source, tmp_path):
+    """A manifest edited (or written by hand) to name a user's files, or files outside the checkpoint: dumps over
+    it removes none of them."""
+    from rayrb.handle.checkpoint import manifest_digest
+
+    run = tmp_path / "run"
+    source.dumps(run)
+    (run / "model.pt").write_text("weights")
+    (tmp_path / "outside.txt").write_text("mine")
+    (run / "buffer-0000abcd").mkdir()
+    (run / "buffer-0000abcd" / "notes.txt").write_text("mine too")
+    meta = json.loads((run / "buffer.json").read_text())
+    meta["files"].update({"model.pt": {}, "../outside.txt": {}, "buffer-0000abcd/notes.txt": {}})
+    meta["digest"] = manifest_digest(meta)
+    (run / "buffer.json").write_text(json.dumps(meta))
+    source.dumps(run)
+    assert (run / "model.pt").read_text() == "weights" and (tmp_path / "outside.txt").read_text() == "mine"
+    assert (run / "buffer-0000abcd" / "notes.txt").read_text() == "mine too"
+    assert len([n for n in names(run) if n.startswith("buffer-")]) == 2  # the new one, and the user's
+
+
 def test_a_version_4_checkpoint_beside_user_files_loads_and_is_replaced_without_them(make_buffer, source, tmp_path):
     """Before version 5 the shard files lay beside the manifest: they are read, and replaced by name only."""
     from rayrb.handle.checkpoint import manifest_digest
