@@ -116,3 +116,15 @@ def test_a_checkpoint_whose_orphans_were_edited_is_refused_and_changes_nothing(m
     with pytest.raises(SavedStateError, match=r"\['orphans'\]\[5\].*it reads offline shard 2"):
         other.loads(tmp_path / "ckpt")
     assert_one_epoch(served + rest_of_epoch(other), 1024)  # still owed, and served
+
+
+def test_a_give_back_while_the_loop_holds_orphans_it_took_over_loses_none(make_buffer):
+    rb = make_buffer(rows(1024), **{**KW, "prefetch": 8})
+    it = rb.iter_batches(prefetch=4)
+    served = torch.cat([next(it)["id"] for _ in range(2)]).tolist()
+    served += rb.sample()["id"].tolist()  # the loop plans 16 batches, then 32, after the iterator's 48
+    it.close()
+    served += torch.cat([rb.sample()["id"] for _ in range(16)]).tolist()  # its next plan call takes them over
+    assert rb.stats()["coordinator"]["batches_adopted"] > 0  # gives back what the loop holds: its own draws and,
+    # after them, the orphans
+    assert_one_epoch(served + rest_of_epoch(rb), 1024)
