@@ -184,8 +184,8 @@ def check_compatible(meta: dict[str, Any], rb: Any, sizes: dict[str, list[int]],
         diffs.append(f"sampler {meta['sampler']!r} vs {rb.sampler_name!r}")
     if meta["dataset_fingerprint"] != dataset_fingerprint(ChunkDataset.open(rb.dataset_root)):
         diffs.append(f"offline dataset {meta['dataset']} vs {rb.dataset_root} (different rows)")
+    saved_prio = _saved_exponents(meta, priority_exponents)  # the caller's word checked whatever the sampler
     if "prioritized" in str(rb.sampler_name):  # stored priorities are (|p| + eps)^alpha: they mean nothing under others
-        saved_prio = _saved_exponents(meta, priority_exponents)
         if saved_prio is None:
             diffs.append(f"priority exponents: a version {meta['version']} checkpoint does not record its alpha and "
                          f"eps, this buffer samples by priority with {rb.priority_options}; if it was written with "

@@ -278,3 +278,7 @@ def test_exponents_named_for_a_checkpoint_that_records_others_are_refused(make_b
     with pytest.raises(ValueError, match="contradicts the checkpoint's own record"):
         rb.loads(tmp_path / "ckpt", priority_exponents={"alpha": 0.6, "eps": 1e-8})
     rb.loads(tmp_path / "ckpt", priority_exponents={"alpha": 1.0, "eps": 1e-8})  # agreeing with it: taken
+    uniform = make_buffer(rows(0, 100), **KW)
+    uniform.dumps(tmp_path / "uniform")
+    with pytest.raises(ValueError, match="alpha must be a finite number"):  # checked whatever the sampler
+        uniform.loads(tmp_path / "uniform", priority_exponents={"alpha": "high", "eps": 1e-8})
