@@ -1,8 +1,8 @@
 """The coordinator's write part: where each write's pieces go, the journal, resumed writes and resyncs.
 
-The writer ``ray.put`` s its rows and hands the ref over; the
+The writer hands its rows over inline when small, else ``ray.put`` s them and hands the ref over; the
 ``WriteLog`` picks shards and slots, the piece list is
-journalled, and the shards are sent their pieces (each fetches its own piece from the
+journalled, and the shards are sent their pieces (by value, or each fetches its own piece from the
 ref). The protocol, end to end, is in ``docs/durability.md``.
 
 Rows count for sampling once their shard has acknowledged them: a piece sent and not
@@ -12,7 +12,7 @@ it always finds them, from whichever process it comes.
 """
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -115,11 +115,17 @@ class Writing:
         """Journal a write's ``whole`` plan under ``write_id``, then send the pieces in ``send``; their acks."""
         if self._state is not None and write_id is not None:  # before the shards get it: a restart must know
             self._state.journal(write_id, [(w.shard, w.start, w.stop, w.first) for w in whole], digest)
-        # The ref came nested in a list, so it is still unresolved: each shard fetches its piece itself (a shard
-        # with replicas is given it nested too, to pass on).
-        more = {"forward": rows_ref} if self._replicated else {}
-        return [self._shards[w.shard].extend.remote(rows_ref[0], w.start, w.stop, first=w.first, **more)
-                for w in send]
+        # A ref came nested in a list, so it is still unresolved: each shard fetches its piece itself (a shard
+        # with replicas is given it nested too, to pass on). Rows sent inline are here already: each shard is
+        # sent only its piece, by value, for itself and its replicas.
+        rows, acks = rows_ref[0], []
+        for w in send:
+            piece, start, stop = rows, w.start, w.stop
+            if isinstance(rows, Mapping):
+                piece, start, stop = {k: v[w.start:w.stop] for k, v in rows.items()}, 0, w.stop - w.start
+            more = {"forward": [piece] if isinstance(rows, Mapping) else rows_ref} if self._replicated else {}
+            acks.append(self._shards[w.shard].extend.remote(piece, start, stop, first=w.first, **more))
+        return acks
 
     def write_states(self) -> tuple[list[int], list[list[tuple[int, int]]]]:
         """Each online shard's write count, and the rows it holds beyond it (for ``WriteLog.reset``)."""

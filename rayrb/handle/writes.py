@@ -1,14 +1,27 @@
 """The handle's writes: rows into the online buffer, and priorities back to the shards that own their rows.
 
 The handle (:class:`~rayrb.handle.client.BufferClient`) hands its writes to a ``Writer``. A write is checked against the row spec before anything
-ships, put in the object store once, and placed, journalled and sent by the coordinator; it returns once every
-shard holds its piece (``docs/durability.md``).
+ships, and placed, journalled and sent by the coordinator; it returns once every shard holds its piece
+(``docs/durability.md``). A small write travels inside the coordinator's call (``INLINE_BYTES``): no object-store
+put, and the coordinator holds all of its rows before it sends any piece, so a writer that dies mid-write leaves
+it whole or not at all. A larger one is put in the object store once and each shard fetches its own piece.
+
+``extend(..., wait=False)`` hands the write to this writer's sender thread and returns a ``PendingWrite`` at once:
+the write's rows are checked and copied first (the caller may reuse its tensors), the sender keeps up to
+``max_writes_in_flight`` of them on their way, sent to the coordinator in the caller's order (so they land in that
+order), and each resolves to its indices once acknowledged, or to the error a blocking ``extend`` would raise; a
+failed one is asked again under its ``write_id`` exactly as a blocking write is, so it is kept once or changed
+nothing. The call blocks while that many are on their way (backpressure, never a dropped write).
 """
 from __future__ import annotations
 
+import collections
+import queue
+import threading
 import time
 import uuid
 from collections.abc import Mapping
+from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
@@ -19,6 +32,7 @@ from rayrb.core.schema import strip_bookkeeping
 from rayrb.core.validation import boolean, optional_str
 from rayrb.errors import (
     BufferUnavailableError,
+    HeldBack,
     InvalidArgumentError,
     InvalidArgumentTypeError,
     RowsLostError,
@@ -35,8 +49,16 @@ def _numpy(x: Any) -> np.ndarray:
 class Writer:
     """A handle's ``extend`` and ``update_priority`` (see the module; their arguments are documented there)."""
 
-    def __init__(self, rpc: Any, spec: Any):
-        self.rpc, self._spec = rpc, spec
+    def __init__(self, rpc: Any, spec: Any, max_in_flight: int = 8, ordered_one_by_one: bool = False):
+        self.rpc, self._spec, self.max_in_flight = rpc, spec, max_in_flight
+        self._slots = threading.BoundedSemaphore(max_in_flight)  # writes on their way: the caller waits for one
+        # Coordinator calls sent ahead of the answers: with a rate limiter that may hold a write back, one at a
+        # time, so that a held write is never overtaken by the next one
+        self._depth = 1 if ordered_one_by_one else max_in_flight
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending: list[PendingWrite] = []  # since the last flush
+        self._sender: threading.Thread | None = None
+        self._lock = threading.Lock()
 
     def rows(self, data: Any, what: str) -> dict[str, np.ndarray]:
         """``data`` as flat numpy arrays, checked against the row spec (``what`` names it in errors)."""
@@ -51,19 +73,83 @@ class Writer:
         self._spec.validate(arrays, what=what)
         return arrays
 
-    def extend(self, data: Any, *, write_id: str | None = None, prefill: bool = False) -> torch.Tensor:
-        """Check, ship and land the rows; their online indices once the shards hold them."""
-        import ray
-
+    def extend(self, data: Any, *, write_id: str | None = None, prefill: bool = False, wait: bool = True
+               ) -> Written:
+        """Check, ship and land the rows: their online indices once the shards hold them, or with ``wait=False``
+        a ``PendingWrite`` that resolves to them (see the module)."""
         write_id, prefill = optional_str("write_id", write_id), boolean("prefill", prefill)
+        wait = boolean("wait", wait)
         arrays = self.rows(data, "online data")
         n = next(iter(arrays.values())).shape[0]
         if n == 0:
-            return torch.empty(0, dtype=torch.int64)
+            return torch.empty(0, dtype=torch.int64) if wait else PendingWrite.resolved(write_id)
         write_id = write_id if write_id is not None else uuid.uuid4().hex
         digest = rows_digest(arrays)  # the rows the id names: a retry sends these, other rows are refused
-        ref = ray.put(arrays)  # one object; each shard copies its own contiguous piece out of it
-        return torch.from_numpy(np.array(self._land(ref, n, write_id, prefill, digest)))  # a writable copy
+        if wait and all(p.done() for p in self._pending):  # nothing on its way that this must land after
+            return _indices(self._land(_payload(arrays, copy=False), n, write_id, prefill, digest))
+        pending = self._send_later((_payload(arrays, copy=True), n, write_id, prefill, digest))
+        return pending.result() if wait else pending
+
+    def flush(self) -> None:
+        """Wait for every write ``extend(..., wait=False)`` sent since the last flush; raise the first that
+        failed (the others were each kept once or changed nothing)."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        errors = [e for e in (p.exception() for p in pending) if e is not None]
+        if errors:
+            raise errors[0]
+
+    def _send_later(self, write: tuple) -> PendingWrite:
+        """Queue ``write`` for the sender thread, once fewer than ``max_writes_in_flight`` are on their way."""
+        self._slots.acquire()  # backpressure: the caller waits here, nothing is dropped
+        pending = PendingWrite(write[2], write[1])
+        pending.add_done_callback(lambda _: self._slots.release())
+        with self._lock:
+            self._pending = [p for p in self._pending if not p.done() or p.exception() is not None] + [pending]
+            if self._sender is None or not self._sender.is_alive():
+                self._sender = threading.Thread(target=self._send_all, name="rayrb-writer", daemon=True)
+                self._sender.start()
+        self._queue.put((pending, write))
+        return pending
+
+    def _send_all(self) -> None:
+        """The sender thread: coordinator calls in the caller's order, up to ``_depth`` ahead of their answers;
+        each write resolved, oldest first, once its shards acknowledged it."""
+        sent: collections.deque = collections.deque()
+        while True:
+            if not sent:
+                sent.append(self._submit(*self._queue.get()))
+            while len(sent) < self._depth:
+                try:
+                    sent.append(self._submit(*self._queue.get_nowait()))
+                except queue.Empty:
+                    break
+            self._confirm(*sent.popleft())
+
+    def _submit(self, pending: PendingWrite, write: tuple) -> tuple[PendingWrite, tuple, Any]:
+        payload, n, write_id, prefill, digest = write
+        try:
+            ref = None if self.rpc.closed else self.rpc.tell("extend", [payload], n, write_id=write_id,
+                                                             prefill=prefill, node=node_id(), digest=digest)
+        except Exception:  # asked again in _confirm, which raises what a blocking write would
+            ref = None
+        return pending, write, ref
+
+    def _confirm(self, pending: PendingWrite, write: tuple, ref: Any) -> None:
+        """Resolve ``pending`` once its shards acknowledged it; anything else (held back, an actor dead, a
+        refusal) asks again as a blocking write does, under the same write id: kept once, or nothing changed."""
+        try:
+            out = self.rpc.get(ref) if ref is not None else None
+            if out is not None and not isinstance(out, HeldBack):
+                self.rpc.get(out[1])
+                pending.set_result(_indices(out[0]))
+                return
+        except Exception:
+            pass
+        try:
+            pending.set_result(_indices(self._land(*write)))
+        except BaseException as e:
+            pending.set_exception(e)
 
     def _land(self, ref: Any, n: int, write_id: str, prefill: bool, digest: str) -> Any:
         """The coordinator's indices for the write of ``ref`` once the shards hold it, asked again under its id
@@ -116,6 +202,40 @@ class Writer:
             _numpy(priority).reshape(-1)))
         self.rpc.get(acks)
         return int(n)
+
+
+class PendingWrite(Future):
+    """A write ``extend(..., wait=False)`` sent: ``result(timeout=None)`` is its indices (int64) once every shard
+    holds its rows, or raises what a blocking ``extend`` would have; ``write_id`` names it for a retry."""
+
+    def __init__(self, write_id: str | None, rows: int):
+        super().__init__()
+        self.write_id, self.rows = write_id, rows
+
+    @classmethod
+    def resolved(cls, write_id: str | None) -> PendingWrite:
+        pending = cls(write_id, 0)
+        pending.set_result(torch.empty(0, dtype=torch.int64))
+        return pending
+
+
+Written = torch.Tensor | PendingWrite  # what extend returns: the indices, or with wait=False a PendingWrite
+
+INLINE_BYTES = 1 << 20  # writes up to this size travel inside the coordinator's call, not through a put
+
+
+def _payload(arrays: dict[str, np.ndarray], copy: bool) -> Any:
+    """What the coordinator is sent for the rows: the arrays themselves when small (copied when the caller may
+    change them before they are sent), else one object-store ref to them, which each shard reads its piece of."""
+    import ray
+
+    if sum(a.nbytes for a in arrays.values()) > INLINE_BYTES:
+        return ray.put(arrays)
+    return {k: np.array(v) for k, v in arrays.items()} if copy else arrays
+
+
+def _indices(indices: Any) -> torch.Tensor:
+    return torch.from_numpy(np.array(indices))  # a writable copy
 
 
 MAX_ASKS = 100  # times extend() asks again a coordinator that keeps dying before its acknowledgements are read
