@@ -20,8 +20,6 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-import torch
-
 from rayrb.core.plans import OFFLINE, ONLINE
 from rayrb.core.schedules import Schedule, make_schedule
 from rayrb.core.schema import RowSpec
@@ -35,9 +33,10 @@ from rayrb.handle.output import Output
 from rayrb.handle.rpc import Rpc, node_id
 from rayrb.handle.sampling import BatchIterator, Sampling
 from rayrb.handle.views import SideView
-from rayrb.handle.writes import Writer
+from rayrb.handle.writes import Writer, Written
 
 PREFETCH = 32  # batches a plain sample() loop may draw ahead (rayrb.handle.stream)
+MAX_WRITES_IN_FLIGHT = 8  # writes extend(..., wait=False) keeps on their way per handle
 
 
 def gives_back(method):
@@ -57,19 +56,18 @@ class BufferClient:
                  transform: Any, timeout: float | None, max_batch_bytes: int, prefetch: int = PREFETCH,
                  storage_device: str = "cpu", num_offline: int = 1, transport: str = "object_store",
                  read_device: str | None = "cpu", layout: list | None = None, local_reads: bool = True,
-                 limited: bool = False):
+                 limited: bool = False, max_writes_in_flight: int = MAX_WRITES_IN_FLIGHT):
         self.rpc = Rpc(coord, shards, num_offline, name=name, timeout=timeout)
         self.output = Output(spec, batch_size, transform, max_batch_bytes)
         self._spec, self._name = spec, name
         self._sampling = Sampling(self.rpc, spec, prefetch=prefetch, layout=layout,  # checked by the owner
                                   local_reads=local_reads, limited=limited, storage_device=storage_device)
-        self._writer = Writer(self.rpc, spec)
+        self._writer = Writer(self.rpc, spec, max_writes_in_flight, ordered_one_by_one=limited)
         self._learners = Learners(self.rpc, self.output, name, transport, read_device)
 
     # writing ------------------------------------------------------------------
     @gives_back
-    def extend(self, data: Any, *, write_id: str | None = None, prefill: bool = False, wait: bool = True
-               ) -> torch.Tensor:
+    def extend(self, data: Any, *, write_id: str | None = None, prefill: bool = False, wait: bool = True) -> Written:
         """Copy rows into the online buffer; their global online indices (int64, in order) once the shards hold
         them. From then on the rows are in the buffer until capacity evicts them, whatever happens to the caller.
         With a rate limiter, a write that runs ahead of the learners waits, up to ``timeout``.
@@ -80,10 +78,14 @@ class BufferClient:
             write_id: names the write (made up when not given); a retry with the same id and rows is applied
                 once and returns the same indices; other rows under a used id are refused (``WriteIdError``).
                 ``WriteTimeoutError`` (no answer within ``timeout``) carries it: a retry with it lands once.
-            prefill: write past the rate limiter, to seed the online side.
-            wait: accepted for older callers; every write waits for the shards' copies.
+            prefill: write past the rate limiter, to seed the online side; wait: ``False`` returns at once a
+                ``PendingWrite``, a ``Future`` of the indices (``rayrb.handle.writes``); ``flush()`` waits for them.
         """
-        return self._writer.extend(data, write_id=write_id, prefill=prefill)
+        return self._writer.extend(data, write_id=write_id, prefill=prefill, wait=wait)
+
+    def flush(self) -> None:
+        """Wait for every ``extend(..., wait=False)`` since the last flush; raise the first that failed."""
+        self._writer.flush()
 
     def add(self, data: Any) -> int:
         """Add one row (no batch dimension), as ``extend`` takes rows; return its global online index."""
@@ -250,8 +252,7 @@ class BufferClient:
 
     # introspection --------------------------------------------------------------
     def __len__(self) -> int:
-        sizes = self.sizes()
-        return int(sum(sizes["offline"]) + sum(sizes["online"]))
+        return int(sum(sum(self.sizes()[side]) for side in (OFFLINE, ONLINE)))
 
     @property
     def write_count(self) -> int:
@@ -296,8 +297,8 @@ class BufferClient:
                 "max_batch_bytes": self.output.max_batch_bytes, "prefetch": self._sampling.prefetch,
                 "storage_device": self.storage_device, "num_offline": len(self.rpc.by_side[OFFLINE]),
                 "transport": self._learners.transport, "read_device": self._learners.read_device,
-                "layout": self._sampling.layout,
-                "local_reads": self._sampling.local_enabled, "limited": self._sampling.limited}
+                "layout": self._sampling.layout, "local_reads": self._sampling.local_enabled,
+                "limited": self._sampling.limited, "max_writes_in_flight": self._writer.max_in_flight}
 
 
 def _client(args: dict[str, Any]) -> BufferClient:

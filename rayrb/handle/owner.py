@@ -187,18 +187,18 @@ class OfflineToOnlineReplayBuffer(BufferClient):
             raise
 
     def client(self, *, timeout: float | None | str = "same", prefetch: int | str = "same",
-               local_reads: bool | str = "same") -> BufferClient:
-        """A handle for collectors and learners: it writes and samples, but cannot shut the buffer down.
+               local_reads: bool | str = "same", max_writes_in_flight: int | str = "same") -> BufferClient:
+        """A picklable ``BufferClient`` for collectors and learners: it writes and samples, but cannot shut the
+        buffer down.
 
         Args:
             timeout: bounds this handle's waits (default: the buffer's).
             prefetch: how far its plain ``sample()`` loop may draw ahead (default: the buffer's).
             local_reads: whether it gathers the rows of shards on its node itself (default: the buffer's).
-
-        Returns:
-            A picklable ``BufferClient``.
+            max_writes_in_flight: its ``extend(..., wait=False)`` writes on their way at once (default 8).
         """
-        return BufferClient(**{**self._client_args(), **client_options(timeout, prefetch, local_reads)})
+        options = client_options(timeout, prefetch, local_reads, max_writes_in_flight)
+        return BufferClient(**{**self._client_args(), **options})
 
     def preprocess(self, fn: Callable, dest: str | os.PathLike, **kwargs: Any) -> ChunkDataset:
         """Map the offline dataset through ``fn`` with Ray tasks (see ``rayrb.preprocess``).

@@ -53,7 +53,8 @@ DEFAULT_MAX_BATCH_BYTES = 8 << 30
 # The options a client may set for itself (client_options), checked the one way the buffer's are
 CLIENT_CHECKS: dict[str, Callable[[Any], Any]] = {
     "timeout": check_timeout, "prefetch": lambda v: non_negative_int("prefetch", v),
-    "local_reads": lambda v: boolean("local_reads", v)}
+    "local_reads": lambda v: boolean("local_reads", v),
+    "max_writes_in_flight": lambda v: positive_int("max_writes_in_flight", v)}
 DEFAULT_STORAGE = os.path.join(tempfile.gettempdir(), "rayrb-state")
 
 
@@ -150,10 +151,12 @@ def checked_settings(offline_dataset: Any, *, online_capacity: Any = None, onlin
         storage_dir=None if storage_dir is None else str(storage_dir), name=buffer_name(name), **prio)
 
 
-def client_options(timeout: Any = "same", prefetch: Any = "same", local_reads: Any = "same") -> dict[str, Any]:
-    """A client's own ``timeout``, ``prefetch`` and ``local_reads``, checked as ``checked_settings`` checks the
-    buffer's; those left ``"same"`` (the buffer's) are left out."""
-    given = {"timeout": timeout, "prefetch": prefetch, "local_reads": local_reads}
+def client_options(timeout: Any = "same", prefetch: Any = "same", local_reads: Any = "same",
+                   max_writes_in_flight: Any = "same") -> dict[str, Any]:
+    """A client's own ``timeout``, ``prefetch``, ``local_reads`` and ``max_writes_in_flight``, checked as
+    ``checked_settings`` checks the buffer's; those left ``"same"`` (the buffer's) are left out."""
+    given = {"timeout": timeout, "prefetch": prefetch, "local_reads": local_reads,
+             "max_writes_in_flight": max_writes_in_flight}
     return {key: CLIENT_CHECKS[key](value) for key, value in given.items()
             if not (isinstance(value, str) and value == "same")}
 
