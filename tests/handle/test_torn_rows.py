@@ -34,10 +34,8 @@ def _torn_writer(directory: str) -> None:
     s.extend(rows_from(64, 16), first=64)
 
 
-def test_a_row_a_crash_left_half_written_is_never_served_and_its_write_sent_again_lands_once(tmp_path):
-    """A shard killed between its per-key copies of a write that laps slots 0..15 leaves them torn; the restarted
-    shard and a reader of its files both serve only whole rows, and the write, sent again, repairs them once."""
-    d = tmp_path / "on-0"
+def _crash_mid_write(d) -> None:
+    """64 rows in the shard at ``d``, then a process killed between the per-key copies of a write over 0..15."""
     s = shard(d)
     s.extend(rows_from(0, 64), first=0)
     s._lives.end()
@@ -46,6 +44,13 @@ def test_a_row_a_crash_left_half_written_is_never_served_and_its_write_sent_agai
     writer.start()
     writer.join(120)
     assert writer.exitcode == -signal.SIGKILL
+
+
+def test_a_row_a_crash_left_half_written_is_never_served_and_its_write_sent_again_lands_once(tmp_path):
+    """A shard killed between its per-key copies of a write that laps slots 0..15 leaves them torn; the restarted
+    shard and a reader of its files both serve only whole rows, and the write, sent again, repairs them once."""
+    d = tmp_path / "on-0"
+    _crash_mid_write(d)
     again = shard(d)  # the restarted shard, on the files the crash left
     assert again.written() == 64 and (again._gen[:16] == -2).all()  # the write was not acknowledged
     reader = OnlineReader(str(d), SPEC, 64, "uniform")
@@ -77,13 +82,7 @@ def test_a_restarted_shard_takes_the_rows_a_crash_tore_whole_from_a_copy_that_ho
     """The write a crash tore in the primary had reached its replica first (a primary sends each piece to its
     replicas before it copies it): merging the replica's rows in repairs the torn slots, and the write counts."""
     d = tmp_path / "on-0"
-    s = shard(d)
-    s.extend(rows_from(0, 64), first=0)
-    s._lives.end()
-    del s
-    writer = multiprocessing.get_context("spawn").Process(target=_torn_writer, args=(str(d),))
-    writer.start()
-    writer.join(120)
+    _crash_mid_write(d)
     copy = shard(tmp_path / "on-0.r1")
     copy.extend(rows_from(0, 80), first=0)
     again = shard(d)
