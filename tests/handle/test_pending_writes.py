@@ -74,14 +74,20 @@ def test_max_writes_in_flight_is_checked_once(buffer):
         rb.client(max_writes_in_flight=0)
 
 
-def test_a_shard_killed_with_writes_on_their_way_keeps_each_acknowledged_write_once(buffer, ray_session):
-    ray = ray_session
-    rb = buffer()
+def _thirty_writes_killing(ray, rb, actor) -> list:
+    """30 writes of 16 rows sent without waiting, ``actor`` killed (Ray restarts it) after the eleventh."""
     pending = []
     for i in range(30):
         pending.append(rb.extend(rows(16 * i, 16), wait=False))
         if i == 10:
-            ray.kill(rb.rpc.by_side["online"][0], no_restart=False)
+            ray.kill(actor, no_restart=False)
+    return pending
+
+
+def test_a_shard_killed_with_writes_on_their_way_keeps_each_acknowledged_write_once(buffer, ray_session):
+    ray = ray_session
+    rb = buffer()
+    pending = _thirty_writes_killing(ray, rb, rb.rpc.by_side["online"][0])
     for p in pending:
         p.exception()
     kept = [p for p in pending if p.exception() is None]
@@ -95,11 +101,7 @@ def test_a_shard_killed_with_writes_on_their_way_keeps_each_acknowledged_write_o
 def test_the_coordinator_killed_with_writes_on_their_way_keeps_each_write_once(buffer, ray_session):
     ray = ray_session
     rb = buffer()
-    pending = []
-    for i in range(30):
-        pending.append(rb.extend(rows(16 * i, 16), wait=False))
-        if i == 10:
-            ray.kill(rb.rpc.coord, no_restart=False)
+    pending = _thirty_writes_killing(ray, rb, rb.rpc.coord)
     rb.flush()  # each write asked again under its id: answered from the journal or sent anew, once
     got = torch.cat([p.result() for p in pending])
     assert len(set(got.tolist())) == 480 and rb.write_count == 480  # each write once
