@@ -169,14 +169,16 @@ class Shard:
         """
         import torch
 
-        behind = {"behind": torch.zeros(1, device=self._table.device if self._table is not None else "cpu")}
+        def behind() -> dict:  # made only when a read must be asked again, not on every read
+            return {"behind": torch.zeros(1, device=self._table.device if self._table is not None else "cpu")}
+
         if self._behind(written):
-            return behind
+            return behind()
         t0 = time.perf_counter()
         idx = self._indices(counts, seeds, epochs, written)  # the rows there were at the plan, as sample_many
         gen = self._whole(idx)
         if gen is None:
-            return behind  # a row left torn by a crash: asked again, as sample_many
+            return behind()  # a row left torn by a crash: asked again, as sample_many
         rows = self._gather_tensors(idx)
         target = torch.device(device) if device is not None else next(iter(rows.values())).device
         out = {f"rows/{k}": v.to(target, non_blocking=True) for k, v in rows.items()}
