@@ -93,6 +93,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ray-config", default=None, type=json.loads,
                    help='Ray system settings (JSON) for the instance this starts, e.g. '
                         '\'{"max_direct_call_object_size": 1048576}\'; recorded in the results')
+    p.add_argument("--gpu-config", default=None, type=json.loads,
+                   help='overrides of the gpu section\'s sizes (JSON), e.g. \'{"shards": [1, 2], "repeats": 2}\'')
     p.add_argument("--baseline", default=None,
                    help="a checkout of an older rayrb: the cluster section runs again on it, side by side")
     return p.parse_args(argv)
@@ -102,6 +104,11 @@ def config(args: argparse.Namespace) -> dict:
     """The mode's sizes with the command line's overrides: stored in results.json as ``config``."""
     cfg = dict(SIZES["smoke" if args.smoke else "full"])
     cfg["gpu"] = dict(GPU_SMOKE if args.smoke else GPU)
+    if args.gpu_config:
+        unknown = set(args.gpu_config) - set(cfg["gpu"])
+        if unknown:
+            raise ValueError(f"--gpu-config takes keys of {sorted(cfg['gpu'])}; got {sorted(unknown)}")
+        cfg["gpu"].update(args.gpu_config)
     if args.batch_sizes:
         cfg["batch_sizes"] = [int(b) for b in args.batch_sizes.split(",")]
     if args.repeats:
