@@ -1,6 +1,7 @@
 """One local Ray per test session; paths to the offline OpenML cache."""
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 from pathlib import Path
@@ -50,10 +51,11 @@ def make_buffer(tmp_path):
     """Builds buffers whose files stay under this test's tmp_path; shuts every one down afterwards."""
     from rayrb import OfflineToOnlineReplayBuffer
 
-    made = []
+    made, tried = [], itertools.count()
 
     def make(*args, **kwargs):
-        kwargs.setdefault("dataset_root", tmp_path / f"ds{len(made)}")
+        # a directory per call, not per buffer made: a construction that fails may have written its dataset
+        kwargs.setdefault("dataset_root", tmp_path / f"ds{next(tried)}")
         kwargs.setdefault("storage_dir", tmp_path / "state")
         rb = OfflineToOnlineReplayBuffer(*args, **kwargs)
         made.append(rb)
