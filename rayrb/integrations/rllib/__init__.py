@@ -3,6 +3,7 @@
 - ``OfflineToOnlineEpisodeReplayBuffer`` / ``PrioritizedOfflineToOnlineEpisodeReplayBuffer``: a rayrb buffer as
   the replay buffer of RLlib's DQN and SAC (``buffer``), with ``EnvRunnerWriter`` so that env runners write into
   it themselves (``writer``);
+- ``SACConfig``: RLlib's ``SACConfig`` taking such a buffer by class path, as ``DQNConfig`` does (``sac``);
 - ``write_episodes``, ``episode_rows``, ``n_step_transitions``, ``one_step_columns``: episodes to rows and back
   (``transitions``, numpy only);
 - ``ChunkOfflineData``: RLlib's offline API (BC) reading those rows through rayrb's Ray Data source (``offline``);
@@ -38,6 +39,7 @@ _LAZY = {
     "PrioritizedOfflineToOnlineEpisodeReplayBuffer": "rayrb.integrations.rllib.buffer",
     "EnvRunnerWriter": "rayrb.integrations.rllib.writer",
     "ChunkOfflineData": "rayrb.integrations.rllib.offline",
+    "SACConfig": "rayrb.integrations.rllib.sac",
 }
 
 __all__ = sorted(["DQN_COLUMNS", "UpdateResult", "batch_refs", "td_errors", "to_multi_agent_batch", "update", "KEYS",
