@@ -6,7 +6,8 @@ RLlib's off-policy algorithms take an ``EpisodeReplayBuffer`` subclass by its cl
         "type": "rayrb.integrations.rllib.OfflineToOnlineEpisodeReplayBuffer",
         "capacity": 50_000, "offline_dataset": "/data/cartpole_log", "offline_fraction": 0.5})
 
-(a class path, not the class: RLlib's ``Algorithm`` tests the type's name for "EpisodeReplayBuffer").
+(a class path, not the class: RLlib's ``Algorithm`` tests the type's name for "EpisodeReplayBuffer"). SAC takes
+it from ``rayrb.integrations.rllib.SACConfig`` (``sac``): RLlib's own ``SACConfig`` accepts only its buffers' names.
 ``add`` turns episode chunks into rows (``transitions``) and writes them to the online side; ``sample``
 draws a batch with the exact offline/online split and answers with the 1-step episodes RLlib's
 ``EpisodeReplayBuffer._sample_episodes`` builds: the same n-step return, next observation, flags,
