@@ -5,7 +5,8 @@ too. ``openml`` is rayrb's own loader (TorchRL's recipes, written as chunks); it
 accepts ``batch_size`` and ignores it, since TorchRL's loaders take it. TorchRL's
 other prefixes (``d4rl``, ``minari``, ``atari``, ...) route to TorchRL's dataset
 classes, imported when used, as TorchRL's registry does; a buffer copies the rows
-such a dataset holds into chunks. A factory may be a callable or a
+such a dataset holds into chunks. A ``minari`` id Minari holds locally is read by Minari
+first (``rayrb.io.datasets.minari_local``), in the same rows. A factory may be a callable or a
 ``"module:attribute"`` string resolved when the prefix is used.
 
 Examples:
@@ -128,7 +129,7 @@ for _prefix, _factory_name in {  # TorchRL's other loaders, as its registry name
     "d4rl": "torchrl.data.datasets.d4rl:D4RLExperienceReplay",
     "gen_dgrl": "torchrl.data.datasets.gen_dgrl:GenDGRLExperienceReplay",
     "lerobot": "torchrl.data.datasets.lerobot:LeRobotExperienceReplay",
-    "minari": "torchrl.data.datasets.minari_data:MinariExperienceReplay",
+    "minari": "rayrb.io.datasets.minari_local:load_minari",  # Minari's local datasets first
     "openx": "torchrl.data.datasets.openx:OpenXExperienceReplay",
     "roboset": "torchrl.data.datasets.roboset:RobosetExperienceReplay",
     "vd4rl": "torchrl.data.datasets.vd4rl:VD4RLExperienceReplay",
