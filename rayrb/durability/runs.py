@@ -36,6 +36,32 @@ def held_runs(generation: np.ndarray, written: int) -> list[tuple[int, int]]:
     return [(int(r[0]), int(r[-1]) + 1) for r in np.split(rows, cuts) if r.size]
 
 
+def advance(held: dict[int, int], written: int, first: int, end: int) -> int:
+    """A shard's write count after rows ``[first, end)`` landed, given the runs ``held`` beyond it (first row ->
+    end, updated in place): the count moves over contiguous rows only, so a restart still finds every write that
+    completed; a write past the count is held until the rows before it land.
+
+    >>> held = {}
+    >>> advance(held, 0, 5, 8), held  # rows 5-7 land before 0-4: held
+    (0, {5: 8})
+    >>> advance(held, 0, 0, 5), held  # the count reaches them and passes over them
+    (8, {})
+    >>> advance({2: 9}, 0, 0, 4)  # a run that starts inside the rows passed counts too
+    9
+    """
+    if first > written:  # an earlier write is still to come (a retry out of order)
+        held[first] = end
+        return written
+    written = max(written, end)
+    # Every run the count reaches, also one that starts inside the rows it passed: a write wider than the
+    # shard keeps only its tail, and a restarted shard (or the log, after a resync) knows just that.
+    for a in sorted(held):
+        if a > written:
+            break
+        written = max(written, held.pop(a))
+    return written
+
+
 def gaps(start: int, runs: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
     """The rows from ``start`` to the end of ``runs`` that no run covers."""
     out, cursor = [], start
