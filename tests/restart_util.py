@@ -7,6 +7,14 @@ import torch
 from tensordict import TensorDict
 
 
+def coordinator_places() -> dict:
+    """Buffer options under which the coordinator admits and places each write (a rate limiter whose bounds are
+    never reached): the write path of limited and replicated buffers, which shards do not place themselves."""
+    from rayrb import SampleToInsertRatio
+
+    return {"rate_limiter": SampleToInsertRatio(1.0, 1, (-10**9, 10**9))}
+
+
 def rows(start: int, n: int) -> TensorDict:
     """``n`` rows whose ``id`` runs from ``start`` (and ``obs`` is the id as a float)."""
     ids = torch.arange(start, start + n, dtype=torch.int64)

@@ -36,7 +36,7 @@ from rayrb.durability.coordinator_state import CoordinatorState
 from rayrb.durability.mirror import GcsMirror
 from rayrb.durability.replies import saved_answers
 from rayrb.durability.writelog import WriteLog
-from rayrb.errors import HeldBack, SavedStateError
+from rayrb.errors import HeldBack, InvalidStateError, SavedStateError
 
 
 def saved(method):
@@ -54,10 +54,14 @@ def saved(method):
 class Coordinator:
     def __init__(self, offline_shards: Sequence[Any], offline_sizes: Sequence[int], online_shards: Sequence[Any],
                  online_capacities: Sequence[int], *, name: str = "rayrb", seed: int | None = None,
-                 state_dir: str | None = None, replicated: bool = False, **planner: Any):
+                 state_dir: str | None = None, replicated: bool = False, shards_place: bool = False,
+                 **planner: Any):
         """Shards by actor name (or handle); ``planner``: the ``Planner``'s options (``offline_fraction``, ``sampler``,
-        ``drop_last``, ``epoch_end``, ``beta``, ``rate_limiter``) and the shards' ``alpha``, ``eps``, as the owner checked."""
+        ``drop_last``, ``epoch_end``, ``beta``, ``rate_limiter``) and the shards' ``alpha``, ``eps``, as the owner checked.
+        ``shards_place``: the online shards place every write themselves (``rayrb.handle.direct``): handles send
+        writes to them and tell this actor the counts (``wrote``); ``extend`` is refused."""
         self._name, self._offline_sizes = name, np.asarray(offline_sizes, np.int64)
+        self._shards_place = bool(shards_place)
         self._shards = {OFFLINE: [_actor(s) for s in offline_shards], ONLINE: [_actor(s) for s in online_shards]}
         exponents = planner.pop("alpha", ALPHA), planner.pop("eps", EPS)  # the shards': updates are checked by them
         self._metrics = ActorMetrics("coordinator", {"buffer": name})
@@ -215,6 +219,9 @@ class Coordinator:
         write done. A ``write_id`` seen before with the same rows (``digest``) returns that write's answer and
         writes nothing; with other rows it is refused (``WriteIdError``). The rate limiter may hold a write back
         (``prefill`` writes past it). A write from ``node`` prefers the online shards there, within the slack."""
+        if self._shards_place:
+            raise InvalidStateError(f"buffer {self._name!r}: its online shards place its writes; a handle of it "
+                                    "sends them there (rayrb.handle.direct), not through the coordinator")
         rows, seen = self._writing.check(rows, write_id, digest)
         if seen is not None and seen[1] is not None and not failed(seen[1]):
             return seen  # a retry: applied once, and its acknowledgements are the first call's
@@ -234,6 +241,29 @@ class Coordinator:
             self._changed()
             self._drawing.requery_masses(ONLINE, touched)
         return indices, acks
+
+    def wrote(self, counts: Sequence[Sequence[int]]) -> tuple[int, list[int]]:
+        """Write counts online shards answered to writes they placed (``(shard, written)`` pairs, told by the
+        writer once the shard acknowledged): the version after and every shard's count, for the writer's next
+        placement. Not saved: a restart takes the counts from the shards, and its version goes past any a handle
+        holds draws at (``Version.restarted``)."""
+        size = int(self._writing.sizes().sum())
+        grown = self._writing.learned(counts)
+        if grown:
+            rows = sum(grown.values())
+            self._planner.record_insert(rows, size)
+            self._metrics.count("rows_written", rows)
+            self._changed()
+            self._drawing.requery_masses(ONLINE, sorted(grown))
+        return self._version.value, self._writing.log.written.tolist()
+
+    def relay(self, rows_ref: Sequence[Any], rows: int, write_id: str, digest: str | None = None,
+              look: bool = False) -> list[tuple[int, int, int, Any]]:
+        """A write too large for one shard, sent to the shards that place its pieces (``Writing.relay``):
+        ``(shard, piece, start, ack)`` per piece; the writer tells ``wrote`` once they acknowledged."""
+        if not self._shards_place:
+            raise InvalidStateError(f"buffer {self._name!r}: the coordinator places its writes (extend)")
+        return self._writing.relay(rows_ref, rows, write_id, digest, look)
 
     @saved
     def update_priority(self, offline: np.ndarray, shard: np.ndarray, index: np.ndarray, generation: np.ndarray,

@@ -16,9 +16,11 @@ from rayrb.actors.timer import every
 from rayrb.core.schema import RowSpec
 from rayrb.core.validation import positive_int
 from rayrb.durability.copies import copy_order, merged_count, take_newer
-from rayrb.durability.runs import held_runs
+from rayrb.durability.runs import advance, held_runs
 from rayrb.durability.storage import OnlineStorage, store_rows
-from rayrb.errors import RowsLostError, SavedStateError
+from rayrb.durability.write_ids import WriteIds
+from rayrb.durability.writelog import slots
+from rayrb.errors import InvalidArgumentError, RowsLostError, SavedStateError
 
 CHECK_EVERY = 2.0  # seconds between a primary's checks of its replicas when no write comes
 
@@ -46,6 +48,7 @@ class OnlineShard(Shard):
         # writes applied beyond the write count (behind a piece still to come): first row -> end; a
         # restarted shard finds them again from the generations
         self._held: dict[int, int] = dict(held_runs(self._gen, self._store.written))
+        self._ids = WriteIds(state_dir, self._store.written)  # the pieces it placed itself, for their retries
         self._mirror()
         if self._store.reopened:
             self._sampler.on_write(np.arange(self.size()))
@@ -63,10 +66,6 @@ class OnlineShard(Shard):
             lookup(coordinator).resync.remote()
         self._lives.ready()
 
-    @property
-    def _written(self) -> int:
-        return self._store.written
-
     def size(self) -> int:
         return self._store.size
 
@@ -80,9 +79,6 @@ class OnlineShard(Shard):
     def write_state(self) -> tuple[int, list[tuple[int, int]]]:
         """The write count, and the runs of rows held beyond it (written behind a piece that has not landed)."""
         return self._store.written, held_runs(self._gen, self._store.written)
-
-    def _written_count(self) -> int:
-        return self._store.written
 
     def extend(self, rows: Mapping[str, np.ndarray], start: int = 0, stop: int | None = None,
                first: int | None = None, forward: list | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -109,24 +105,62 @@ class OnlineShard(Shard):
             sent = self._replication.send(forward[0], start, stop, first)
         rows = {k: v[start:stop] for k, v in rows.items()}
         n = self._spec.validate(rows, what=f"rows for shard {self.shard_id}")
-        w = first + np.arange(n, dtype=np.int64)
-        pos, gen = w % self._capacity, w // self._capacity + 1
-        fresh = (w >= first + n - self._capacity) & (self._gen[pos] < gen)  # a write larger than the shard keeps its tail
-        slots = pos[fresh]
-        if self._table is not None:  # the device copy serves reads: written first, as it may refuse the rows
-            self._table.write(slots, {k: rows[k][fresh] for k in self._data})
-        try:  # copies out of the object store, marked as being written meanwhile (store_rows)
-            store_rows(self._data, self._gen, slots, rows, fresh, gen[fresh])
-        except BaseException:
-            if self._table is not None:  # back to what the memory maps hold
-                self._table.write(slots, {k: v[slots] for k, v in self._data.items()})
-            raise
-        self._sampler.on_write(slots)
+        pos, gen = self._store_rows(rows, first, n)
         self._advance(first, first + n)  # last: this is what makes the rows visible after a restart
         if self._replication is not None:  # acknowledged once every live replica holds the rows too
             self._replication.settle(sent, self.order())
-        self._metrics.count("rows_written", int(fresh.sum()))
         self._metrics.observe("extend_ms", (time.perf_counter() - t0) * 1e3)
+        return pos, gen
+
+    def append(self, rows: Mapping[str, np.ndarray], write_id: str, piece: int = 0, start: int = 0,
+               digest: str | None = None, stop: int | None = None) -> tuple[np.ndarray, int]:
+        """A piece of a write this shard places itself (``rayrb.handle.direct``): its rows in as this shard's
+        next rows, at its write count; their slots and the write count after. ``rows`` is the piece, which
+        starts at row ``start`` of its write, or with ``stop`` the whole write, of which the piece is
+        ``[start, stop)``. A piece this shard placed before under ``(write_id, piece)`` is answered from its
+        journal (``rayrb.durability.write_ids``) and written once; other rows under it are refused
+        (``WriteIdError``)."""
+        t0 = time.perf_counter()
+        if stop is not None:
+            rows = {k: v[start:stop] for k, v in rows.items()}
+        n = self._spec.validate(rows, what=f"rows for shard {self.shard_id}")
+        if n == 0:
+            raise InvalidArgumentError(f"shard {self.shard_id}: expected a piece of at least one row, got none")
+        seen = self._ids.check(write_id, piece, n, start, digest)
+        if seen is not None:
+            self._metrics.count("writes_answered_again")
+            return slots(seen.first, seen.rows, self._capacity), self._store.written
+        first = self._store.written
+        self._ids.add(write_id, piece, first=first, rows=n, start=start, digest=digest)  # before the rows
+        try:
+            pos, _ = self._store_rows(rows, first, n)
+        except BaseException:
+            self._ids.forget((write_id, piece))
+            raise
+        self._advance(first, first + n)  # last: the count is what makes the rows (and the line) count
+        self._metrics.observe("extend_ms", (time.perf_counter() - t0) * 1e3)
+        return pos, self._store.written
+
+    def pieces_of(self, write_id: str) -> dict[int, tuple[int, int, int, str | None]]:
+        """The pieces of ``write_id`` this shard placed: piece -> ``(first, rows, start, digest)``."""
+        return {p: tuple(v) for p, v in self._ids.of(write_id).items()}
+
+    def _store_rows(self, rows: Mapping[str, np.ndarray], first: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """Copy ``n`` rows in as the ``first``-th on (the count is not moved): their slots and generations."""
+        w = first + np.arange(n, dtype=np.int64)
+        pos, gen = w % self._capacity, w // self._capacity + 1
+        fresh = (w >= first + n - self._capacity) & (self._gen[pos] < gen)  # a write larger than the shard keeps its tail
+        kept = pos[fresh]
+        if self._table is not None:  # the device copy serves reads: written first, as it may refuse the rows
+            self._table.write(kept, {k: rows[k][fresh] for k in self._data})
+        try:  # copies out of the object store, marked as being written meanwhile (store_rows)
+            store_rows(self._data, self._gen, kept, rows, fresh, gen[fresh])
+        except BaseException:
+            if self._table is not None:  # back to what the memory maps hold
+                self._table.write(kept, {k: v[kept] for k, v in self._data.items()})
+            raise
+        self._sampler.on_write(kept)
+        self._metrics.count("rows_written", int(fresh.sum()))
         return pos, gen
 
     # replicas -----------------------------------------------------------------------
@@ -185,18 +219,7 @@ class OnlineShard(Shard):
             self._replication.check(self.order())
 
     def _advance(self, first: int, end: int) -> None:
-        written = self._store.written
-        if first > written:  # an earlier write is still to come (a retry out of order)
-            self._held[first] = end
-            return
-        written = max(written, end)
-        # Every run the count reaches, also one that starts inside the rows it passed: a write wider than the
-        # shard keeps only its tail, and a restarted shard (or the log, after a resync) knows just that.
-        for a in sorted(self._held):
-            if a > written:
-                break
-            written = max(written, self._held.pop(a))
-        self._store.written = written
+        self._store.written = advance(self._held, self._store.written, first, end)
 
     def _mirror(self) -> None:
         """The device copy of the storage (what a restart reopened, or zeros), when rows live on a device."""
@@ -212,7 +235,7 @@ class OnlineShard(Shard):
 
     def _state(self) -> dict[str, np.ndarray]:
         return {**{f"rows/{k}": v for k, v in self._data.items()}, "generation": self._gen,
-                "written": np.int64(self._written), "restores": np.int64(self._store.restores)}
+                "written": np.int64(self._store.written), "restores": np.int64(self._store.restores)}
 
     def _set_state(self, state: dict[str, np.ndarray]) -> Callable[[], None]:
         rows = {k[len("rows/"):]: v for k, v in state.items() if k.startswith("rows/")}
@@ -233,6 +256,7 @@ class OnlineShard(Shard):
             self._store.written = int(state["written"])
             self._held.clear()  # rows the saved shard held behind a hole: counted once it is filled
             self._held.update(held_runs(self._gen, self._store.written))
+            self._ids.clear()  # rows replaced whole: no earlier write is answered from them
             self._mirror()
 
         return apply
@@ -247,12 +271,12 @@ class OnlineShard(Shard):
         return done
 
     def stats(self) -> dict[str, Any]:
-        self._metrics.gauge("write_count", self._written)
+        self._metrics.gauge("write_count", self._store.written)
         self._metrics.gauge("capacity", self._capacity)
         self._metrics.gauge("torn_slots", int((self._gen < 0).sum()))  # left by a crash mid-write, until re-sent
         out = super().stats()
         if self._replication is not None:
-            report = self._replication.report(self._written)
+            report = self._replication.report(self._store.written)
             self._metrics.gauge("replicas_live", self._replication.live())
             self._metrics.gauge("replica_rows_behind", max((r["behind"] or 0 for r in report), default=0))
             out = {**out, **self._metrics.snapshot(), "node": self.place()["node"], "replicas": report}
@@ -261,8 +285,5 @@ class OnlineShard(Shard):
     def close(self) -> None:
         """Remove this shard's files, and its replicas' (the buffer is being shut down for good)."""
         if self._replication is not None:
-            import ray
-
-            calls = [lookup(r.name, 1.0).close.remote() for r in self._replication.replicas]
-            ray.wait(calls, num_returns=len(calls), timeout=5)
+            self._replication.close_all()
         super().close()

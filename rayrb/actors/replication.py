@@ -137,6 +137,13 @@ class Replication:
     def _late(self, r: Replica, call: Any) -> None:
         r.status, r.pending, r.since = WAITING, call, time.monotonic()
 
+    def close_all(self) -> None:
+        """Each replica removes its files (the buffer is being shut down for good); waited for up to 5 s."""
+        import ray
+
+        calls = [lookup(r.name, 1.0).close.remote() for r in self.replicas]
+        ray.wait(calls, num_returns=len(calls), timeout=5)
+
     def rebuild_all(self, timeout: float = WAIT) -> None:
         """Every replica made again from the primary (its state was replaced: a checkpoint restored), and waited
         for (up to ``timeout`` s in all, as a write waits): a restore returns once every copy that answers holds

@@ -72,16 +72,17 @@ class Shard:
     def _generation(self, idx: np.ndarray) -> np.ndarray:
         raise NotImplementedError
 
-    def _written_count(self) -> int:
+    def written(self) -> int:
+        """Rows ever written (the write count): an offline shard's rows, all there from the start."""
         return self.size()
 
     def _behind(self, written: int | None) -> bool:
         """Whether a read planned at ``written`` rows came before they landed here; raises if they never will."""
-        if written is None or self._written_count() >= written:
+        if written is None or self.written() >= written:
             return False
         if self._lost:
             raise RowsLostError(f"shard {self.shard_id}: expected the {written} rows this read was planned over, "
-                                f"got {self._written_count()}: they were lost with this shard's node")
+                                f"got {self.written()}: they were lost with this shard's node")
         return True
 
     # sampling -----------------------------------------------------------------

@@ -17,9 +17,10 @@ from typing import Any
 
 import numpy as np
 
+from rayrb.core.allocation import assign_pieces, cut_write
 from rayrb.core.validation import positive_int
 from rayrb.durability.writelog import WriteLog
-from rayrb.errors import InvalidStateError
+from rayrb.errors import InvalidArgumentError, InvalidStateError
 
 
 class Writing:
@@ -156,6 +157,52 @@ class Writing:
 
             self._nodes = [p["node"] for p in ray.get([s.place.remote() for s in self._shards])]
         return {i for i, n in enumerate(self._nodes) if n == node}
+
+    # writes the shards place (rayrb.handle.direct) ---------------------------------
+    def learned(self, counts: Sequence[Sequence[int]]) -> dict[int, int]:
+        """Take write counts the shards answered to writes they placed themselves: ``(shard, written)`` pairs,
+        the highest winning (an answer may come late); the rows each shard grew by."""
+        if self.log is None:
+            raise InvalidStateError("this buffer has no online shards")
+        grown: dict[int, int] = {}
+        for shard, written in counts:
+            shard, written = int(shard), int(written)
+            if not 0 <= shard < self.log.written.size or written < 0:
+                raise InvalidArgumentError(f"expected (shard in [0, {self.log.written.size}), count >= 0) pairs, "
+                                           f"got {list(counts)!r}")
+            more = written - int(self.log.written[shard])
+            if more > 0:
+                self.log.written[shard] = written
+                grown[shard] = grown.get(shard, 0) + more
+        return grown
+
+    def relay(self, rows_ref: Sequence[Any], rows: int, write_id: str, digest: str | None, look: bool
+              ) -> list[tuple[int, int, int, Any]]:
+        """Send a write too large for one shard to the shards, in the pieces ``cut_write`` gives, each placed by
+        the shard it goes to: ``(shard, piece, start, ack)`` per piece. This process holds every piece's rows
+        before it sends any, so a writer that dies meanwhile leaves the write whole or not at all.
+        ``look``: ask the shards first for pieces they placed under ``write_id`` already (a retry from a handle
+        that does not know where they went); those are answered, not sent again."""
+        import ray
+
+        pieces = cut_write(positive_int("rows", rows), self.log.capacity.tolist())
+        placed: dict[int, tuple[int, Any]] = {}
+        if look:
+            for shard, held in enumerate(ray.get([s.pieces_of.remote(write_id) for s in self._shards])):
+                placed.update({int(p): (shard, v) for p, v in held.items()})
+        starts = np.concatenate([[0], np.cumsum(pieces)[:-1]]).tolist()
+        todo = [p for p in range(len(pieces)) if p not in placed]
+        free = [s for s in range(self.log.written.size) if s not in {shard for shard, _ in placed.values()}]
+        chosen = assign_pieces([pieces[p] for p in todo], self.log.written[free]) if todo else []
+        data, out = rows_ref[0], []
+        if not isinstance(data, Mapping):  # held here before any piece leaves: pieces this process owns
+            data = ray.get(data)
+        for p, (start, n) in enumerate(zip(starts, pieces)):
+            shard = placed[p][0] if p in placed else free[chosen[todo.index(p)]]
+            ack = self._shards[shard].append.remote({k: v[start:start + n] for k, v in data.items()},
+                                                    write_id, p, start, digest)
+            out.append((shard, p, start, ack))
+        return out
 
     def sizes_report(self) -> dict[str, list[int]]:
         log = self.log

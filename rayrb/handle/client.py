@@ -56,13 +56,13 @@ class BufferClient:
                  transform: Any, timeout: float | None, max_batch_bytes: int, prefetch: int = PREFETCH,
                  storage_device: str = "cpu", num_offline: int = 1, transport: str = "object_store",
                  read_device: str | None = "cpu", layout: list | None = None, local_reads: bool = True,
-                 limited: bool = False, max_writes_in_flight: int = MAX_WRITES_IN_FLIGHT):
+                 limited: bool = False, max_writes_in_flight: int = MAX_WRITES_IN_FLIGHT, shards_place: bool = False):
         self.rpc = Rpc(coord, shards, num_offline, name=name, timeout=timeout)
         self.output = Output(spec, batch_size, transform, max_batch_bytes)
         self._spec, self._name = spec, name
         self._sampling = Sampling(self.rpc, spec, prefetch=prefetch, layout=layout,  # checked by the owner
                                   local_reads=local_reads, limited=limited, storage_device=storage_device)
-        self._writer = Writer(self.rpc, spec, max_writes_in_flight, ordered_one_by_one=limited)
+        self._writer = Writer(self.rpc, spec, max_writes_in_flight, ordered_one_by_one=limited, shards_place=shards_place)
         self._learners = Learners(self.rpc, self.output, name, transport, read_device)
 
     # writing ------------------------------------------------------------------
@@ -297,7 +297,7 @@ class BufferClient:
                 "max_batch_bytes": self.output.max_batch_bytes, "prefetch": self._sampling.prefetch,
                 "storage_device": self.storage_device, "num_offline": len(self.rpc.by_side[OFFLINE]),
                 "transport": self._learners.transport, "read_device": self._learners.read_device,
-                "layout": self._sampling.layout, "local_reads": self._sampling.local_enabled,
+                "layout": self._sampling.layout, "local_reads": self._sampling.local_enabled, "shards_place": self._writer.shards_place,
                 "limited": self._sampling.limited, "max_writes_in_flight": self._writer.max_in_flight}
 
 

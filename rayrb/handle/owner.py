@@ -89,6 +89,7 @@ class OfflineToOnlineReplayBuffer(BufferClient):
             more, a write is acknowledged once every live copy holds it, a lost copy is rebuilt on another
             node, and the coordinator's files are kept off its node too, so a node loss loses no
             acknowledged row (docs/durability.md). Needs a ``storage_dir`` and that many nodes.
+        write_path (str): ``"coordinator"`` (default) places each write; ``"shards"``: experimental (``rayrb.handle.direct``).
         online_nodes (list): a node id (or None) per online shard, to place it beside
             the collectors that feed it (a soft preference). A write prefers the online
             shards on the writer's node while they are at most an eighth of a shard
@@ -149,7 +150,7 @@ class OfflineToOnlineReplayBuffer(BufferClient):
         transport: str = "object_store", alpha: float = ALPHA, beta: float = BETA, eps: float = EPS,
         max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES, storage_dir: str | os.PathLike | None = DEFAULT_STORAGE,
         rate_limiter: Any = None, prefetch: int = PREFETCH, storage_device: str = "cpu", max_restarts: int = -1,
-        local_reads: bool = True, **dataset_kwargs: Any,
+        local_reads: bool = True, write_path: str = "coordinator", **dataset_kwargs: Any,
     ):
         self.rpc, self._owned_dirs, self._copies = None, [], []  # until the actors run, nothing is usable or owned
         s = checked_settings(  # every option checked once, before any actor exists; trusted from here on
@@ -160,7 +161,7 @@ class OfflineToOnlineReplayBuffer(BufferClient):
             actor_options=actor_options, online_nodes=online_nodes, online_replicas=online_replicas, timeout=timeout,
             transport=transport, alpha=alpha, beta=beta, eps=eps, max_batch_bytes=max_batch_bytes,
             storage_dir=storage_dir, rate_limiter=rate_limiter, prefetch=prefetch, storage_device=storage_device,
-            max_restarts=max_restarts, local_reads=local_reads, name=name)
+            max_restarts=max_restarts, local_reads=local_reads, name=name, write_path=write_path)
         dataset, self._owned_dirs, s = launch.offline_chunks(  # a sampler asked for wins over a TorchRL dataset's
             offline_dataset, s, sampler is not None or offline_sampler is not None, dataset_root, dataset_kwargs)
         self._dataset_root, self._offline_rows, self._settings = str(dataset.root), len(dataset), s
@@ -343,7 +344,7 @@ def _start_actors(dataset: ChunkDataset, name: str, s: BufferSettings, *, seed: 
             [f"{name}/{shard_id(ONLINE, i)}" for i in range(k)], capacities, offline_fraction=s.offline_fraction,
             sampler=kinds, epoch_end=s.epoch_end, seed=seed, name=name, beta=s.beta, rate_limiter=dict(s.rate_limiter),
             alpha=s.alpha, eps=s.eps, state_dir=shard_directory(storage_dir, instance, "coordinator"),
-            replicated=replicas > 1)
+            replicated=replicas > 1, shards_place=s.shards_place)
     except BaseException:
         for actor in started:
             launch.kill(actor)

@@ -88,6 +88,9 @@ class Loop:
         """Give back what is planned if anyone changed the buffer since it was planned, as of the previous batch
         (``Stream.catch_up``): the version from the memory map on the coordinator's node, else from the answer
         to the previous batch's report."""
+        told = stream.rpc.told_version()
+        if told is not None:  # this handle's own write, which its shard placed (rayrb.handle.direct)
+            stream.catch_up(told)
         ref, self.version_ref = self.version_ref, None
         version = stream.rpc.version()
         if version is None:

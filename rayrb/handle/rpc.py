@@ -33,6 +33,7 @@ class Rpc:
         self.by_side = {OFFLINE: self.shards[:num_offline], ONLINE: self.shards[num_offline:]}
         self.closed = False
         self._version_map: Any = None  # the coordinator's version file, when on this node (False: not)
+        self.told: Any = None  # this handle's latest tell of a write its shard placed (rayrb.handle.direct)
 
     def get(self, refs: Any, timeout: float | None | str = "call") -> Any:
         """``ray.get`` within ``timeout``, Ray's failures turned into this package's errors."""
@@ -135,6 +136,21 @@ class Rpc:
         map behind it is no longer the coordinator's (restarted on another node): look it up again."""
         if self._version_map is not None and self._version_map is not False and int(self._version_map[0]) < version:
             self._version_map = None
+
+    def told_version(self) -> Any:
+        """The coordinator's version once it took this handle's latest write (a callable, waited for only when
+        called), or None when none was told since the last ask: a draw planned before is given back."""
+        told, self.told = self.told, None
+        if told is None:
+            return None
+
+        def version() -> int:
+            try:
+                return int(self.get(told)[0])
+            except Exception:  # the coordinator died with it: its restart goes past every version a draw has
+                return 0
+
+        return version
 
     def version(self) -> int | None:
         """The coordinator's version read from its memory map, when it runs on this node (else None)."""

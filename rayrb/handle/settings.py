@@ -85,6 +85,7 @@ class BufferSettings:
     max_batch_bytes: int
     prefetch: int
     online_replicas: int
+    write_path: str  # "coordinator" or "shards": who places each write
     storage_dir: str | None
     name: str  # as given: its forms for metric tags and file names are rayrb.core.names's
 
@@ -98,9 +99,16 @@ class BufferSettings:
         """Prioritized sampling's ``alpha``, ``beta`` and ``eps``."""
         return {"alpha": self.alpha, "beta": self.beta, "eps": self.eps}
 
+    @property
+    def shards_place(self) -> bool:
+        """Whether the online shards place every write themselves, which then goes straight to them
+        (``write_path="shards"``, ``rayrb.handle.direct``)."""
+        return self.write_path == "shards"
+
     def handle_options(self) -> dict[str, Any]:
         """What a ``BufferClient`` takes of them."""
-        return {"local_reads": self.local_reads, "limited": self.limited, "timeout": self.timeout,
+        return {"local_reads": self.local_reads, "limited": self.limited, "shards_place": self.shards_place,
+                "timeout": self.timeout,
                 "transform": self.transform, "max_batch_bytes": self.max_batch_bytes, "prefetch": self.prefetch,
                 "transport": self.transport, "storage_device": self.storage_device}
 
@@ -114,7 +122,8 @@ def checked_settings(offline_dataset: Any, *, online_capacity: Any = None, onlin
                      alpha: Any = ALPHA, beta: Any = BETA, eps: Any = EPS,
                      max_batch_bytes: Any = DEFAULT_MAX_BATCH_BYTES, storage_dir: Any = DEFAULT_STORAGE,
                      rate_limiter: Any = None, prefetch: Any = PREFETCH, storage_device: Any = "cpu",
-                     max_restarts: Any = -1, local_reads: Any = True, name: Any = None) -> BufferSettings:
+                     max_restarts: Any = -1, local_reads: Any = True, name: Any = None,
+                     write_path: Any = "coordinator") -> BufferSettings:
     """The buffer's options checked, each once, in ``OfflineToOnlineReplayBuffer``'s order (its defaults too)."""
     m = positive_int("num_offline_shards", num_offline_shards)
     k = positive_int("num_online_shards", num_online_shards)
@@ -141,6 +150,12 @@ def checked_settings(offline_dataset: Any, *, online_capacity: Any = None, onlin
     max_batch_bytes = positive_int("max_batch_bytes", max_batch_bytes)
     prefetch = CLIENT_CHECKS["prefetch"](prefetch)
     replicas = replicas_option(online_replicas, storage_dir, nodes, actor_options or {}, max_restarts)
+    if write_path not in ("coordinator", "shards"):
+        raise InvalidArgumentError(f"expected write_path 'coordinator' or 'shards', got {write_path!r}")
+    if write_path == "shards" and (limiter.samples_per_insert is not None or replicas > 1):
+        raise InvalidArgumentError(f"write_path='shards' takes neither a rate limiter that bounds samples per "
+                                   f"insert nor online_replicas > 1 (each write is admitted or copied at the "
+                                   f"coordinator), got rate_limiter={rate_limiter!r}, online_replicas={replicas}")
     return BufferSettings(
         num_offline_shards=m, num_online_shards=k, online_capacity=capacity, offline_fraction=schedule,
         batch_size=batch_size, offline_sampler=kinds[OFFLINE], online_sampler=kinds[ONLINE], epoch_end=epoch_end,
@@ -148,7 +163,7 @@ def checked_settings(offline_dataset: Any, *, online_capacity: Any = None, onlin
         storage_device=storage_device, rate_limiter=MappingProxyType(limiter.config()),
         limited=limiter.samples_per_insert is not None, local_reads=local_reads, timeout=timeout,
         transform=transform, max_batch_bytes=max_batch_bytes, prefetch=prefetch, online_replicas=replicas,
-        storage_dir=None if storage_dir is None else str(storage_dir), name=buffer_name(name), **prio)
+        write_path=write_path, storage_dir=None if storage_dir is None else str(storage_dir), name=buffer_name(name), **prio)
 
 
 def client_options(timeout: Any = "same", prefetch: Any = "same", local_reads: Any = "same",

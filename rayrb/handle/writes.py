@@ -1,14 +1,20 @@
 """The handle's writes: rows into the online buffer, and priorities back to the shards that own their rows.
 
-The handle (:class:`~rayrb.handle.client.BufferClient`) hands its writes to a ``Writer``. A write is checked against the row spec before anything
-ships, and placed, journalled and sent by the coordinator; it returns once every shard holds its piece
-(``docs/durability.md``). A small write travels inside the coordinator's call (``INLINE_BYTES``): no object-store
-put, and the coordinator holds all of its rows before it sends any piece, so a writer that dies mid-write leaves
-it whole or not at all. A larger one is put in the object store once and each shard fetches its own piece.
+The handle (:class:`~rayrb.handle.client.BufferClient`) hands its writes to a ``Writer``. A write is checked
+against the row spec before anything ships, then goes one of two ways, and returns once every shard holds its
+piece (``docs/durability.md``):
+
+- **the shards place it** (``rayrb.handle.direct``; ``write_path="shards"``, experimental): straight to the least-written shard, which journals and stores it, with one round trip; the
+  coordinator is told the shard's count after, without a wait;
+- **the coordinator places it** (``_placed``; the default): placed, journalled and sent by the
+  coordinator.
+
+A small write travels inside the call (``INLINE_BYTES``): no object-store put. A larger one is put in the object
+store once and each shard fetches its own piece.
 
 ``extend(..., wait=False)`` hands the write to this writer's sender thread and returns a ``PendingWrite`` at once:
 the write's rows are checked and copied first (the caller may reuse its tensors), the sender keeps up to
-``max_writes_in_flight`` of them on their way, sent to the coordinator in the caller's order (so they land in that
+``max_writes_in_flight`` of them on their way, sent in the caller's order (so they land in that
 order), and each resolves to its indices once acknowledged, or to the error a blocking ``extend`` would raise; a
 failed one is asked again under its ``write_id`` exactly as a blocking write is, so it is kept once or changed
 nothing. The call blocks while that many are on their way (backpressure, never a dropped write).
@@ -38,6 +44,7 @@ from rayrb.errors import (
     RowsLostError,
     WriteTimeoutError,
 )
+from rayrb.handle.direct import DirectWrites
 from rayrb.handle.rpc import node_id
 from rayrb.io.arrays import rows_digest, to_numpy_dict
 
@@ -49,8 +56,11 @@ def _numpy(x: Any) -> np.ndarray:
 class Writer:
     """A handle's ``extend`` and ``update_priority`` (see the module; their arguments are documented there)."""
 
-    def __init__(self, rpc: Any, spec: Any, max_in_flight: int = 8, ordered_one_by_one: bool = False):
+    def __init__(self, rpc: Any, spec: Any, max_in_flight: int = 8, ordered_one_by_one: bool = False,
+                 shards_place: bool = False):
         self.rpc, self._spec, self.max_in_flight = rpc, spec, max_in_flight
+        self.shards_place = shards_place
+        self._direct = DirectWrites(rpc) if shards_place else None  # the shards place writes: sent there
         self._slots = threading.BoundedSemaphore(max_in_flight)  # writes on their way: the caller waits for one
         # Coordinator calls sent ahead of the answers: with a rate limiter that may hold a write back, one at a
         # time, so that a held write is never overtaken by the next one
@@ -83,11 +93,12 @@ class Writer:
         n = next(iter(arrays.values())).shape[0]
         if n == 0:
             return torch.empty(0, dtype=torch.int64) if wait else PendingWrite.resolved(write_id)
+        look = write_id is not None  # named by the caller: maybe a retry from another handle
         write_id = write_id if write_id is not None else uuid.uuid4().hex
         digest = rows_digest(arrays)  # the rows the id names: a retry sends these, other rows are refused
         if wait and all(p.done() for p in self._pending):  # nothing on its way that this must land after
-            return _indices(self._land(_payload(arrays, copy=False), n, write_id, prefill, digest))
-        pending = self._send_later((_payload(arrays, copy=True), n, write_id, prefill, digest))
+            return _indices(self._land(_payload(arrays, copy=False), n, write_id, prefill, digest, look))
+        pending = self._send_later((_payload(arrays, copy=True), n, write_id, prefill, digest, look))
         return pending.result() if wait else pending
 
     def flush(self) -> None:
@@ -127,10 +138,15 @@ class Writer:
             self._confirm(*sent.popleft())
 
     def _submit(self, pending: PendingWrite, write: tuple) -> tuple[PendingWrite, tuple, Any]:
-        payload, n, write_id, prefill, digest = write
+        payload, n, write_id, prefill, digest, look = write
         try:
-            ref = None if self.rpc.closed else self.rpc.tell("extend", [payload], n, write_id=write_id,
-                                                             prefill=prefill, node=node_id(), digest=digest)
+            if self.rpc.closed:
+                ref = None
+            elif self._direct is not None:
+                ref = self._direct.send(payload, n, write_id, digest, look)
+            else:
+                ref = self.rpc.tell("extend", [payload], n, write_id=write_id, prefill=prefill, node=node_id(),
+                                    digest=digest)
         except Exception:  # asked again in _confirm, which raises what a blocking write would
             ref = None
         return pending, write, ref
@@ -139,6 +155,9 @@ class Writer:
         """Resolve ``pending`` once its shards acknowledged it; anything else (held back, an actor dead, a
         refusal) asks again as a blocking write does, under the same write id: kept once, or nothing changed."""
         try:
+            if ref is not None and self._direct is not None:
+                pending.set_result(_indices(self._direct.receive(ref)))
+                return
             out = self.rpc.get(ref) if ref is not None else None
             if out is not None and not isinstance(out, HeldBack):
                 self.rpc.get(out[1])
@@ -146,12 +165,25 @@ class Writer:
                 return
         except Exception:
             pass
-        try:
-            pending.set_result(_indices(self._land(*write)))
+        try:  # asked again under its id, the shards asked first where they place writes (it may have landed)
+            pending.set_result(_indices(self._land(*write[:-1], look=True)))
         except BaseException as e:
             pending.set_exception(e)
 
-    def _land(self, ref: Any, n: int, write_id: str, prefill: bool, digest: str) -> Any:
+    def _land(self, ref: Any, n: int, write_id: str, prefill: bool, digest: str, look: bool = False) -> Any:
+        """The write's indices once the shards hold it: sent to the shards where they place writes
+        (``rayrb.handle.direct``), else through the coordinator (``_placed``)."""
+        if self._direct is None:
+            return self._placed(ref, n, write_id, prefill, digest)
+        try:
+            return self._direct.land(ref, n, write_id, digest, look)
+        except TimeoutError as e:  # the write may still land: name it, so that a retry lands it once
+            raise WriteTimeoutError(f"{e}; the write may still be applied: retry it with write_id={write_id!r} "
+                                    "to apply it once", write_id) from e
+        except BufferUnavailableError as e:
+            raise _named(e, write_id) from e
+
+    def _placed(self, ref: Any, n: int, write_id: str, prefill: bool, digest: str) -> Any:
         """The coordinator's indices for the write of ``ref`` once the shards hold it, asked again under its id
         where that is safe: the coordinator died with the call, or a shard lost (with its node) the rows a piece
         was placed after."""

@@ -84,18 +84,26 @@ def test_a_killed_online_shard_restarts_with_every_acknowledged_row(make_buffer,
     assert recovery < 20
 
 
-def test_extend_to_a_dead_online_shard_raises_instead_of_returning_indices(make_buffer, ray_session):
+@pytest.mark.parametrize("placed_by", ["shards", "coordinator"])
+def test_extend_to_a_dead_online_shard_raises_instead_of_returning_indices(make_buffer, ray_session, placed_by):
     ray = ray_session
-    rb = make_buffer(offline_rows(), online_capacity=100, num_online_shards=1, seed=0, storage_dir=None, timeout=30)
+    # a rate limiter admits each write at the coordinator, which then places it; without one the shards place it
+    limiter = {"rate_limiter": SampleToInsertRatio(1.0, 1, (-10_000, 10_000))} if placed_by == "coordinator" else {
+        "write_path": "shards"}
+    rb = make_buffer(offline_rows(), online_capacity=100, num_online_shards=1, seed=0, storage_dir=None, timeout=30,
+                     **limiter)
+    assert rb._writer.shards_place is (placed_by == "shards")
     rb.extend(online_rows(0, 10))
     ray.kill(rb.rpc.shards[-1])  # in-memory rows: this shard does not come back
-    real, asks = rb.rpc.call, []
+    # the calls that send a write: the coordinator's extend, or the shards' append
+    target, name = (rb.rpc, "call") if placed_by == "coordinator" else (rb._writer._direct, "send")
+    real, asks = getattr(target, name), []
 
-    def counted(method, *args, **kwargs):
-        asks.append(method)
-        return real(method, *args, **kwargs)
+    def counted(*args, **kwargs):
+        asks.append(args[0] if name == "call" else "extend")
+        return real(*args, **kwargs)
 
-    rb.rpc.call = counted
+    setattr(target, name, counted)
     for k in range(3):
         with pytest.raises((BufferUnavailableError, RuntimeError)):
             rb.extend(online_rows(10 + k, 1))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from restart_util import kill_coordinator, online_ids, rows
+from restart_util import coordinator_places, kill_coordinator, online_ids, rows
 from tensordict import TensorDict
 from write_model import ModelShard
 
@@ -191,7 +191,7 @@ def _half_sent(rb, tmp_path, write_id, data):
 
 @pytest.mark.usefixtures("ray_session")
 def test_a_retry_with_another_row_count_is_refused_and_changes_nothing(make_buffer, tmp_path):
-    rb = make_buffer(rows(0, 50), **KW)
+    rb = make_buffer(rows(0, 50), **KW, **coordinator_places())  # its journal is the coordinator's
     _half_sent(rb, tmp_path, "half", rows(2000, 150))  # 75 rows on shard 0, shard 1's 75 never sent
     done = rb.extend(rows(1000, 30), write_id="done")
     with pytest.raises(ValueError, match=r"'done'.*30 rows.*retry of 20"):
@@ -209,7 +209,7 @@ def test_a_retry_with_another_row_count_is_refused_and_changes_nothing(make_buff
 
 @pytest.mark.usefixtures("ray_session")
 def test_a_half_sent_write_whose_place_was_taken_survives_a_second_restart(make_buffer, tmp_path):
-    rb = make_buffer(rows(0, 50), **KW)
+    rb = make_buffer(rows(0, 50), **KW, **coordinator_places())  # its journal is the coordinator's
     _half_sent(rb, tmp_path, "w", rows(1000, 150))
     other = rb.extend(rows(5000, 90), write_id="other")  # takes shard 1's rows 0-89, past w's piece there
     kill_coordinator(rb)  # the journal still says w's piece is at shard 1's rows 0-74
@@ -256,7 +256,7 @@ def test_an_extend_whose_coordinator_died_with_the_call_asks_again_under_its_id(
 
     from rayrb.errors import BufferUnavailableError
 
-    rb = make_buffer(rows(0, 50), **KW)
+    rb = make_buffer(rows(0, 50), **KW, **coordinator_places())  # its journal is the coordinator's
     real, failures = rb.rpc.call, []
 
     def dies_after_applying(method, *args, **kwargs):
