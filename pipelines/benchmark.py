@@ -62,13 +62,13 @@ DEFAULT_OUT = REPO / "benchmarks" if (REPO / "pyproject.toml").is_file() else Pa
 
 SIZES = {
     "full": dict(n_off=COVERTYPE_ROWS, dim=54, n_on=100_000, batch_sizes=[256, 4096, 65536], shards=[1, 2, 4],
-                 repeats=3, min_time=1.0, min_iters=5, writer_batches=50, writer_rows=1000, per_row_frames=20_000,
+                 repeats=3, min_time=1.0, min_iters=5, writer_batches=300, writer_rows=[16, 256], per_row_frames=20_000,
                  prefetch=16, prefetch_sweep=[1, 4, 8, 16, 32], consumers=[1, 2, 4, 8], consumer_batch=4096,
                  draw_batches=[256, 4096], draw_consumers=4, draw_prefetch=[16, 64], online_shards=2, writers=[1, 4],
                  cluster_nodes=[1, 2], idle_s=3.0, settle_s=1.0, start_delay_s=0.5, headline_consumer_s=8.0),
     # every section and key once, with as few actors as that takes (each is a process start on a small machine)
     "smoke": dict(n_off=4000, dim=8, n_on=1000, batch_sizes=[64, 512], shards=[1], repeats=1, min_time=0.02,
-                  min_iters=2, writer_batches=3, writer_rows=100, per_row_frames=300, prefetch=2,
+                  min_iters=2, writer_batches=3, writer_rows=[16], per_row_frames=300, prefetch=2,
                   prefetch_sweep=[1, 2], consumers=[1, 2], consumer_batch=64,
                   draw_batches=[64], draw_consumers=1, draw_prefetch=[4], online_shards=1, writers=[1],
                   cluster_nodes=[2], idle_s=0.2, settle_s=0.1, start_delay_s=0.1, headline_consumer_s=0.1),

@@ -103,10 +103,11 @@ def sampling_real(sr: dict) -> list[str]:
 
 
 def writing(w: dict) -> list[str]:
-    out = ["", "### Writing (online `extend`, rows/s)", "", "| writers | rayrb | TorchRL RayReplayBuffer |",
-           "|---|---|---|"]
+    out = ["", "### Writing (online `extend`: writers x rows a call; rows/s of all writers; p50 / p99 ms a call)", "",
+           "| writers x rows | rayrb | rayrb, pipelined | TorchRL RayReplayBuffer |", "|---|---|---|---|"]
     for n, row in w.items():
-        out.append(f"| {n} | {rng(row['rayrb']['rows_per_s'])} | {rng(row['torchrl_ray']['rows_per_s'])} |")
+        out.append(f"| {n} | " + " | ".join(f"{rng(row[k]['rows_per_s'])}; {row[k]['p50_ms']:.2f} / {row[k]['p99_ms']:.2f}"
+                                            for k in ("rayrb", "rayrb_pipelined", "torchrl_ray")) + " |")
     return out
 
 

@@ -24,8 +24,9 @@ def ratios(results: dict) -> dict[str, float]:
                 r[f"B={B} {k} / index_select"] = med / row["index_select"]["rows_per_s"]["median"]
     w = results.get("writing", {})
     for n, row in w.items():
-        r[f"extend {n} rayrb / torchrl_ray"] = (row["rayrb"]["rows_per_s"]["median"]
-                                                / row["torchrl_ray"]["rows_per_s"]["median"])
+        for k in ("rayrb", "rayrb_pipelined"):
+            r[f"extend {n} {k} / torchrl_ray"] = (row[k]["rows_per_s"]["median"]
+                                                 / row["torchrl_ray"]["rows_per_s"]["median"])
     p = results.get("preprocess")
     if p:
         r["preprocess batched rayrb / torchrl"] = (p["rayrb_batched"]["rows_per_s"]["median"]

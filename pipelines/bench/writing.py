@@ -1,5 +1,6 @@
-"""Section ``writing``: rows/s of ``extend`` from 1 and 4 writer actors at once, into rayrb's buffer and into
-TorchRL's ``RayReplayBuffer`` actor."""
+"""Section ``writing``: ``extend`` from 1 and 4 writer actors at once, R rows a call, into rayrb's buffer (each
+call waited for, and pipelined: ``wait=False``, flushed at the end) and into TorchRL's ``RayReplayBuffer`` actor
+(``ray.get(actor.extend.remote(td))``); rows/s of all writers together and p50 / p99 ms per call."""
 from __future__ import annotations
 
 import statistics
@@ -7,11 +8,14 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import ray
 import torch
 from tensordict import TensorDict
 
 from bench.harness import med_range, synthetic_table
+
+KINDS = ("rayrb", "rayrb_pipelined", "torchrl_ray")
 
 
 @ray.remote(num_cpus=0)
@@ -21,17 +25,26 @@ class Writer:
     def __init__(self, dim: int):
         self.dim = dim
 
-    def write(self, target, kind: str, batches: int, rows: int) -> float:
+    def write(self, target, kind: str, batches: int, rows: int) -> tuple[float, list[float]]:
+        """Seconds for every write to be acknowledged, and each call's seconds (for a pipelined writer: how long
+        each call held the caller)."""
         g = torch.Generator().manual_seed(0)
         data = [TensorDict({"X": torch.randn(rows, self.dim, generator=g), "y": torch.zeros(rows, dtype=torch.int64)},
                            [rows]) for _ in range(batches)]
+        calls = []
         t0 = time.perf_counter()
         for td in data:
+            t = time.perf_counter()
             if kind == "rayrb":
                 target.extend(td)
+            elif kind == "rayrb_pipelined":
+                target.extend(td, wait=False)
             else:
                 ray.get(target.extend.remote(td))
-        return time.perf_counter() - t0
+            calls.append(time.perf_counter() - t)
+        if kind == "rayrb_pipelined":
+            target.flush()
+        return time.perf_counter() - t0, calls
 
 
 def bench_writing(cfg: dict, root: str, results: dict) -> None:
@@ -41,27 +54,40 @@ def bench_writing(cfg: dict, root: str, results: dict) -> None:
     out = {}
     pool = [Writer.remote(cfg["dim"]) for _ in range(max(cfg["writers"]))]  # started once: writes are stateless
     ray.get([w.__ray_ready__.remote() for w in pool])
-    for n_writers in cfg["writers"]:
-        runs = {"rayrb": [], "torchrl_ray": []}
-        writers = pool[:n_writers]
-        for _ in range(cfg["repeats"]):
-            capacity = n_writers * cfg["writer_batches"] * cfg["writer_rows"]
-            rb = OfflineToOnlineReplayBuffer(offline, online_capacity=capacity, num_online_shards=cfg["online_shards"],
-                                             seed=0, dataset_root=Path(tempfile.mkdtemp(dir=root)) / "ds")
-            from torchrl.data import LazyTensorStorage, RayReplayBuffer
+    for rows in cfg["writer_rows"]:
+        for n_writers in cfg["writers"]:
+            runs: dict[str, list] = {k: [] for k in KINDS}
+            calls: dict[str, list] = {k: [] for k in KINDS}
+            writers = pool[:n_writers]
+            capacity = n_writers * cfg["writer_batches"] * rows
+            for _ in range(cfg["repeats"]):  # the peers alternate within each repeat
+                from torchrl.data import LazyTensorStorage, RayReplayBuffer
 
-            rray = RayReplayBuffer(storage=LazyTensorStorage(capacity), batch_size=None)
-            ray.get(rray._rb.__ray_ready__.remote())  # its actor's start is not a write (rayrb's buffer is up)
-            for kind, target in (("rayrb", rb), ("torchrl_ray", rray._rb)):
-                t0 = time.perf_counter()
-                ray.get([w.write.remote(target, kind, cfg["writer_batches"], cfg["writer_rows"]) for w in writers])
-                runs[kind].append(capacity / (time.perf_counter() - t0))
-            assert rb.write_count == capacity
-            rb.shutdown()
-            ray.kill(rray._rb)
-        out[f"{n_writers}_writers"] = {k: {"rows_per_s": med_range(v)} for k, v in runs.items()}
-        print(f"  writers={n_writers}: " + ", ".join(f"{k} {statistics.median(v):,.0f} rows/s"
-                                                     for k, v in runs.items()), flush=True)
+                for kind in KINDS:
+                    if kind == "torchrl_ray":
+                        rray = RayReplayBuffer(storage=LazyTensorStorage(capacity), batch_size=None)
+                        target = rray._rb
+                        ray.get(target.__ray_ready__.remote())  # its actor's start is not a write
+                    else:
+                        rb = OfflineToOnlineReplayBuffer(offline, online_capacity=capacity, seed=0,
+                                                         num_online_shards=cfg["online_shards"],
+                                                         dataset_root=Path(tempfile.mkdtemp(dir=root)) / "ds")
+                        target = rb.client()
+                    t0 = time.perf_counter()
+                    got = ray.get([w.write.remote(target, kind, cfg["writer_batches"], rows) for w in writers])
+                    runs[kind].append(capacity / (time.perf_counter() - t0))
+                    calls[kind] += [c for _, cs in got for c in cs]
+                    if kind == "torchrl_ray":
+                        ray.kill(target)
+                    else:
+                        assert rb.write_count == capacity, (rb.write_count, capacity)
+                        rb.shutdown()
+            out[f"{n_writers}x{rows}"] = {k: {"rows_per_s": med_range(runs[k]),
+                                              "p50_ms": float(np.percentile(calls[k], 50) * 1e3),
+                                              "p99_ms": float(np.percentile(calls[k], 99) * 1e3)} for k in KINDS}
+            print(f"  writers={n_writers} rows={rows}: " + ", ".join(
+                f"{k} {statistics.median(runs[k]):,.0f} rows/s (p50 {out[f'{n_writers}x{rows}'][k]['p50_ms']:.2f} ms)"
+                for k in KINDS), flush=True)
     for w in pool:
         ray.kill(w)
     results["writing"] = out
