@@ -28,7 +28,7 @@ from rayrb.actors.lifecycle import begin
 from rayrb.actors.metrics import ActorMetrics
 from rayrb.actors.version import Version
 from rayrb.actors.writing import Writing, failed
-from rayrb.core.ahead import GiveBack, past_any_number
+from rayrb.core.ahead import GiveBack
 from rayrb.core.planner import Planner
 from rayrb.core.plans import OFFLINE, ONLINE, SIDES, BatchPlan, GroupPlan
 from rayrb.core.validation import ALPHA, EPS, one_of, positive_int
@@ -41,9 +41,12 @@ from rayrb.errors import HeldBack, InvalidStateError, SavedStateError
 
 def saved(method):
     """Mark a call after which the coordinator saves its state: one that changes the stream, the settings, the
-    version or the write log (getters and ``served`` do not)."""
+    version or the write log (getters and ``served`` do not). Like every call that reads the state, it first takes
+    the counts appends published since the last call (``Coordinator._poll``): a write is counted before any call
+    that came after it, as if it had passed through here."""
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
+        self._poll()
         out = method(self, *args, **kwargs)
         self._save()
         return out
@@ -68,7 +71,8 @@ class Coordinator:
         self._planner = Planner({s: len(self._shards[s]) for s in SIDES}, seed=seed,
                                 online_capacity=int(sum(online_capacities)) or None, **planner)
         self._drawing = Drawing(self._planner, self._shards, self._metrics, seed, exponents=exponents)
-        self._version = Version(name, state_dir)
+        self._online_names = [s if isinstance(s, str) else None for s in online_shards]
+        self._version = Version(name, state_dir, shards=len(online_shards))
         # With a state directory, a restarted coordinator (Ray re-runs this with the same arguments) picks up
         # its sampling state there and its write counts from the shards.
         self._lives = begin(state_dir, f"the coordinator of buffer {name!r}")
@@ -78,10 +82,12 @@ class Coordinator:
             state_dir, mirror=GcsMirror() if replicated else None)
         log = WriteLog(online_capacities) if online_shards else None
         self._writing = Writing(log, self._shards[ONLINE], self._state, self._metrics, replicated=replicated)
-        if self._state is not None:
-            if self._lives.restarts or (self._lives.unsure and self._state.load() is not None):  # a copy kept
-                self._restart(self._state.load())
-            else:
+        if self._state is not None and (self._lives.restarts or (self._lives.unsure and self._state.load() is not None)):
+            self._restart(self._state.load())  # a copy kept
+        else:
+            self._version.open()
+            self._send_targets()
+            if self._state is not None:
                 self._state.clear()
                 self._save()
         self._lives.ready()
@@ -108,9 +114,45 @@ class Coordinator:
             self._drawing.replies.load(saved_answers(saved.get("answers") or [], self._state.load_reply))
         else:  # the version and draw numbers go on past any a handle may hold, so it sees its draws as old
             self._drawing.ahead.load_state_dict(None)
-            self._version.restarted(past_any_number())
+            self._version.restarted(None)
+        self._send_targets()  # before the counts are asked for: every append after them is published here
         self._writing.recall(self._state.writes())  # a retry is answered, and only missing pieces sent
         self._save()
+
+    def _send_targets(self) -> None:
+        """Tell each online shard where to publish its write count (``rayrb.durability.published``), where the
+        shards place writes: this node's counts map, which a shard on another node cannot map."""
+        if self._shards_place:
+            for i, shard in enumerate(self._shards[ONLINE]):
+                shard.publish_to.remote(self._target(i))
+
+    def _target(self, i: int) -> tuple[str, str | None, int]:
+        import ray
+
+        return ray.get_runtime_context().get_node_id(), self._version.file.path, i
+
+    def publish_target(self, shard: str) -> tuple[str, str | None, int] | None:
+        """Where online shard ``shard`` (its actor name) publishes its write count; a restarted shard asks."""
+        if not self._shards_place or shard not in self._online_names:
+            return None
+        return self._target(self._online_names.index(shard))
+
+    def _poll(self) -> None:
+        """Take the write counts appends published in the counts map since the last look (no call, no wait)."""
+        moved = self._version.poll()
+        if moved:
+            self._take_counts(list(moved.items()))
+
+    def _take_counts(self, counts: Sequence[Sequence[int]]) -> bool:
+        """Online shards' counts after appends they placed: ``(shard, written)`` pairs; whether any grew."""
+        size = int(self._writing.sizes().sum())
+        grown = self._writing.learned(counts)
+        if grown:
+            rows = sum(grown.values())
+            self._planner.record_insert(rows, size)
+            self._metrics.count("rows_written", rows)
+            self._drawing.requery_masses(ONLINE, sorted(grown))
+        return bool(grown)
 
     def _changed(self, settings: bool = False) -> None:
         self._version.bump()
@@ -118,10 +160,11 @@ class Coordinator:
             self._drawing.forget()
 
     def version_file(self) -> tuple[str, str | None]:
-        """``(node id, path)`` of the memory-mapped version on this node, which handles there read without a call."""
+        """``(node id, path)`` of the counts map on this node (``rayrb.durability.published``), which handles there
+        read the version from, and writers there publish their appends in, without a call."""
         import ray
 
-        return ray.get_runtime_context().get_node_id(), self._version.file.open(self._version.value)
+        return ray.get_runtime_context().get_node_id(), self._version.open()
 
     def close(self) -> None:
         """Remove the version file and the state files: the buffer is being shut down."""
@@ -135,6 +178,8 @@ class Coordinator:
         return self._name
 
     def _sizes(self, counted: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        if counted is None:
+            self._poll()
         return {OFFLINE: self._offline_sizes, ONLINE: self._writing.sizes(counted)}
 
     def sizes(self) -> dict[str, list[int]]:
@@ -197,6 +242,7 @@ class Coordinator:
         """``stream`` has served its draws up to ``number``; returns the version (writes, priority updates,
         restores and settings changes so far)."""
         self._drawing.served(stream, number)
+        self._poll()
         return self._version.value
 
     @saved
@@ -247,14 +293,9 @@ class Coordinator:
         writer once the shard acknowledged): the version after and every shard's count, for the writer's next
         placement. Not saved: a restart takes the counts from the shards, and its version goes past any a handle
         holds draws at (``Version.restarted``)."""
-        size = int(self._writing.sizes().sum())
-        grown = self._writing.learned(counts)
-        if grown:
-            rows = sum(grown.values())
-            self._planner.record_insert(rows, size)
-            self._metrics.count("rows_written", rows)
+        self._poll()
+        if self._take_counts(counts):
             self._changed()
-            self._drawing.requery_masses(ONLINE, sorted(grown))
         return self._version.value, self._writing.log.written.tolist()
 
     def relay(self, rows_ref: Sequence[Any], rows: int, write_id: str, digest: str | None = None,
@@ -285,6 +326,7 @@ class Coordinator:
 
     def shard_states(self, side: str) -> list[Any]:
         """Refs to each shard's state arrays, behind every write sent so far."""
+        self._poll()
         return [s.state.remote() for s in self._shards[side]]
 
     @saved
@@ -301,10 +343,12 @@ class Coordinator:
 
     def state_dict(self) -> dict[str, Any]:
         """The sampling state, draws ahead given back, with the draws the buffer owes (``Drawing.state_dict``)."""
+        self._poll()
         return self._drawing.state_dict()
 
     def check_state_dict(self, state: dict[str, Any]) -> None:
         """Raise, naming what is wrong, unless ``load_state_dict`` would take ``state``; change nothing."""
+        self._poll()
         self._drawing.check_state_dict(state, self._sizes())
 
     @saved
@@ -315,6 +359,7 @@ class Coordinator:
 
     def checkpoint(self, path: str | None) -> dict[str, Any]:
         """Every shard's dump into ``path`` (its state as an object where None) and this state, at one cut."""
+        self._poll()
         acks = [s.dump.remote(f"{path}/shard-{j}.npz") if path is not None else s.state.remote()
                 for j, s in enumerate(self._shards[OFFLINE] + self._shards[ONLINE])]
         return {"acks": acks, "state": self.state_dict(), "sizes": self.sizes()}
@@ -322,6 +367,7 @@ class Coordinator:
     def stats(self, include_shards: bool = True) -> dict[str, Any]:
         import ray
 
+        self._poll()
         planner = self._planner.stats()
         self._metrics.gauge("rate_limiter_diff", planner["rate_limiter"]["diff"] or 0.0)
         self._metrics.gauge("cpu_seconds", _cpu_seconds())

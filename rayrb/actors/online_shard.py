@@ -15,11 +15,11 @@ from rayrb.actors.shards import Rows, Shard
 from rayrb.actors.timer import every
 from rayrb.core.schema import RowSpec
 from rayrb.core.validation import positive_int
+from rayrb.durability.appends import Appender, WriteLock
 from rayrb.durability.copies import copy_order, merged_count, take_newer
+from rayrb.durability.published import CountsMap
 from rayrb.durability.runs import advance, held_runs
 from rayrb.durability.storage import OnlineStorage, store_rows
-from rayrb.durability.write_ids import WriteIds
-from rayrb.durability.writelog import slots
 from rayrb.errors import InvalidArgumentError, RowsLostError, SavedStateError
 
 CHECK_EVERY = 2.0  # seconds between a primary's checks of its replicas when no write comes
@@ -43,12 +43,16 @@ class OnlineShard(Shard):
                          state_dir=state_dir)
         self._spec = RowSpec.from_json(spec_json)
         self._capacity = int(capacity)
-        self._store = OnlineStorage(self._spec, self._capacity, state_dir)
-        self._data, self._gen = self._store.rows, self._store.generation
-        # writes applied beyond the write count (behind a piece still to come): first row -> end; a
-        # restarted shard finds them again from the generations
-        self._held: dict[int, int] = dict(held_runs(self._gen, self._store.written))
-        self._ids = WriteIds(state_dir, self._store.written)  # the pieces it placed itself, for their retries
+        self._counts: tuple[Any, int] | None = None  # the coordinator's counts map on this node, and this shard's place
+        lock = WriteLock(state_dir)  # writers on this node append to the files too (rayrb.durability.appends)
+        with lock.held():
+            self._store = OnlineStorage(self._spec, self._capacity, state_dir)
+            self._data, self._gen = self._store.rows, self._store.generation
+            # writes applied beyond the write count (behind a piece still to come): first row -> end; a
+            # restarted shard finds them again from the generations
+            self._held: dict[int, int] = dict(held_runs(self._gen, self._store.written))
+            # the pieces placed at the write count, by this actor or a writer on its node, and their journal
+            self._files = Appender(self._store, lock=lock, publish=self._publish)
         self._mirror()
         if self._store.reopened:
             self._sampler.on_write(np.arange(self.size()))
@@ -64,6 +68,10 @@ class OnlineShard(Shard):
             every(CHECK_EVERY, "check_replicas")
         if self._lost and coordinator is not None:  # its count went back: the coordinator takes it again
             lookup(coordinator).resync.remote()
+        # where to publish its count: asked now, taken at the first write that finds it answered (never waited
+        # for: the coordinator may be waiting for this shard); a coordinator that starts later sends it
+        restarted = self._lives.restarts or self._lives.unsure
+        self._counts_asked = lookup(coordinator).publish_target.remote(shard_id) if coordinator and restarted else None
         self._lives.ready()
 
     def size(self) -> int:
@@ -78,7 +86,8 @@ class OnlineShard(Shard):
 
     def write_state(self) -> tuple[int, list[tuple[int, int]]]:
         """The write count, and the runs of rows held beyond it (written behind a piece that has not landed)."""
-        return self._store.written, held_runs(self._gen, self._store.written)
+        with self._files.locked():
+            return self._store.written, held_runs(self._gen, self._store.written)
 
     def extend(self, rows: Mapping[str, np.ndarray], start: int = 0, stop: int | None = None,
                first: int | None = None, forward: list | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -105,45 +114,80 @@ class OnlineShard(Shard):
             sent = self._replication.send(forward[0], start, stop, first)
         rows = {k: v[start:stop] for k, v in rows.items()}
         n = self._spec.validate(rows, what=f"rows for shard {self.shard_id}")
-        pos, gen = self._store_rows(rows, first, n)
-        self._advance(first, first + n)  # last: this is what makes the rows visible after a restart
+        with self._files.locked():
+            pos, gen = self._store_rows(rows, first, n)
+            self._advance(first, first + n)  # last: this is what makes the rows visible after a restart
         if self._replication is not None:  # acknowledged once every live replica holds the rows too
             self._replication.settle(sent, self.order())
         self._metrics.observe("extend_ms", (time.perf_counter() - t0) * 1e3)
         return pos, gen
 
     def append(self, rows: Mapping[str, np.ndarray], write_id: str, piece: int = 0, start: int = 0,
-               digest: str | None = None, stop: int | None = None) -> tuple[np.ndarray, int]:
+               digest: str | None = None, stop: int | None = None) -> tuple[np.ndarray, int, bool]:
         """A piece of a write this shard places itself (``rayrb.handle.direct``): its rows in as this shard's
-        next rows, at its write count; their slots and the write count after. ``rows`` is the piece, which
-        starts at row ``start`` of its write, or with ``stop`` the whole write, of which the piece is
-        ``[start, stop)``. A piece this shard placed before under ``(write_id, piece)`` is answered from its
-        journal (``rayrb.durability.write_ids``) and written once; other rows under it are refused
-        (``WriteIdError``)."""
+        next rows, at its write count (``rayrb.durability.appends``); their slots, the write count after, and
+        whether the count was published in the coordinator's counts map (else the writer tells the
+        coordinator). ``rows`` is the piece, which starts at row ``start`` of its write, or with ``stop`` the
+        whole write, of which the piece is ``[start, stop)``. A piece placed before under ``(write_id, piece)``
+        is answered from the journal and written once; other rows under it are refused (``WriteIdError``)."""
         t0 = time.perf_counter()
         if stop is not None:
             rows = {k: v[start:stop] for k, v in rows.items()}
         n = self._spec.validate(rows, what=f"rows for shard {self.shard_id}")
         if n == 0:
             raise InvalidArgumentError(f"shard {self.shard_id}: expected a piece of at least one row, got none")
-        seen = self._ids.check(write_id, piece, n, start, digest)
-        if seen is not None:
-            self._metrics.count("writes_answered_again")
-            return slots(seen.first, seen.rows, self._capacity), self._store.written
-        first = self._store.written
-        self._ids.add(write_id, piece, first=first, rows=n, start=start, digest=digest)  # before the rows
+        self._take_counts_target()
         try:
-            pos, _ = self._store_rows(rows, first, n)
+            done = self._files.append(rows, write_id, piece, start, digest,
+                                      store=lambda r, first, k: self._store_rows(r, first, k))
         except BaseException:
-            self._ids.forget((write_id, piece))
+            if self._table is not None:  # the files were put back: so is the device copy
+                self._mirror()
             raise
-        self._advance(first, first + n)  # last: the count is what makes the rows (and the line) count
+        if done.answered:
+            self._metrics.count("writes_answered_again")
         self._metrics.observe("extend_ms", (time.perf_counter() - t0) * 1e3)
-        return pos, self._store.written
+        return done.slots, done.written, self._counts is not None
 
     def pieces_of(self, write_id: str) -> dict[int, tuple[int, int, int, str | None]]:
         """The pieces of ``write_id`` this shard placed: piece -> ``(first, rows, start, digest)``."""
-        return {p: tuple(v) for p, v in self._ids.of(write_id).items()}
+        with self._files.locked():
+            self._files.ids.sync(self._store.written)
+            return {p: tuple(v) for p, v in self._files.ids.of(write_id).items()}
+
+    # the coordinator's counts map ----------------------------------------------------
+    def publish_to(self, target: tuple[str, str | None, int] | None) -> bool:
+        """Publish this shard's count in the coordinator's counts map ``target = (node, path, index)`` from now
+        on, when it is on this node (``rayrb.durability.published``); whether it is. Publishes the count now."""
+        import ray
+
+        self._counts_asked = None
+        self._counts = None
+        if target is not None and target[1] is not None and target[0] == ray.get_runtime_context().get_node_id():
+            counts = CountsMap.open(target[1])
+            if counts is not None and 0 <= int(target[2]) < counts.shards:
+                self._counts = (counts, int(target[2]))
+                with self._files.locked():
+                    self._publish(self._store.written)
+        return self._counts is not None
+
+    def _take_counts_target(self) -> None:
+        """The answer to the start's ask for the counts map, once it came (never waited for)."""
+        asked = self._counts_asked
+        if asked is None:
+            return
+        import ray
+
+        if ray.wait([asked], timeout=0)[0]:
+            try:
+                self.publish_to(ray.get(asked))
+            except Exception:  # the coordinator died with it: its restart sends the target again
+                self._counts_asked = None
+
+    def _publish(self, written: int) -> None:
+        if self._counts is not None:
+            counts, index = self._counts
+            counts.publish(index, written)
 
     def _store_rows(self, rows: Mapping[str, np.ndarray], first: int, n: int) -> tuple[np.ndarray, np.ndarray]:
         """Copy ``n`` rows in as the ``first``-th on (the count is not moved): their slots and generations."""
@@ -177,6 +221,10 @@ class OnlineShard(Shard):
         """Take, slot by slot, the newer rows of another copy of this shard (``state()`` of its primary or of a
         replica; ``rayrb.durability.copies``), a restore epoch first (``copy_order``); the write count after.
         Taking a copy twice changes nothing."""
+        with self._files.locked():
+            return self._merge(state)
+
+    def _merge(self, state: Mapping[str, np.ndarray]) -> int:
         how = copy_order(self._store.restores, int(state.get("restores", 0)))
         if how != "merge":  # "keep": the other copy is rebuilt from this one
             return self.replace(state) if how == "replace" else self._store.written
@@ -199,8 +247,9 @@ class OnlineShard(Shard):
 
     def replace(self, state: Mapping[str, np.ndarray]) -> int:
         """Take another copy's state whole, with its restore epoch (``copy_order``); the write count after."""
-        super().load_state(state)
-        self._store.restores = int(state.get("restores", 0))  # last: rows without it read as the older copy
+        with self._files.locked():
+            super().load_state(state)
+            self._store.restores = int(state.get("restores", 0))  # last: rows without it read as the older copy
         self._lost = False
         return self._store.written
 
@@ -208,8 +257,10 @@ class OnlineShard(Shard):
         """A restore: the rows replaced whole, under a restore epoch newer than any copy's (set first, so that a
         copy from before it never wins a merge); the replicas take it too."""
         apply = self._checked(state)
-        self._store.restores = max(self._store.restores, int(state.get("restores", 0))) + 1
-        apply()
+        with self._files.locked():
+            self._store.restores = max(self._store.restores, int(state.get("restores", 0))) + 1
+            apply()
+            self._publish(self._store.written)
         if self._replication is not None:
             self._replication.rebuild_all()
 
@@ -232,6 +283,11 @@ class OnlineShard(Shard):
         if self._table is not None:
             return self._table.numpy(idx)
         return {k: v[idx] for k, v in self._data.items()}
+
+    def state(self) -> dict[str, np.ndarray]:
+        """This shard's rows, generations, counts and sampler state at one cut: no append runs meanwhile."""
+        with self._files.locked():
+            return {k: np.array(v) for k, v in super().state().items()}
 
     def _state(self) -> dict[str, np.ndarray]:
         return {**{f"rows/{k}": v for k, v in self._data.items()}, "generation": self._gen,
@@ -256,13 +312,21 @@ class OnlineShard(Shard):
             self._store.written = int(state["written"])
             self._held.clear()  # rows the saved shard held behind a hole: counted once it is filled
             self._held.update(held_runs(self._gen, self._store.written))
-            self._ids.clear()  # rows replaced whole: no earlier write is answered from them
+            self._files.ids.clear()  # rows replaced whole: no earlier write is answered from them
             self._mirror()
 
         return apply
 
+    def gather(self, idx: np.ndarray) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        with self._files.locked():  # no append of a writer on this node runs during the copy
+            return super().gather(idx)
+
     def _generation(self, idx: np.ndarray) -> np.ndarray:
         return self._gen[idx]
+
+    def _unchanged(self, idx: np.ndarray, generation: np.ndarray) -> bool:
+        # writers on this node append to the files without this actor (rayrb.durability.appends)
+        return self._table is not None or bool((self._gen[idx] == generation).all())
 
     def update_priority(self, idx: np.ndarray, generation: np.ndarray, priority: np.ndarray) -> int:
         done = super().update_priority(idx, generation, priority)

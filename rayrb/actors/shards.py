@@ -69,6 +69,10 @@ class Shard:
             return self._table.gather(idx)
         return {k: torch.from_numpy(v) for k, v in self._gather(idx).items()}
 
+    def _unchanged(self, idx: np.ndarray, generation: np.ndarray) -> bool:
+        """Whether the slots at ``idx`` still hold ``generation`` after a copy (rows only this actor writes: yes)."""
+        return True
+
     def _generation(self, idx: np.ndarray) -> np.ndarray:
         raise NotImplementedError
 
@@ -144,7 +148,10 @@ class Shard:
         gen = self._whole(idx)
         if gen is None:
             return None  # a row left torn by a crash: the caller asks again, as for writes still to land
-        rows, info = self._gather(idx), self._info(idx, gen)
+        rows = self._gather(idx)
+        if not self._unchanged(idx, gen):
+            return None  # a writer on this node appended over a row during the copy: the caller asks again
+        info = self._info(idx, gen)
         self._metrics.count("rows_sampled", len(idx))
         self._metrics.observe("sample_ms", (time.perf_counter() - t0) * 1e3)
         return rows, info
@@ -181,6 +188,8 @@ class Shard:
         if gen is None:
             return behind()  # a row left torn by a crash: asked again, as sample_many
         rows = self._gather_tensors(idx)
+        if self._table is None and not self._unchanged(idx, gen):  # host rows, copied: checked as sample_many's
+            return behind()
         target = torch.device(device) if device is not None else next(iter(rows.values())).device
         out = {f"rows/{k}": v.to(target, non_blocking=True) for k, v in rows.items()}
         out.update({f"info/{k}": torch.from_numpy(v).to(target, non_blocking=True)

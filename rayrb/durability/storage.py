@@ -47,6 +47,7 @@ from rayrb.durability.restarts import FILE as RESTARTS_FILE
 from rayrb.io.files import replace_file
 
 LAYOUT = "layout.json"
+WRITE_LOCK = "write.lock"  # the shard's write lock (rayrb.durability.appends)
 
 
 def _array(directory: Path | None, name: str, shape: tuple, dtype: Any, fresh: bool, mode: str | None = None
@@ -85,6 +86,27 @@ class OnlineStorage:
         self._restores = _array(d, "restores", (1,), np.int64, made)
         if fresh and d is not None:
             replace_file(d / LAYOUT, json.dumps(layout))
+
+    @classmethod
+    def attach(cls, spec: RowSpec, capacity: int, directory: str | os.PathLike) -> OnlineStorage | None:
+        """The files a shard of this spec and capacity keeps in ``directory``, mapped for writing by another
+        process on its node (``rayrb.durability.appends``); None where the directory holds no such shard (gone,
+        half-made, another layout). Nothing is made or cleared."""
+        d = Path(directory)
+        if _layout(d) != {"spec": spec.to_json(), "capacity": int(capacity)}:
+            return None
+        self = cls.__new__(cls)
+        self.spec, self.capacity, self.directory, self.reopened = spec, int(capacity), d, True
+        try:
+            self.rows = {k: _array(d, "rows/" + k.replace(SEP, "__"), (self.capacity, *f.shape), f.dtype, False,
+                                   mode="r+") for k, f in spec.items()}
+            self.generation = _array(d, "generation", (self.capacity,), np.int64, False, mode="r+")
+            self._written = _array(d, "written", (1,), np.int64, False, mode="r+")
+            self._restores = _array(d, "restores", (1,), np.int64, False, mode="r+")
+        except (OSError, ValueError):  # a file missing or short: being made afresh
+            return None
+        self.priority = self.max_priority = None  # the shard's sampler keeps them
+        return self
 
     @property
     def written(self) -> int:
@@ -215,11 +237,12 @@ class PriorityStore:
 
 def _clear(directory: Path | None) -> None:
     """Empty a shard's directory for a fresh start, but for what its actor keeps of its own life there: the
-    restart record (a start that crashes now must still back off) and the lease (clean-up must see it live)."""
+    restart record (a start that crashes now must still back off), the lease (clean-up must see it live) and
+    the write lock (``rayrb.durability.appends``: a writer holding it holds it on this file)."""
     if directory is None or not directory.exists():
         return
     for p in directory.iterdir():
-        if p.name in (RESTARTS_FILE, LEASE_FILE):
+        if p.name in (RESTARTS_FILE, LEASE_FILE, WRITE_LOCK):
             continue
         if p.is_dir() and not p.is_symlink():
             shutil.rmtree(p)

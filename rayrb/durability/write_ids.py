@@ -17,6 +17,12 @@ the write count. So a line is kept on reopening when its rows end at or below th
 line (the write count, for the last). A piece that failed after its line was written (its rows refused, a full
 disk) is passed over by the next piece's line at the same place.
 
+Several processes append to one journal: the shard and the writers on its node that append to its files
+themselves (``rayrb.durability.appends``), each under the shard's write lock. Each keeps a view of the file and
+``sync`` s it before it answers or appends: the lines others appended since are read and chained as on reopening
+(a line a process killed mid-append left without its end is closed by the next append, never glued to it), and
+a file rewritten by another process (bounded on disk) is read again whole.
+
 Examples:
     >>> import tempfile
     >>> d = tempfile.mkdtemp()
@@ -53,16 +59,62 @@ class WriteIds:
     """The last ``remember`` pieces a shard placed, by ``(write id, piece)``, journalled under ``directory``
     (kept in memory only without one)."""
 
-    def __init__(self, directory: str | os.PathLike | None, written: int, remember: int = REMEMBER):
+    def __init__(self, directory: str | os.PathLike | None, written: int, remember: int = REMEMBER,
+                 rewrite: bool = True):
+        """The journal in ``directory`` at write count ``written``; ``rewrite``: the shard's own start, which
+        rewrites the file without its torn lines (a writer's view, ``rewrite=False``, only reads it)."""
         self._path = None if directory is None else Path(directory) / FILE
         self._remember = int(remember)
         self._pieces: OrderedDict[tuple[str, int], Piece] = OrderedDict()
         self._lines = 0
+        self._read_to: tuple[int, int] = (-1, 0)  # (inode, bytes) of the file this view has read
+        self._open_line = False  # the file ends inside a line (a process killed mid-append)
         if self._path is not None:
-            for key, piece in _chain(_read(self._path), int(written))[-self._remember:]:
+            if rewrite:
+                for key, piece in _chain(_read(self._path), int(written))[-self._remember:]:
+                    self._pieces[key] = piece
+                self._lines = len(self._pieces)
+                replace_file(self._path, "".join(_line(k, p) for k, p in self._pieces.items()))  # torn lines gone
+                self._read_to = _stat(self._path)
+            else:
+                self.sync(written)
+
+    def sync(self, written: int) -> None:
+        """Take the lines other processes appended (or the file whole, if one rewrote it) since this view last
+        read it, chained at write count ``written`` (see the module). Called under the shard's write lock."""
+        if self._path is None:
+            return
+        inode, size = _stat(self._path)
+        seen_inode, seen = self._read_to
+        if inode != seen_inode:  # rewritten (or made) by another process: read whole
+            self._pieces.clear()
+            self._lines, seen, self._open_line = 0, 0, False
+        if size > seen:
+            with open(self._path, "rb") as f:
+                f.seek(seen)
+                text = f.read(size - seen).decode(errors="replace")
+            self._open_line = not text.endswith("\n")
+            for line in text.splitlines():
+                self._lines += 1
+                parsed = _parse(line)
+                if parsed is None:
+                    continue
+                key, piece = parsed
+                while self._pieces:  # a line at or before the end of the last: the pieces it passes over failed
+                    last = next(reversed(self._pieces.values()))
+                    if last.first + last.rows <= piece.first:
+                        break
+                    self._pieces.popitem(last=True)
+                self._pieces.pop(key, None)
                 self._pieces[key] = piece
-            self._lines = len(self._pieces)
-            replace_file(self._path, "".join(_line(k, p) for k, p in self._pieces.items()))  # torn lines gone
+            while len(self._pieces) > self._remember:
+                self._pieces.popitem(last=False)
+        while self._pieces:  # lines whose rows the count never reached: their writer died first
+            last = next(reversed(self._pieces.values()))
+            if last.first + last.rows <= int(written):
+                break
+            self._pieces.popitem(last=True)
+        self._read_to = (inode, max(size, seen) if inode == seen_inode else size)
 
     def get(self, write_id: str, piece: int) -> Piece | None:
         return self._pieces.get((write_id, int(piece)))
@@ -86,12 +138,17 @@ class WriteIds:
         """Journal a piece before its rows are stored (see the module)."""
         key, value = (str(write_id), int(piece)), Piece(int(first), int(rows), int(start), digest)
         if self._path is not None:
+            data = ("\n" if self._open_line else "") + _line(key, value)  # a torn line is closed, not joined
             fd = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             try:
-                os.write(fd, _line(key, value).encode())
+                os.write(fd, data.encode())
+                st = os.fstat(fd)
             finally:
                 os.close(fd)
             self._lines += 1
+            self._open_line = False
+            if self._read_to[0] == st.st_ino:
+                self._read_to = (st.st_ino, st.st_size)
         self._pieces.pop(key, None)
         self._pieces[key] = value
         while len(self._pieces) > self._remember:
@@ -99,6 +156,7 @@ class WriteIds:
         if self._lines > 2 * self._remember:  # the file about as long as what is remembered
             replace_file(self._path, "".join(_line(k, p) for k, p in self._pieces.items()))
             self._lines = len(self._pieces)
+            self._read_to = _stat(self._path)
 
     def forget(self, key: tuple[str, int]) -> None:
         """Drop a piece whose rows were refused after its line was written (its line is passed over on
@@ -111,6 +169,7 @@ class WriteIds:
         if self._path is not None:
             replace_file(self._path, "")
             self._lines = 0
+            self._read_to, self._open_line = _stat(self._path), False
 
     def __len__(self) -> int:
         return len(self._pieces)
@@ -127,14 +186,26 @@ def _read(path: Path) -> list[tuple[tuple[str, int], Piece]]:
         text = path.read_text(errors="replace")
     except FileNotFoundError:
         return out
-    for line in text.splitlines():
-        try:
-            write_id, piece, first, rows, start, digest = json.loads(line)
-            out.append(((str(write_id), int(piece)), Piece(int(first), int(rows), int(start),
-                                                           None if digest is None else str(digest))))
-        except (ValueError, TypeError):
-            continue
-    return out
+    return [p for p in map(_parse, text.splitlines()) if p is not None]
+
+
+def _parse(line: str) -> tuple[tuple[str, int], Piece] | None:
+    """A journal line, or None where it is torn or damaged."""
+    try:
+        write_id, piece, first, rows, start, digest = json.loads(line)
+        return (str(write_id), int(piece)), Piece(int(first), int(rows), int(start),
+                                                  None if digest is None else str(digest))
+    except (ValueError, TypeError):
+        return None
+
+
+def _stat(path: Path) -> tuple[int, int]:
+    """``(inode, size)`` of the journal, ``(-1, 0)`` where there is none yet."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return -1, 0
+    return st.st_ino, st.st_size
 
 
 def _chain(lines: list[tuple[tuple[str, int], Piece]], written: int) -> list[tuple[tuple[str, int], Piece]]:

@@ -62,7 +62,8 @@ class BufferClient:
         self._spec, self._name = spec, name
         self._sampling = Sampling(self.rpc, spec, prefetch=prefetch, layout=layout,  # checked by the owner
                                   local_reads=local_reads, limited=limited, storage_device=storage_device)
-        self._writer = Writer(self.rpc, spec, max_writes_in_flight, ordered_one_by_one=limited, shards_place=shards_place)
+        self._writer = Writer(self.rpc, spec, max_writes_in_flight, ordered_one_by_one=limited, shards_place=shards_place,
+                              layout=layout, local=local_reads and storage_device == "cpu")
         self._learners = Learners(self.rpc, self.output, name, transport, read_device)
 
     # writing ------------------------------------------------------------------
@@ -265,11 +266,12 @@ class BufferClient:
 
     def stats(self) -> dict[str, Any]:
         """Sizes, rates, latencies and restarts: ``{"coordinator": {...}, "shards": [...]}``, plus ``"handle"``
-        (this handle's drawing ahead and local reads)."""
+        (this handle's drawing ahead, local reads, and its writes by how they went: ``writes_appended_here``,
+        ``writes_sent``, ``writes_relayed``, ``writes_told``)."""
         self._sampling.give_back(pace=False)  # counts are of batches served; how far the loop plans is kept
         out = self.rpc.get(self.rpc.coord.stats.remote())
-        handle = self._sampling.stats()
-        return out if handle is None else {**out, "handle": handle}
+        handle = {**(self._sampling.stats() or {}), **self._writer.stats()}
+        return {**out, "handle": handle} if handle else out
 
     spec = property(lambda self: self._spec, doc="The row spec.")
     batch_size = property(lambda self: self.output.batch_size, doc="The default batch size (None: every call says).")

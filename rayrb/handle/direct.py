@@ -1,46 +1,53 @@
-"""Writes the online shards place themselves: one round trip from the writer to a shard.
+"""A write where the online shards place writes: from the handle to the rows in a shard, and what happens when
+something dies on the way. The write path of every buffer without a rate limiter that bounds samples per insert
+and without replicas (``BufferSettings.shards_place``); the coordinator is off it.
 
-With ``write_path="shards"`` (experimental; not with a rate limiter or replicas)
-(``BufferSettings.shards_place``), a buffer's online shards place every write themselves, at their own write
-count, and the coordinator is off the write's path:
+1. **Placement, at the writer.** A write is one piece unless it would overflow a shard (``cut_write``). The piece
+   goes to the least-written online shard as this handle knows the counts (the answers of its own writes, and
+   the counts map on the coordinator's node, when this process is there), preferring a shard on this node while
+   it is at most an eighth of a shard ahead (``assign_pieces``), so fill levels stay balanced.
+2. **Appended here, with no call**, when that shard runs on this node and maps its files under ``storage_dir``,
+   and the coordinator runs here too: this process takes the shard's write lock and appends the rows to its
+   files itself, exactly as the shard would (``rayrb.durability.appends``: journal line, undo record, rows,
+   count, published count). Not for a caller-named ``write_id`` (it may have landed in any shard: step 3 asks
+   them), prioritized sampling (the shard's sum tree must see the row), rows kept on a GPU, or more than
+   ``UNDO_ROWS`` rows.
+3. **Otherwise one call**: the piece goes to its shard (``OnlineShard.append``), which appends it the same way and
+   answers the slots, its count and whether it published the count. A write under a ``write_id`` the caller named
+   asks every shard first which pieces of it they hold (``pieces_of``): those are answered, not written again.
+   A write too large for one shard goes to the coordinator, which holds its rows before it sends the pieces to
+   the shards (``Coordinator.relay``): a writer that dies meanwhile leaves it whole or not at all.
+4. **Seen by every reader.** An append published in the coordinator's counts map (``rayrb.durability.published``)
+   is seen by the coordinator's next plan and by every handle on its node before their next batch, without a
+   call. An append it could not publish (a shard on another node) is told to the coordinator
+   (``Coordinator.wrote``), and ``extend`` returns once it answered. So a sample that starts after ``extend``
+   returned, in any process, plans over the rows (contract 2).
 
-1. **Placement, at the writer.** A write is cut as the coordinator would cut it (``cut_write``: one piece unless
-   it would overflow a shard). One piece goes to the least-written shard as this handle knows the counts (the
-   answers of its own writes, and of the coordinator to its tells), so fill levels stay balanced within a few
-   writes of each other.
-2. **One call.** The piece goes straight to its shard (``OnlineShard.append``), which journals ``(write id,
-   piece)`` before it stores the rows and moves its count past them (``rayrb.durability.write_ids``), and
-   answers the rows' slots and its count. A shard that dies meanwhile is restarted and sent the call again by
-   Ray; the journal answers it if the rows counted, else it places them anew: they land once.
-3. **The tell.** Acknowledged, the writer tells the coordinator the shard's count (``Coordinator.wrote``), without
-   waiting. Its own later calls reach the coordinator after the tell (Ray keeps one caller's calls to an actor in
-   order), so its next sample plans over the rows; the answer (the coordinator's version) makes a draw this
-   handle planned before it given back (``Loop.before``). Another process's sample sees the rows once the
-   coordinator took the tell, which left before ``extend`` returned. A tell that never arrives (a writer killed
-   right after) leaves rows in their shard, kept and counted at the next tell or resync.
-
-A write too large for one shard goes to the coordinator, which holds its rows before it sends the pieces to the
-shards that place them (``Coordinator.relay``): a writer that dies meanwhile leaves it whole or not at all.
-
-A write under a ``write_id`` the caller gave may be a retry from another handle, which cannot know where the first
-attempt went: the shards are asked first which pieces they placed under it (one call more), and those are
-answered, not written again. An id this handle made up is retried by this handle alone, which knows its shard.
+**Recovery.** A process killed during a local append leaves an undo record that the next holder of the shard's
+write lock puts back (nothing half applied); a shard killed during its append is restarted and sent the call again
+by Ray, and its journal answers it if the rows counted, else it places them anew (they land once). A call that
+fails for good raises ``BufferUnavailableError`` naming the ``write_id``: retried with it, the write lands once. A
+tell lost with the coordinator is not needed: a restarted coordinator takes every shard's count.
 """
 from __future__ import annotations
 
+import os
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from rayrb.core.allocation import assign_pieces, cut_write
-from rayrb.durability.writelog import slots
+from rayrb.core.plans import ONLINE
+from rayrb.durability.appends import UNDO_ROWS, positions
 from rayrb.errors import WriteIdError
 
 Rows = dict[str, np.ndarray]
+LOCAL_SAMPLERS = ("uniform", "without_replacement")  # samplers that keep no per-row state in the shard
+SLACK = 8  # a shard on this node takes a write while at most capacity / SLACK rows ahead of the least-written
 
 
 class Sent(NamedTuple):
-    """A write on its way: its pieces ``(shard, start, ack)``, or the indices a retry was answered with."""
+    """A write on its way: its pieces ``(shard, start, ack)``, or the indices it was answered with."""
 
     rows: int
     pieces: list[tuple[int, int, Any]]
@@ -48,48 +55,140 @@ class Sent(NamedTuple):
 
 
 class DirectWrites:
-    """A handle's writes to shards that place them (see the module)."""
+    """A handle's writes to shards that place them (see the module). ``layout``: each shard's place on disk
+    (``rayrb.handle.launch.layout``); ``local``: appends in this process are allowed."""
 
-    def __init__(self, rpc: Any):
-        self.rpc = rpc
+    def __init__(self, rpc: Any, spec: Any, layout: list | None = None, local: bool = True):
+        self.rpc, self._spec = rpc, spec
+        self._online = [d for d in (layout or []) if d.get("side") == ONLINE]
+        self._local = local
         self._capacity: np.ndarray | None = None  # per online shard
         self._offsets: np.ndarray | None = None
         self._written: np.ndarray | None = None  # each shard's count as this handle knows it
+        self._nodes: list[str | None] | None = None  # each online shard's node, asked once
+        self._here: dict[int, Any] = {}  # online shard -> its files' appender in this process (None: not here)
         self._told: Any = None  # the latest tell: its answer is (version, every shard's count)
+        self.stats = {"appended_here": 0, "sent": 0, "relayed": 0, "told": 0}  # writes, by how they went
 
+    # 1. placement ----------------------------------------------------------------
+    def _choose(self, n: int) -> int:
+        """The shard a one-piece write of ``n`` rows goes to (step 1)."""
+        return assign_pieces([n], self._known(), self._local_shards(), int(self._capacity.min()) // SLACK)[0]
+
+    def _placed(self, shard: int, n: int, written: int | None = None) -> None:
+        """``n`` rows went to ``shard``, whose count is ``written`` after, if known: the next write goes on."""
+        self._written[shard] = max(int(self._written[shard]) + (n if written is None else 0), int(written or 0))
+
+    def _known(self) -> np.ndarray:
+        counts = self.rpc.counts_map()
+        if counts is not None:
+            self._written = np.maximum(self._written, counts.written()[:len(self._written)])
+        return self._written
+
+    def _local_shards(self) -> set[int]:
+        if self._nodes is None:
+            from rayrb.handle.rpc import node_id
+
+            here, m = node_id(), len(self.rpc.by_side["offline"])
+            self._nodes = []
+            for i in range(len(self._capacity)):
+                try:
+                    self._nodes.append(self.rpc.node_of(m + i))
+                except Exception:  # restarting: a hint only, asked again by the next handle
+                    self._nodes.append(None)
+            self._node = here
+        return {i for i, node in enumerate(self._nodes) if node is not None and node == self._node}
+
+    # 2. appended here ---------------------------------------------------------------
+    def here(self, rows: Rows, n: int, write_id: str, digest: str | None, look: bool) -> np.ndarray | None:
+        """The write's indices once appended by this process to a shard on its node (step 2), or None where it
+        cannot be: the caller sends it instead."""
+        if look or not self._local or not self._online or n > UNDO_ROWS:
+            return None
+        self._learn()
+        if len(cut_write(n, self._capacity.tolist(), min_piece=int(self._capacity.max()))) > 1:
+            return None
+        shard = self._choose(n)
+        appender = self._appender(shard)
+        if appender is None:
+            return None
+        done = appender.append(rows, write_id, 0, 0, digest)
+        if done is None:  # the shard's process is gone from this node, or made its files afresh
+            self._here.pop(shard, None)
+            return None
+        self._placed(shard, n, done.written)
+        self.stats["appended_here"] += 1
+        return self._offsets[shard] + done.slots
+
+    def _appender(self, shard: int) -> Any:
+        if shard not in self._here:
+            self._here[shard] = self._attach(shard)
+        return self._here[shard]
+
+    def _attach(self, shard: int) -> Any:
+        """An appender over online shard ``shard``'s files, where step 2 may append to them here, else None."""
+        from rayrb.handle.local import ordered_stores
+
+        d = self._online[shard] if shard < len(self._online) else None
+        counts = self.rpc.counts_map()
+        if (d is None or d.get("dir") is None or d.get("sampler") not in LOCAL_SAMPLERS or counts is None
+                or shard not in self._local_shards() or not ordered_stores()):
+            return None
+        try:
+            return _Here(d["dir"], self._spec, int(d["capacity"]), counts, shard)
+        except Exception:  # files this node cannot open: the shard appends
+            return None
+
+    # 3. one call ---------------------------------------------------------------------
     def send(self, rows: Rows | Any, n: int, write_id: str, digest: str | None, look: bool) -> Sent:
         """Submit a write of ``n`` rows (inline arrays, or one object-store ref for a large one); ``look``: the
         caller named it, so ask the shards first what they hold of it."""
         self._learn()
-        pieces = cut_write(n, self._capacity.tolist())
+        pieces = cut_write(n, self._capacity.tolist(), min_piece=int(self._capacity.max()))
         if len(pieces) > 1:
             out = self.rpc.get(self.rpc.coord.relay.remote([rows], n, write_id, digest, look))
+            self.stats["relayed"] += 1
             return Sent(n, [(shard, start, ack) for shard, _, start, ack in out])
         if look:
             held = self._held(write_id)
             if held:
                 return Sent(n, [], self._answer(held, write_id, n, digest))
-        shard = assign_pieces([n], self._written)[0]
-        self._written[shard] += n  # this handle's next write goes on to the next least-written shard
-        ack = self.rpc.by_side["online"][shard].append.remote(rows, write_id, 0, 0, digest)
+        shard = self._choose(n)
+        self._placed(shard, n)
+        ack = self.rpc.by_side[ONLINE][shard].append.remote(rows, write_id, 0, 0, digest)
+        self.stats["sent"] += 1
         return Sent(n, [(shard, 0, ack)])
 
     def receive(self, sent: Sent) -> np.ndarray:
-        """The write's global online indices once every piece's shard acknowledged it; tells the coordinator."""
+        """The write's global online indices once every piece's shard acknowledged it, and the coordinator took
+        the counts no shard could publish (step 4)."""
         if sent.answered is not None:
             return sent.answered
         answers = self.rpc.get([ack for _, _, ack in sent.pieces])
         indices = np.empty(sent.rows, np.int64)
-        counts = []
-        for (shard, start, _), (pos, written) in zip(sent.pieces, answers):
+        untold = []
+        for (shard, start, _), (pos, written, published) in zip(sent.pieces, answers):
             indices[start:start + len(pos)] = self._offsets[shard] + np.asarray(pos, np.int64)
-            self._written[shard] = max(int(self._written[shard]), int(written))
-            counts.append((shard, int(written)))
-        self._told = self.rpc.coord.wrote.remote(counts)
-        self.rpc.told = self._told
+            self._placed(shard, 0, int(written))
+            if not published:
+                untold.append((shard, int(written)))
+        if untold or self.rpc.counts_map() is None:  # the handle's own loop follows the tell's answer
+            told = self.rpc.coord.wrote.remote(untold)
+            self.rpc.told = self._told = told
+            if untold:
+                self.stats["told"] += 1
+                try:
+                    self.rpc.get(told)
+                except Exception:  # the coordinator died with it: its restart takes every shard's count
+                    pass
         return indices
 
     def land(self, rows: Rows | Any, n: int, write_id: str, digest: str | None, look: bool) -> np.ndarray:
+        """The write's indices once it is kept and counted: appended here, or sent."""
+        if isinstance(rows, dict):
+            done = self.here(rows, n, write_id, digest, look)
+            if done is not None:
+                return done
         return self.receive(self.send(rows, n, write_id, digest, look))
 
     def _learn(self) -> None:
@@ -111,7 +210,7 @@ class DirectWrites:
 
     def _held(self, write_id: str) -> dict[int, tuple[int, tuple]]:
         """The pieces the shards placed under ``write_id``: piece -> ``(shard, (first, rows, start, digest))``."""
-        shards = self.rpc.by_side["online"]
+        shards = self.rpc.by_side[ONLINE]
         found = self.rpc.get([s.pieces_of.remote(write_id) for s in shards])
         return {int(p): (shard, tuple(v)) for shard, held in enumerate(found) for p, v in held.items()}
 
@@ -123,4 +222,43 @@ class DirectWrites:
             raise WriteIdError(f"write_id {write_id!r} was used for another write ({len(held)} pieces, "
                                f"{sum(v[1][1] for v in held.values())} rows), got {n} rows with digest {digest}: "
                                "a retry sends the same rows, other rows take a new id")
-        return self._offsets[shard] + slots(first, rows, int(self._capacity[shard]))
+        return self._offsets[shard] + positions(first, rows, int(self._capacity[shard]))
+
+    def close(self) -> None:
+        for here in self._here.values():
+            if here is not None:
+                here.close()
+        self._here = {}
+
+
+class _Here:
+    """An online shard's files on this node, appended to by this process while the shard's process lives here
+    and its files are the ones mapped (both checked under the shard's write lock, before each append)."""
+
+    def __init__(self, directory: str, spec: Any, capacity: int, counts: Any, shard: int):
+        from rayrb.durability.appends import attach
+        from rayrb.durability.lease import FILE
+        from rayrb.durability.storage import identity, layout_path
+
+        self._layout = layout_path(directory)
+        self._identity = identity(self._layout)
+        self._lease_fd = os.open(os.path.join(directory, FILE), os.O_RDONLY)  # raises if not here
+        self._appender = attach(spec, capacity, directory, publish=lambda written: counts.publish(shard, written))
+        if self._appender is None or self._identity is None:
+            self.close()
+            raise FileNotFoundError(directory)
+
+    def append(self, rows: Rows, write_id: str, piece: int, start: int, digest: str | None) -> Any:
+        """``Appender.append``, or None where the shard's process is gone or its files were made afresh."""
+        from rayrb.durability.lease import held
+        from rayrb.durability.storage import identity
+
+        def current() -> bool:
+            return held(None, self._lease_fd) and identity(self._layout) == self._identity
+
+        return self._appender.append(rows, write_id, piece, start, digest, check=current)
+
+    def close(self) -> None:
+        if getattr(self, "_appender", None) is not None:
+            self._appender.close()
+        os.close(self._lease_fd)

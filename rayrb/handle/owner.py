@@ -89,7 +89,11 @@ class OfflineToOnlineReplayBuffer(BufferClient):
             more, a write is acknowledged once every live copy holds it, a lost copy is rebuilt on another
             node, and the coordinator's files are kept off its node too, so a node loss loses no
             acknowledged row (docs/durability.md). Needs a ``storage_dir`` and that many nodes.
-        write_path (str): ``"coordinator"`` (default) places each write; ``"shards"``: experimental (``rayrb.handle.direct``).
+        write_path (str): who places each write. ``"shards"`` (the default, where it can be): the writer
+            appends to a shard's files itself on its node, else sends the write to the shard, one call, the
+            coordinator off the path (``rayrb.handle.direct``). ``"coordinator"`` (the default with a rate limiter
+            that bounds samples per insert, or with ``online_replicas`` > 1): the coordinator admits, places and
+            sends each write.
         online_nodes (list): a node id (or None) per online shard, to place it beside
             the collectors that feed it (a soft preference). A write prefers the online
             shards on the writer's node while they are at most an eighth of a shard
@@ -150,7 +154,7 @@ class OfflineToOnlineReplayBuffer(BufferClient):
         transport: str = "object_store", alpha: float = ALPHA, beta: float = BETA, eps: float = EPS,
         max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES, storage_dir: str | os.PathLike | None = DEFAULT_STORAGE,
         rate_limiter: Any = None, prefetch: int = PREFETCH, storage_device: str = "cpu", max_restarts: int = -1,
-        local_reads: bool = True, write_path: str = "coordinator", **dataset_kwargs: Any,
+        local_reads: bool = True, write_path: str | None = None, **dataset_kwargs: Any,
     ):
         self.rpc, self._owned_dirs, self._copies = None, [], []  # until the actors run, nothing is usable or owned
         s = checked_settings(  # every option checked once, before any actor exists; trusted from here on
@@ -195,7 +199,8 @@ class OfflineToOnlineReplayBuffer(BufferClient):
         Args:
             timeout: bounds this handle's waits (default: the buffer's).
             prefetch: how far its plain ``sample()`` loop may draw ahead (default: the buffer's).
-            local_reads: whether it gathers the rows of shards on its node itself (default: the buffer's).
+            local_reads: whether it gathers the rows of shards on its node itself, and appends its writes to
+                their files itself (default: the buffer's).
             max_writes_in_flight: its ``extend(..., wait=False)`` writes on their way at once (default 8).
         """
         options = client_options(timeout, prefetch, local_reads, max_writes_in_flight)

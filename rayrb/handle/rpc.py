@@ -32,7 +32,7 @@ class Rpc:
         self.shards = list(shards)  # offline first
         self.by_side = {OFFLINE: self.shards[:num_offline], ONLINE: self.shards[num_offline:]}
         self.closed = False
-        self._version_map: Any = None  # the coordinator's version file, when on this node (False: not)
+        self._version_map: Any = None  # the coordinator's counts map, when on this node (False: not)
         self.told: Any = None  # this handle's latest tell of a write its shard placed (rayrb.handle.direct)
 
     def get(self, refs: Any, timeout: float | None | str = "call") -> Any:
@@ -134,7 +134,7 @@ class Rpc:
     def answered_at(self, version: int) -> None:
         """An answer of the coordinator's carried ``version``. The map is written before any answer leaves, so a
         map behind it is no longer the coordinator's (restarted on another node): look it up again."""
-        if self._version_map is not None and self._version_map is not False and int(self._version_map[0]) < version:
+        if self._version_map is not None and self._version_map is not False and self._version_map.version() < version:
             self._version_map = None
 
     def told_version(self) -> Any:
@@ -152,20 +152,26 @@ class Rpc:
 
         return version
 
-    def version(self) -> int | None:
-        """The coordinator's version read from its memory map, when it runs on this node (else None)."""
+    def counts_map(self) -> Any:
+        """The coordinator's counts map (``rayrb.durability.published``), when it runs on this node (else None)."""
         if self._version_map is None:
-            import numpy as np
             import ray
+
+            from rayrb.durability.published import CountsMap
 
             self._version_map = False
             try:
                 node, path = self.get(self.coord.version_file.remote())
                 if path is not None and node == ray.get_runtime_context().get_node_id():
-                    self._version_map = np.memmap(path, dtype=np.int64, mode="r", shape=(1,))
+                    self._version_map = CountsMap.open(path) or False
             except (OSError, ValueError):
                 pass
-        return None if self._version_map is False else int(self._version_map[0])
+        return self._version_map or None
+
+    def version(self) -> int | None:
+        """The coordinator's version read from its counts map, when it runs on this node (else None)."""
+        counts = self.counts_map()
+        return None if counts is None else counts.version()
 
 
 @functools.cache

@@ -85,7 +85,7 @@ class BufferSettings:
     max_batch_bytes: int
     prefetch: int
     online_replicas: int
-    write_path: str  # "coordinator" or "shards": who places each write
+    write_path: str  # "shards" or "coordinator": who places each write (rayrb.handle.direct)
     storage_dir: str | None
     name: str  # as given: its forms for metric tags and file names are rayrb.core.names's
 
@@ -101,8 +101,8 @@ class BufferSettings:
 
     @property
     def shards_place(self) -> bool:
-        """Whether the online shards place every write themselves, which then goes straight to them
-        (``write_path="shards"``, ``rayrb.handle.direct``)."""
+        """Whether the online shards place every write themselves, which then goes straight to them, or is
+        appended by the writer itself on their node (``write_path="shards"``, ``rayrb.handle.direct``)."""
         return self.write_path == "shards"
 
     def handle_options(self) -> dict[str, Any]:
@@ -123,7 +123,7 @@ def checked_settings(offline_dataset: Any, *, online_capacity: Any = None, onlin
                      max_batch_bytes: Any = DEFAULT_MAX_BATCH_BYTES, storage_dir: Any = DEFAULT_STORAGE,
                      rate_limiter: Any = None, prefetch: Any = PREFETCH, storage_device: Any = "cpu",
                      max_restarts: Any = -1, local_reads: Any = True, name: Any = None,
-                     write_path: Any = "coordinator") -> BufferSettings:
+                     write_path: Any = None) -> BufferSettings:
     """The buffer's options checked, each once, in ``OfflineToOnlineReplayBuffer``'s order (its defaults too)."""
     m = positive_int("num_offline_shards", num_offline_shards)
     k = positive_int("num_online_shards", num_online_shards)
@@ -150,9 +150,12 @@ def checked_settings(offline_dataset: Any, *, online_capacity: Any = None, onlin
     max_batch_bytes = positive_int("max_batch_bytes", max_batch_bytes)
     prefetch = CLIENT_CHECKS["prefetch"](prefetch)
     replicas = replicas_option(online_replicas, storage_dir, nodes, actor_options or {}, max_restarts)
-    if write_path not in ("coordinator", "shards"):
-        raise InvalidArgumentError(f"expected write_path 'coordinator' or 'shards', got {write_path!r}")
-    if write_path == "shards" and (limiter.samples_per_insert is not None or replicas > 1):
+    if write_path not in (None, "coordinator", "shards"):
+        raise InvalidArgumentError(f"expected write_path None, 'coordinator' or 'shards', got {write_path!r}")
+    admitted = limiter.samples_per_insert is not None or replicas > 1  # each write admitted or copied centrally
+    if write_path is None:
+        write_path = "coordinator" if admitted else "shards"
+    elif write_path == "shards" and admitted:
         raise InvalidArgumentError(f"write_path='shards' takes neither a rate limiter that bounds samples per "
                                    f"insert nor online_replicas > 1 (each write is admitted or copied at the "
                                    f"coordinator), got rate_limiter={rate_limiter!r}, online_replicas={replicas}")

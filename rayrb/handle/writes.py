@@ -57,10 +57,11 @@ class Writer:
     """A handle's ``extend`` and ``update_priority`` (see the module; their arguments are documented there)."""
 
     def __init__(self, rpc: Any, spec: Any, max_in_flight: int = 8, ordered_one_by_one: bool = False,
-                 shards_place: bool = False):
+                 shards_place: bool = False, layout: list | None = None, local: bool = True):
         self.rpc, self._spec, self.max_in_flight = rpc, spec, max_in_flight
         self.shards_place = shards_place
-        self._direct = DirectWrites(rpc) if shards_place else None  # the shards place writes: sent there
+        # the shards place writes: appended here where a shard's files are on this node, else sent there
+        self._direct = DirectWrites(rpc, spec, layout, local) if shards_place else None
         self._slots = threading.BoundedSemaphore(max_in_flight)  # writes on their way: the caller waits for one
         # Coordinator calls sent ahead of the answers: with a rate limiter that may hold a write back, one at a
         # time, so that a held write is never overtaken by the next one
@@ -96,10 +97,25 @@ class Writer:
         look = write_id is not None  # named by the caller: maybe a retry from another handle
         write_id = write_id if write_id is not None else uuid.uuid4().hex
         digest = rows_digest(arrays)  # the rows the id names: a retry sends these, other rows are refused
-        if wait and all(p.done() for p in self._pending):  # nothing on its way that this must land after
-            return _indices(self._land(_payload(arrays, copy=False), n, write_id, prefill, digest, look))
+        if all(p.done() for p in self._pending):  # nothing on its way that this must land after
+            if wait:
+                return _indices(self._land(_payload(arrays, copy=False), n, write_id, prefill, digest, look))
+            if self._direct is not None:  # appended here at once where it can be: nothing left on its way
+                try:
+                    here = self._direct.here(arrays, n, write_id, digest, look)
+                except Exception as e:  # flush() raises it, as a failure of a write sent
+                    failed = PendingWrite.resolved(write_id, error=e)
+                    with self._lock:
+                        self._pending.append(failed)
+                    return failed
+                if here is not None:
+                    return PendingWrite.resolved(write_id, _indices(here))
         pending = self._send_later((_payload(arrays, copy=True), n, write_id, prefill, digest, look))
         return pending.result() if wait else pending
+
+    def stats(self) -> dict[str, int]:
+        """This handle's writes by how they went, where the shards place them (``rayrb.handle.direct``)."""
+        return {} if self._direct is None else {f"writes_{k}": v for k, v in self._direct.stats.items()}
 
     def flush(self) -> None:
         """Wait for every write ``extend(..., wait=False)`` sent since the last flush; raise the first that
@@ -245,9 +261,15 @@ class PendingWrite(Future):
         self.write_id, self.rows = write_id, rows
 
     @classmethod
-    def resolved(cls, write_id: str | None) -> PendingWrite:
-        pending = cls(write_id, 0)
-        pending.set_result(torch.empty(0, dtype=torch.int64))
+    def resolved(cls, write_id: str | None, indices: torch.Tensor | None = None,
+                 error: BaseException | None = None) -> PendingWrite:
+        """A write done already: its ``indices`` (none: an empty write), or the ``error`` it raised."""
+        indices = torch.empty(0, dtype=torch.int64) if indices is None else indices
+        pending = cls(write_id, len(indices))
+        if error is not None:
+            pending.set_exception(error)
+        else:
+            pending.set_result(indices)
         return pending
 
 
