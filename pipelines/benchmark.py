@@ -62,7 +62,8 @@ DEFAULT_OUT = REPO / "benchmarks" if (REPO / "pyproject.toml").is_file() else Pa
 
 SIZES = {
     "full": dict(n_off=COVERTYPE_ROWS, dim=54, n_on=100_000, batch_sizes=[256, 4096, 65536], shards=[1, 2, 4],
-                 repeats=3, min_time=1.0, min_iters=5, writer_batches=300, writer_rows=[16, 256], per_row_frames=20_000,
+                 repeats=3, min_time=1.0, min_iters=5, writer_batches=300, writer_rows=[1, 16, 256, 1024],
+                 per_row_frames=20_000,
                  prefetch=16, prefetch_sweep=[1, 4, 8, 16, 32], consumers=[1, 2, 4, 8], consumer_batch=4096,
                  draw_batches=[256, 4096], draw_consumers=4, draw_prefetch=[16, 64], online_shards=2, writers=[1, 4],
                  cluster_nodes=[1, 2], idle_s=3.0, settle_s=1.0, start_delay_s=0.5, headline_consumer_s=8.0),
@@ -187,8 +188,8 @@ def main(argv: list[str] | None = None) -> dict:
     start_ray(args)
     results = header(args, cfg)
     run_sections(args, cfg, set(args.sections.split(",")), out_dir, results)
-    results["ratios"] = ratios(results) if "sampling" in results else {}
-    results["plots"] = plots(results, out_dir) if "sampling" in results and not args.smoke else []
+    results["ratios"] = ratios(results)
+    results["plots"] = plots(results, out_dir) if not args.smoke else []
     if "headline" in results and not args.smoke:
         results["plots"] += headline_plot(results, out_dir)
     (out_dir / "results.json").write_text(json.dumps(results, indent=1, default=float))

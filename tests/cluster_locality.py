@@ -54,7 +54,7 @@ def main(tmp: str) -> None:
         result = {"asked": nodes, "attempts": attempt + 1, "placed": [p["node"] for p in placed],
                   "local": [float(np.mean(np.asarray(ix) // per_shard == i)) for i, ix in enumerate(indices)],
                   "sizes": rb.sizes()["online"], "written": rb.write_count,
-                  "local_rows": rb.stats()["coordinator"].get("rows_written_local", 0)}
+                  "local_rows": int(sum((np.asarray(ix) // per_shard == i).sum() for i, ix in enumerate(indices)))}
         rb.shutdown()
         report(result)
 

@@ -8,7 +8,7 @@ from typing import Any
 
 def ratios(results: dict) -> dict[str, float]:
     r = {}
-    s = results["sampling"]
+    s = results.get("sampling", {})
     for B, row in s.items():
         r[f"B={B} prioritized cost / uniform (1 shard, prefetch)"] = (
             row["rayrb_1shard_prefetch"]["rows_per_s"]["median"]
@@ -24,9 +24,10 @@ def ratios(results: dict) -> dict[str, float]:
                 r[f"B={B} {k} / index_select"] = med / row["index_select"]["rows_per_s"]["median"]
     w = results.get("writing", {})
     for n, row in w.items():
-        for k in ("rayrb", "rayrb_pipelined"):
-            r[f"extend {n} {k} / torchrl_ray"] = (row[k]["rows_per_s"]["median"]
-                                                 / row["torchrl_ray"]["rows_per_s"]["median"])
+        for k in ("rayrb", "rayrb_pipelined", "rayrb_sent"):
+            if k in row:
+                r[f"extend {n} {k} / torchrl_ray"] = (row[k]["rows_per_s"]["median"]
+                                                     / row["torchrl_ray"]["rows_per_s"]["median"])
     p = results.get("preprocess")
     if p:
         r["preprocess batched rayrb / torchrl"] = (p["rayrb_batched"]["rows_per_s"]["median"]
@@ -64,6 +65,10 @@ def plots(results: dict, out_dir: Path) -> list[str]:
     plt = _pyplot()
     if plt is None:
         return []
+    if "sampling" not in results:
+        names = writing_plot(results, out_dir, plt)
+        plt.close("all")
+        return names
     s = results["sampling"]
     Bs = sorted(int(b) for b in s)
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -80,8 +85,27 @@ def plots(results: dict, out_dir: Path) -> list[str]:
     ax.set(yscale="log", xlabel="offline shards", ylabel="rows/s (median)", title="rayrb throughput vs shards")
     ax.set_xticks(shards)
     names.append(_save(fig, ax, out_dir, "throughput_vs_shards.png"))
+    names += writing_plot(results, out_dir, plt)
     plt.close("all")
     return names
+
+
+def writing_plot(results: dict, out_dir: Path, plt: Any) -> list[str]:
+    """Rows/s of all writers against rows per ``extend``, every writer count and kind on one plot."""
+    w = results.get("writing")
+    if not w:
+        return []
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    writers = sorted({int(k.split("x")[0]) for k in w})
+    rows = sorted({int(k.split("x")[1]) for k in w})
+    for n in writers:
+        for kind in next(iter(w.values())):
+            ys = [w[f"{n}x{r}"][kind]["rows_per_s"]["median"] if f"{n}x{r}" in w else None for r in rows]
+            ax.plot(rows, ys, marker="o", linestyle="-" if kind.startswith("rayrb") else "--",
+                    label=f"{kind}, {n} writer{'s' if n > 1 else ''}")
+    ax.set(xscale="log", yscale="log", xlabel="rows per extend", ylabel="rows/s, all writers",
+           title="Writing throughput")
+    return [_save(fig, ax, out_dir, "writing_throughput.png")]
 
 
 def headline_plot(results: dict, out_dir: Path) -> list[str]:

@@ -1,6 +1,9 @@
-"""Section ``writing``: ``extend`` from 1 and 4 writer actors at once, R rows a call, into rayrb's buffer (each
-call waited for, and pipelined: ``wait=False``, flushed at the end) and into TorchRL's ``RayReplayBuffer`` actor
-(``ray.get(actor.extend.remote(td))``); rows/s of all writers together and p50 / p99 ms per call."""
+"""Section ``writing``: ``extend`` from 1 and 4 writer actors at once, R rows a call, into rayrb's buffer with
+default arguments (each call waited for; pipelined: ``wait=False``, flushed at the end; and each write sent to its
+shard, ``local_reads=False``, the path of a writer on another node than the shard), into TorchRL's
+``RayReplayBuffer`` actor (``ray.get(actor.extend.remote(td))``), and into a TorchRL ``ReplayBuffer`` in the
+writer's own process (the local limit: no other process involved); rows/s of all writers together and p50 / p99
+ms per call."""
 from __future__ import annotations
 
 import statistics
@@ -15,7 +18,7 @@ from tensordict import TensorDict
 
 from bench.harness import med_range, synthetic_table
 
-KINDS = ("rayrb", "rayrb_pipelined", "torchrl_ray")
+KINDS = ("rayrb", "rayrb_pipelined", "rayrb_sent", "torchrl_ray", "torchrl_local")
 
 
 @ray.remote(num_cpus=0)
@@ -28,14 +31,19 @@ class Writer:
     def write(self, target, kind: str, batches: int, rows: int) -> tuple[float, list[float]]:
         """Seconds for every write to be acknowledged, and each call's seconds (for a pipelined writer: how long
         each call held the caller)."""
+        torch.set_num_threads(1)  # a collector's share of a 2-core machine; TorchRL's copies are fastest so
         g = torch.Generator().manual_seed(0)
+        if kind == "torchrl_local":
+            from torchrl.data import LazyTensorStorage, ReplayBuffer
+
+            target = ReplayBuffer(storage=LazyTensorStorage(batches * rows), batch_size=None)
         data = [TensorDict({"X": torch.randn(rows, self.dim, generator=g), "y": torch.zeros(rows, dtype=torch.int64)},
                            [rows]) for _ in range(batches)]
         calls = []
         t0 = time.perf_counter()
         for td in data:
             t = time.perf_counter()
-            if kind == "rayrb":
+            if kind in ("rayrb", "rayrb_sent", "torchrl_local"):
                 target.extend(td)
             elif kind == "rayrb_pipelined":
                 target.extend(td, wait=False)
@@ -68,18 +76,20 @@ def bench_writing(cfg: dict, root: str, results: dict) -> None:
                         rray = RayReplayBuffer(storage=LazyTensorStorage(capacity), batch_size=None)
                         target = rray._rb
                         ray.get(target.__ray_ready__.remote())  # its actor's start is not a write
+                    elif kind == "torchrl_local":
+                        target = None  # each writer's own buffer, made in its process
                     else:
                         rb = OfflineToOnlineReplayBuffer(offline, online_capacity=capacity, seed=0,
                                                          num_online_shards=cfg["online_shards"],
                                                          dataset_root=Path(tempfile.mkdtemp(dir=root)) / "ds")
-                        target = rb.client()
+                        target = rb.client(local_reads=kind != "rayrb_sent")
                     t0 = time.perf_counter()
                     got = ray.get([w.write.remote(target, kind, cfg["writer_batches"], rows) for w in writers])
                     runs[kind].append(capacity / (time.perf_counter() - t0))
                     calls[kind] += [c for _, cs in got for c in cs]
                     if kind == "torchrl_ray":
                         ray.kill(target)
-                    else:
+                    elif kind != "torchrl_local":
                         assert rb.write_count == capacity, (rb.write_count, capacity)
                         rb.shutdown()
             out[f"{n_writers}x{rows}"] = {k: {"rows_per_s": med_range(runs[k]),

@@ -267,7 +267,7 @@ class BufferClient:
     def stats(self) -> dict[str, Any]:
         """Sizes, rates, latencies and restarts: ``{"coordinator": {...}, "shards": [...]}``, plus ``"handle"``
         (this handle's drawing ahead, local reads, and its writes by how they went: ``writes_appended_here``,
-        ``writes_sent``, ``writes_relayed``, ``writes_told``)."""
+        ``writes_sent``, ``writes_relayed``, ``writes_told``, and ``rows_local``, placed in shards on its node)."""
         self._sampling.give_back(pace=False)  # counts are of batches served; how far the loop plans is kept
         out = self.rpc.get(self.rpc.coord.stats.remote())
         handle = {**(self._sampling.stats() or {}), **self._writer.stats()}

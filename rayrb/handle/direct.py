@@ -68,7 +68,8 @@ class DirectWrites:
         self._nodes: list[str | None] | None = None  # each online shard's node, asked once
         self._here: dict[int, Any] = {}  # online shard -> its files' appender in this process (None: not here)
         self._told: Any = None  # the latest tell: its answer is (version, every shard's count)
-        self.stats = {"appended_here": 0, "sent": 0, "relayed": 0, "told": 0}  # writes, by how they went
+        # writes by how they went, and rows placed in shards on this node
+        self.stats = {"appended_here": 0, "sent": 0, "relayed": 0, "told": 0, "rows_local": 0}
 
     # 1. placement ----------------------------------------------------------------
     def _choose(self, n: int) -> int:
@@ -78,6 +79,10 @@ class DirectWrites:
     def _placed(self, shard: int, n: int, written: int | None = None) -> None:
         """``n`` rows went to ``shard``, whose count is ``written`` after, if known: the next write goes on."""
         self._written[shard] = max(int(self._written[shard]) + (n if written is None else 0), int(written or 0))
+
+    def _landed(self, shard: int, n: int) -> None:
+        if shard in self._local_shards():
+            self.stats["rows_local"] += n
 
     def _known(self) -> np.ndarray:
         counts = self.rpc.counts_map()
@@ -117,6 +122,7 @@ class DirectWrites:
             self._here.pop(shard, None)
             return None
         self._placed(shard, n, done.written)
+        self._landed(shard, n)
         self.stats["appended_here"] += 1
         return self._offsets[shard] + done.slots
 
@@ -170,6 +176,7 @@ class DirectWrites:
         for (shard, start, _), (pos, written, published) in zip(sent.pieces, answers):
             indices[start:start + len(pos)] = self._offsets[shard] + np.asarray(pos, np.int64)
             self._placed(shard, 0, int(written))
+            self._landed(shard, len(pos))
             if not published:
                 untold.append((shard, int(written)))
         if untold or self.rpc.counts_map() is None:  # the handle's own loop follows the tell's answer

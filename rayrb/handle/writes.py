@@ -115,7 +115,9 @@ class Writer:
 
     def stats(self) -> dict[str, int]:
         """This handle's writes by how they went, where the shards place them (``rayrb.handle.direct``)."""
-        return {} if self._direct is None else {f"writes_{k}": v for k, v in self._direct.stats.items()}
+        if self._direct is None:
+            return {}
+        return {k if k.startswith("rows") else f"writes_{k}": v for k, v in self._direct.stats.items()}
 
     def flush(self) -> None:
         """Wait for every write ``extend(..., wait=False)`` sent since the last flush; raise the first that

@@ -74,7 +74,8 @@ class TestOnlineNodesOption:
         rb = self._build(online_nodes=[here, None])
         try:
             rb.extend({"x": torch.arange(6)})
-            assert rb.stats()["coordinator"]["rows_written_local"] == 6  # both shards are on this node
+            stats = rb.stats()["handle"]
+            assert stats["rows_local"] == 6, stats  # both shards are on this node
             assert rb.write_count == 6
         finally:
             rb.shutdown()

@@ -212,7 +212,7 @@ def test_a_replica_restarted_on_files_from_before_a_restore_that_count_as_many_r
     for w in range(0, 8 * PIECE, PIECE):
         write(ray, primary, w)
     level(ray, primary)
-    saved = ray.get(primary.state.remote())
+    saved = {k: np.array(v) for k, v in ray.get(primary.state.remote()).items()}  # writable
     shutil.copytree(dirs[1], tmp_path / "kept")  # the replica's files, 8 pieces, from before the restore
     saved["written"], saved["generation"][4 * PIECE:] = np.int64(4 * PIECE), 0
     ray.get(primary.load_state.remote(saved))  # back to 4 pieces ...
