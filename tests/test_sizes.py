@@ -15,12 +15,15 @@ LISTED = {
                                                                  "with TorchRL's"),
     ("function", "tests/integrations/test_torchrl_compat.py::TestOfflineToOnlineTrainer."
                  "test_train_grows_online_and_anneals"): (103, "TorchRL's own test, as TorchRL wrote it"),
-    ("class", "rayrb/actors/coordinator.py::Coordinator"): (280, "two write paths (placed by the coordinator for "
-                                                                 "limited and replicated buffers, by the shards "
-                                                                 "otherwise) until replicas take the shards' placement"),
-    ("class", "rayrb/actors/online_shard.py::OnlineShard"): (262, "the same two write paths: extend at a planned "
-                                                                  "count, append at its own"),
-    ("class", "rayrb/handle/owner.py::OfflineToOnlineReplayBuffer"): (251, "one documented keyword per setting "
+    ("class", "rayrb/actors/coordinator.py::Coordinator"): (307, "two write paths (placed by the coordinator "
+                                                                 "under a rate limiter that admits each write, by "
+                                                                 "the shards otherwise) until the limiter admits "
+                                                                 "writes it does not place"),
+    ("class", "rayrb/actors/online_shard.py::OnlineShard"): (314, "the same two write paths (extend at a planned "
+                                                                  "count, also its replicas' copies; append at its "
+                                                                  "own), and its write lock around every change in "
+                                                                  "bulk, since writers on its node append too"),
+    ("class", "rayrb/handle/owner.py::OfflineToOnlineReplayBuffer"): (255, "one documented keyword per setting "
                                                                           "until the settings are grouped"),
 }
 

@@ -26,6 +26,7 @@ import numpy as np
 from rayrb.actors.drawing import Drawing
 from rayrb.actors.lifecycle import begin
 from rayrb.actors.metrics import ActorMetrics
+from rayrb.actors.publishing import Target, Targets
 from rayrb.actors.version import Version
 from rayrb.actors.writing import Writing, failed
 from rayrb.core.ahead import GiveBack
@@ -71,8 +72,10 @@ class Coordinator:
         self._planner = Planner({s: len(self._shards[s]) for s in SIDES}, seed=seed,
                                 online_capacity=int(sum(online_capacities)) or None, **planner)
         self._drawing = Drawing(self._planner, self._shards, self._metrics, seed, exponents=exponents)
-        self._online_names = [s if isinstance(s, str) else None for s in online_shards]
         self._version = Version(name, state_dir, shards=len(online_shards))
+        # where each online shard publishes its count: this node's counts map (where the shards place writes)
+        self._targets = Targets([s if isinstance(s, str) else None for s in online_shards] if shards_place else [],
+                                lambda: self._version.file.path)
         # With a state directory, a restarted coordinator (Ray re-runs this with the same arguments) picks up
         # its sampling state there and its write counts from the shards.
         self._lives = begin(state_dir, f"the coordinator of buffer {name!r}")
@@ -86,7 +89,7 @@ class Coordinator:
             self._restart(self._state.load())  # a copy kept
         else:
             self._version.open()
-            self._send_targets()
+            self._targets.send(self._shards[ONLINE])
             if self._state is not None:
                 self._state.clear()
                 self._save()
@@ -115,42 +118,24 @@ class Coordinator:
         else:  # the version and draw numbers go on past any a handle may hold, so it sees its draws as old
             self._drawing.ahead.load_state_dict(None)
             self._version.restarted(None)
-        self._send_targets()  # before the counts are asked for: every append after them is published here
+        self._targets.send(self._shards[ONLINE])  # before the counts are asked for: later appends publish here
         self._writing.recall(self._state.writes())  # a retry is answered, and only missing pieces sent
         self._save()
 
-    def _send_targets(self) -> None:
-        """Tell each online shard where to publish its write count (``rayrb.durability.published``), where the
-        shards place writes: this node's counts map, which a shard on another node cannot map."""
-        if self._shards_place:
-            for i, shard in enumerate(self._shards[ONLINE]):
-                shard.publish_to.remote(self._target(i))
-
-    def _target(self, i: int) -> tuple[str, str | None, int]:
-        import ray
-
-        return ray.get_runtime_context().get_node_id(), self._version.file.path, i
-
-    def publish_target(self, shard: str) -> tuple[str, str | None, int] | None:
+    def publish_target(self, shard: str) -> Target | None:
         """Where online shard ``shard`` (its actor name) publishes its write count; a restarted shard asks."""
-        if not self._shards_place or shard not in self._online_names:
-            return None
-        return self._target(self._online_names.index(shard))
+        return self._targets.of(shard)
 
     def _poll(self) -> None:
         """Take the write counts appends published in the counts map since the last look (no call, no wait)."""
-        moved = self._version.poll()
-        if moved:
-            self._take_counts(list(moved.items()))
+        self._take_counts(list(self._version.poll().items()))
 
     def _take_counts(self, counts: Sequence[Sequence[int]]) -> bool:
         """Online shards' counts after appends they placed: ``(shard, written)`` pairs; whether any grew."""
-        size = int(self._writing.sizes().sum())
-        grown = self._writing.learned(counts)
+        size = int(self._writing.sizes().sum()) if counts else 0
+        grown = self._writing.learned(counts) if counts else {}
         if grown:
-            rows = sum(grown.values())
-            self._planner.record_insert(rows, size)
-            self._metrics.count("rows_written", rows)
+            self._planner.record_insert(sum(grown.values()), size)
             self._drawing.requery_masses(ONLINE, sorted(grown))
         return bool(grown)
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from rayrb.actors.publishing import Publisher, Target
 from rayrb.actors.replication import Replication, lookup
 from rayrb.actors.shards import Rows, Shard
 from rayrb.actors.timer import every
@@ -17,7 +18,6 @@ from rayrb.core.schema import RowSpec
 from rayrb.core.validation import positive_int
 from rayrb.durability.appends import Appender, WriteLock
 from rayrb.durability.copies import copy_order, merged_count, take_newer
-from rayrb.durability.published import CountsMap
 from rayrb.durability.runs import advance, held_runs
 from rayrb.durability.storage import OnlineStorage, store_rows
 from rayrb.errors import InvalidArgumentError, RowsLostError, SavedStateError
@@ -43,7 +43,6 @@ class OnlineShard(Shard):
                          state_dir=state_dir)
         self._spec = RowSpec.from_json(spec_json)
         self._capacity = int(capacity)
-        self._counts: tuple[Any, int] | None = None  # the coordinator's counts map on this node, and this shard's place
         lock = WriteLock(state_dir)  # writers on this node append to the files too (rayrb.durability.appends)
         with lock.held():
             self._store = OnlineStorage(self._spec, self._capacity, state_dir)
@@ -51,8 +50,10 @@ class OnlineShard(Shard):
             # writes applied beyond the write count (behind a piece still to come): first row -> end; a
             # restarted shard finds them again from the generations
             self._held: dict[int, int] = dict(held_runs(self._gen, self._store.written))
-            # the pieces placed at the write count, by this actor or a writer on its node, and their journal
-            self._files = Appender(self._store, lock=lock, publish=self._publish)
+            # the pieces placed at the write count, by this actor or a writer on its node, and their journal; a
+            # shard with replicas publishes its count once they hold the rows too (``append``)
+            self._files = Appender(self._store, lock=lock, publish=None if replicas else self._publish)
+        self._publisher = Publisher()  # where its count is published: told by the coordinator (publish_to)
         self._mirror()
         if self._store.reopened:
             self._sampler.on_write(np.arange(self.size()))
@@ -68,10 +69,8 @@ class OnlineShard(Shard):
             every(CHECK_EVERY, "check_replicas")
         if self._lost and coordinator is not None:  # its count went back: the coordinator takes it again
             lookup(coordinator).resync.remote()
-        # where to publish its count: asked now, taken at the first write that finds it answered (never waited
-        # for: the coordinator may be waiting for this shard); a coordinator that starts later sends it
-        restarted = self._lives.restarts or self._lives.unsure
-        self._counts_asked = lookup(coordinator).publish_target.remote(shard_id) if coordinator and restarted else None
+        if coordinator and (self._lives.restarts or self._lives.unsure):  # a restart asks where it publishes
+            self._publisher = Publisher(lookup(coordinator).publish_target.remote(shard_id))
         self._lives.ready()
 
     def size(self) -> int:
@@ -136,18 +135,29 @@ class OnlineShard(Shard):
         n = self._spec.validate(rows, what=f"rows for shard {self.shard_id}")
         if n == 0:
             raise InvalidArgumentError(f"shard {self.shard_id}: expected a piece of at least one row, got none")
-        self._take_counts_target()
+        if self._publisher.take_asked():
+            self.publish_to(None, taken=True)
+        sent: list = []
+
+        def store(piece_rows: Mapping[str, np.ndarray], first: int, k: int) -> None:
+            if self._replication is not None:  # sent first, at this count: the replicas copy while this copy does
+                sent.extend(self._replication.send(piece_rows, 0, k, first))
+            self._store_rows(piece_rows, first, k)
+
         try:
-            done = self._files.append(rows, write_id, piece, start, digest,
-                                      store=lambda r, first, k: self._store_rows(r, first, k))
+            done = self._files.append(rows, write_id, piece, start, digest, store=store)
         except BaseException:
             if self._table is not None:  # the files were put back: so is the device copy
                 self._mirror()
             raise
         if done.answered:
             self._metrics.count("writes_answered_again")
+        elif self._replication is not None:  # acknowledged, and counted, once every live replica holds the rows
+            self._replication.settle(sent, self.order())
+            with self._files.locked():
+                self._publish(self._store.written)
         self._metrics.observe("extend_ms", (time.perf_counter() - t0) * 1e3)
-        return done.slots, done.written, self._counts is not None
+        return done.slots, done.written, self._publisher.publishing
 
     def pieces_of(self, write_id: str) -> dict[int, tuple[int, int, int, str | None]]:
         """The pieces of ``write_id`` this shard placed: piece -> ``(first, rows, start, digest)``."""
@@ -155,39 +165,17 @@ class OnlineShard(Shard):
             self._files.ids.sync(self._store.written)
             return {p: tuple(v) for p, v in self._files.ids.of(write_id).items()}
 
-    # the coordinator's counts map ----------------------------------------------------
-    def publish_to(self, target: tuple[str, str | None, int] | None) -> bool:
-        """Publish this shard's count in the coordinator's counts map ``target = (node, path, index)`` from now
-        on, when it is on this node (``rayrb.durability.published``); whether it is. Publishes the count now."""
-        import ray
-
-        self._counts_asked = None
-        self._counts = None
-        if target is not None and target[1] is not None and target[0] == ray.get_runtime_context().get_node_id():
-            counts = CountsMap.open(target[1])
-            if counts is not None and 0 <= int(target[2]) < counts.shards:
-                self._counts = (counts, int(target[2]))
-                with self._files.locked():
-                    self._publish(self._store.written)
-        return self._counts is not None
-
-    def _take_counts_target(self) -> None:
-        """The answer to the start's ask for the counts map, once it came (never waited for)."""
-        asked = self._counts_asked
-        if asked is None:
-            return
-        import ray
-
-        if ray.wait([asked], timeout=0)[0]:
-            try:
-                self.publish_to(ray.get(asked))
-            except Exception:  # the coordinator died with it: its restart sends the target again
-                self._counts_asked = None
+    def publish_to(self, target: Target | None, taken: bool = False) -> bool:
+        """Publish this shard's count in the coordinator's counts map ``target = (node, path, index)`` from now on,
+        when it is on this node (``rayrb.actors.publishing``); whether it is. Publishes the count now."""
+        if not taken:
+            self._publisher.to(target)
+        with self._files.locked():
+            self._publish(self._store.written)
+        return self._publisher.publishing
 
     def _publish(self, written: int) -> None:
-        if self._counts is not None:
-            counts, index = self._counts
-            counts.publish(index, written)
+        self._publisher.publish(written)
 
     def _store_rows(self, rows: Mapping[str, np.ndarray], first: int, n: int) -> tuple[np.ndarray, np.ndarray]:
         """Copy ``n`` rows in as the ``first``-th on (the count is not moved): their slots and generations."""

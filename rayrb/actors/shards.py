@@ -69,8 +69,7 @@ class Shard:
             return self._table.gather(idx)
         return {k: torch.from_numpy(v) for k, v in self._gather(idx).items()}
 
-    def _unchanged(self, idx: np.ndarray, generation: np.ndarray) -> bool:
-        """Whether the slots at ``idx`` still hold ``generation`` after a copy (rows only this actor writes: yes)."""
+    def _unchanged(self, idx: np.ndarray, generation: np.ndarray) -> bool:  # after a copy (OnlineShard's)
         return True
 
     def _generation(self, idx: np.ndarray) -> np.ndarray:
@@ -96,9 +95,7 @@ class Shard:
 
     def _whole(self, idx: np.ndarray) -> np.ndarray | None:
         """The generations of the slots at ``idx``, or None if one holds a row a crash left half written
-        (``rayrb.durability.storage.whole``, the rule every reader of a shard applies): its write, not
-        acknowledged, is sent again (Ray re-sends it to the restarted shard, or the writer retries it by its
-        ``write_id``) and lands over it; until then that slot is never served."""
+        (``rayrb.durability.storage.whole``, every reader's rule): never served until its write lands again."""
         gen = self._generation(idx)
         if whole(gen):
             return gen
@@ -169,12 +166,9 @@ class Shard:
                             device: str | None = None, written: int | None = None) -> dict[str, Any]:
         """``sample_many`` as one flat dict of torch tensors (``rows/..``, ``info/..``), for Ray Direct Transport.
 
-        A shard that holds its rows on a GPU gathers there and returns CUDA tensors (sent
-        with ``.options(tensor_transport="cuda_ipc" | "nccl")``); ``device`` moves them.
-        A read planned after ``written`` rows were sent here, that arrives before they
-        landed, returns ``{"behind": ...}`` and draws nothing: the caller asks again.
-        torch is imported only here.
-        """
+        A shard that holds its rows on a GPU gathers there and returns CUDA tensors (sent with
+        ``.options(tensor_transport="cuda_ipc" | "nccl")``); ``device`` moves them. A read that must be asked again
+        (as ``sample_many``'s None) returns ``{"behind": ...}``. torch is imported only here."""
         import torch
 
         def behind() -> dict:  # made only when a read must be asked again, not on every read

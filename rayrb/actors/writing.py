@@ -174,6 +174,8 @@ class Writing:
             if more > 0:
                 self.log.written[shard] = written
                 grown[shard] = grown.get(shard, 0) + more
+        if grown:
+            self._metrics.count("rows_written", sum(grown.values()))
         return grown
 
     def relay(self, rows_ref: Sequence[Any], rows: int, write_id: str, digest: str | None, look: bool

@@ -266,8 +266,7 @@ class BufferClient:
 
     def stats(self) -> dict[str, Any]:
         """Sizes, rates, latencies and restarts: ``{"coordinator": {...}, "shards": [...]}``, plus ``"handle"``
-        (this handle's drawing ahead, local reads, and its writes by how they went: ``writes_appended_here``,
-        ``writes_sent``, ``writes_relayed``, ``writes_told``, and ``rows_local``, placed in shards on its node)."""
+        (this handle's drawing ahead, local reads and writes by how they went: ``Writer.stats``)."""
         self._sampling.give_back(pace=False)  # counts are of batches served; how far the loop plans is kept
         out = self.rpc.get(self.rpc.coord.stats.remote())
         handle = {**(self._sampling.stats() or {}), **self._writer.stats()}
@@ -292,7 +291,6 @@ class BufferClient:
 
     def __reduce__(self):
         return _client, (self._client_args(),)
-
     def _client_args(self) -> dict[str, Any]:
         return {"coord": self.rpc.coord, "shards": self.rpc.shards, "spec": self._spec, "name": self._name,
                 "batch_size": self.batch_size, "transform": self.output.transform, "timeout": self.rpc.timeout,

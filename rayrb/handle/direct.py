@@ -1,6 +1,6 @@
 """A write where the online shards place writes: from the handle to the rows in a shard, and what happens when
 something dies on the way. The write path of every buffer without a rate limiter that bounds samples per insert
-and without replicas (``BufferSettings.shards_place``); the coordinator is off it.
+(``BufferSettings.shards_place``); the coordinator is off it.
 
 1. **Placement, at the writer.** A write is one piece unless it would overflow a shard (``cut_write``). The piece
    goes to the least-written online shard as this handle knows the counts (the answers of its own writes, and
@@ -10,10 +10,11 @@ and without replicas (``BufferSettings.shards_place``); the coordinator is off i
    and the coordinator runs here too: this process takes the shard's write lock and appends the rows to its
    files itself, exactly as the shard would (``rayrb.durability.appends``: journal line, undo record, rows,
    count, published count). Not for a caller-named ``write_id`` (it may have landed in any shard: step 3 asks
-   them), prioritized sampling (the shard's sum tree must see the row), rows kept on a GPU, or more than
-   ``UNDO_ROWS`` rows.
+   them), prioritized sampling (the shard's sum tree must see the row), rows kept on a GPU, a shard with
+   replicas (it sends them the rows), or more than ``UNDO_ROWS`` rows.
 3. **Otherwise one call**: the piece goes to its shard (``OnlineShard.append``), which appends it the same way and
-   answers the slots, its count and whether it published the count. A write under a ``write_id`` the caller named
+   answers the slots, its count and whether it published the count; a shard with replicas sends them the piece
+   before its own copy and answers once every live replica holds it too. A write under a ``write_id`` the caller named
    asks every shard first which pieces of it they hold (``pieces_of``): those are answered, not written again.
    A write too large for one shard goes to the coordinator, which holds its rows before it sends the pieces to
    the shards (``Coordinator.relay``): a writer that dies meanwhile leaves it whole or not at all.
@@ -137,13 +138,10 @@ class DirectWrites:
 
         d = self._online[shard] if shard < len(self._online) else None
         counts = self.rpc.counts_map()
-        if (d is None or d.get("dir") is None or d.get("sampler") not in LOCAL_SAMPLERS or counts is None
-                or shard not in self._local_shards() or not ordered_stores()):
+        if (d is None or d.get("dir") is None or d.get("sampler") not in LOCAL_SAMPLERS or d.get("copies")
+                or counts is None or shard not in self._local_shards() or not ordered_stores()):
             return None
-        try:
-            return _Here(d["dir"], self._spec, int(d["capacity"]), counts, shard)
-        except Exception:  # files this node cannot open: the shard appends
-            return None
+        return _Here.open(d["dir"], self._spec, int(d["capacity"]), counts, shard)
 
     # 3. one call ---------------------------------------------------------------------
     def send(self, rows: Rows | Any, n: int, write_id: str, digest: str | None, look: bool) -> Sent:
@@ -242,18 +240,30 @@ class _Here:
     """An online shard's files on this node, appended to by this process while the shard's process lives here
     and its files are the ones mapped (both checked under the shard's write lock, before each append)."""
 
-    def __init__(self, directory: str, spec: Any, capacity: int, counts: Any, shard: int):
+    def __init__(self, layout: str, identity: Any, lease_fd: int, appender: Any):
+        self._layout, self._identity, self._lease_fd, self._appender = layout, identity, lease_fd, appender
+
+    @classmethod
+    def open(cls, directory: str, spec: Any, capacity: int, counts: Any, shard: int) -> _Here | None:
+        """The shard's files in ``directory`` mapped for appending, or None where this node cannot (not its
+        files, none yet, another layout): the shard appends."""
         from rayrb.durability.appends import attach
         from rayrb.durability.lease import FILE
         from rayrb.durability.storage import identity, layout_path
 
-        self._layout = layout_path(directory)
-        self._identity = identity(self._layout)
-        self._lease_fd = os.open(os.path.join(directory, FILE), os.O_RDONLY)  # raises if not here
-        self._appender = attach(spec, capacity, directory, publish=lambda written: counts.publish(shard, written))
-        if self._appender is None or self._identity is None:
-            self.close()
-            raise FileNotFoundError(directory)
+        try:
+            lease_fd = os.open(os.path.join(directory, FILE), os.O_RDONLY)
+        except OSError:
+            return None
+        known = identity(layout_path(directory))
+        try:
+            appender = attach(spec, capacity, directory, publish=lambda written: counts.publish(shard, written))
+        except OSError:
+            appender = None
+        if appender is None or known is None:
+            os.close(lease_fd)
+            return None
+        return cls(layout_path(directory), known, lease_fd, appender)
 
     def append(self, rows: Rows, write_id: str, piece: int, start: int, digest: str | None) -> Any:
         """``Appender.append``, or None where the shard's process is gone or its files were made afresh."""
@@ -266,6 +276,5 @@ class _Here:
         return self._appender.append(rows, write_id, piece, start, digest, check=current)
 
     def close(self) -> None:
-        if getattr(self, "_appender", None) is not None:
-            self._appender.close()
+        self._appender.close()
         os.close(self._lease_fd)

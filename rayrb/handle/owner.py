@@ -92,8 +92,7 @@ class OfflineToOnlineReplayBuffer(BufferClient):
         write_path (str): who places each write. ``"shards"`` (the default, where it can be): the writer
             appends to a shard's files itself on its node, else sends the write to the shard, one call, the
             coordinator off the path (``rayrb.handle.direct``). ``"coordinator"`` (the default with a rate limiter
-            that bounds samples per insert, or with ``online_replicas`` > 1): the coordinator admits, places and
-            sends each write.
+            that bounds samples per insert): the coordinator admits, places and sends each write.
         online_nodes (list): a node id (or None) per online shard, to place it beside
             the collectors that feed it (a soft preference). A write prefers the online
             shards on the writer's node while they are at most an eighth of a shard

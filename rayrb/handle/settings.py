@@ -152,13 +152,12 @@ def checked_settings(offline_dataset: Any, *, online_capacity: Any = None, onlin
     replicas = replicas_option(online_replicas, storage_dir, nodes, actor_options or {}, max_restarts)
     if write_path not in (None, "coordinator", "shards"):
         raise InvalidArgumentError(f"expected write_path None, 'coordinator' or 'shards', got {write_path!r}")
-    admitted = limiter.samples_per_insert is not None or replicas > 1  # each write admitted or copied centrally
+    admitted = limiter.samples_per_insert is not None  # each write admitted by the coordinator
     if write_path is None:
         write_path = "coordinator" if admitted else "shards"
     elif write_path == "shards" and admitted:
-        raise InvalidArgumentError(f"write_path='shards' takes neither a rate limiter that bounds samples per "
-                                   f"insert nor online_replicas > 1 (each write is admitted or copied at the "
-                                   f"coordinator), got rate_limiter={rate_limiter!r}, online_replicas={replicas}")
+        raise InvalidArgumentError(f"write_path='shards' takes no rate limiter that bounds samples per insert (the "
+                                   f"coordinator admits each write), got rate_limiter={rate_limiter!r}")
     return BufferSettings(
         num_offline_shards=m, num_online_shards=k, online_capacity=capacity, offline_fraction=schedule,
         batch_size=batch_size, offline_sampler=kinds[OFFLINE], online_sampler=kinds[ONLINE], epoch_end=epoch_end,

@@ -114,7 +114,9 @@ class Writer:
         return pending.result() if wait else pending
 
     def stats(self) -> dict[str, int]:
-        """This handle's writes by how they went, where the shards place them (``rayrb.handle.direct``)."""
+        """This handle's writes by how they went, where the shards place them (``rayrb.handle.direct``):
+        ``writes_appended_here``, ``writes_sent``, ``writes_relayed``, ``writes_told``, and ``rows_local``, the
+        rows placed in shards on its node."""
         if self._direct is None:
             return {}
         return {k if k.startswith("rows") else f"writes_{k}": v for k, v in self._direct.stats.items()}

@@ -34,7 +34,7 @@ def _unpublished(ray, shard) -> None:
     """Make ``shard`` publish no more, as one on another node than the coordinator, once the coordinator's own
     target reached it (sent at the coordinator's start, it may come after a call from here)."""
     deadline = time.monotonic() + 30
-    while not ray.get(shard.__ray_call__.remote(lambda self: self._counts is not None)):
+    while not ray.get(shard.__ray_call__.remote(lambda self: self._publisher.publishing)):
         assert time.monotonic() < deadline, "the coordinator never told the shard where to publish"
         time.sleep(0.01)
     assert ray.get(shard.publish_to.remote(None)) is False
@@ -195,8 +195,8 @@ def test_the_coordinator_refuses_a_write_its_shards_place(rb):
         rb.rpc.get(rb.rpc.coord.extend.remote([rb._writer.rows(rows(0, 5), "rows")], 5))
 
 
-def test_the_coordinator_places_writes_where_a_limiter_admits_them_or_replicas_copy_them(make_buffer):
-    with pytest.raises(InvalidArgumentError, match="write_path='shards' takes neither a rate limiter"):
+def test_the_coordinator_places_writes_where_a_limiter_admits_them(make_buffer):
+    with pytest.raises(InvalidArgumentError, match="write_path='shards' takes no rate limiter"):
         make_buffer(rows(0, 50), **KW, write_path="shards", **coordinator_places())
     with pytest.raises(InvalidArgumentError, match="expected write_path None, 'coordinator' or 'shards', got 'x'"):
         make_buffer(rows(0, 50), **KW, write_path="x")
@@ -287,3 +287,47 @@ def test_an_append_here_waits_for_a_shard_restarting_on_its_files_and_lands_once
         rb.extend(rows(2000 + 10 * i, 10))
     assert rb.write_count == 70 and online_ids(rb) == list(range(1000, 1010)) + list(range(2000, 2060))
     assert np.isclose(sum(rb.sizes()["online"]), 70)
+
+
+def test_writes_named_by_a_writer_killed_mid_stream_are_retried_by_another_handle_and_land_once(
+        make_buffer, ray_session, tmp_path):
+    ray = ray_session
+    rb = make_buffer(rows(0, 50), **{**KW, "online_capacity": 4000})
+
+    @ray.remote(num_cpus=0, max_restarts=0)
+    class Named:
+        def __init__(self, client, log: str):
+            self.client, self.log = client, log
+
+        def pid(self) -> int:
+            return os.getpid()
+
+        def write(self, writes: int) -> None:
+            for i in range(writes):
+                with open(self.log, "a") as f:  # tried: logged before the call
+                    f.write(f"{i}\n")
+                self.client.extend(rows(1000 + 6 * i, 6), write_id=f"collector-7/{i}")
+
+    log = tmp_path / "tried"
+    collector = Named.remote(rb.client(), str(log))
+    pid = ray.get(collector.pid.remote())
+    collector.write.remote(10_000)
+    while not log.exists() or len(log.read_text().split()) < 25:
+        time.sleep(0.01)
+    os.kill(pid, signal.SIGKILL)
+    tried = max(int(x) for x in log.read_text().split())
+    retry = rb.client()
+    for i in range(tried + 1):  # every write it may have sent, again under its id: each lands once
+        got = retry.extend(rows(1000 + 6 * i, 6), write_id=f"collector-7/{i}")
+        assert len(set(got.tolist())) == 6
+    assert online_ids(rb) == list(range(1000, 1000 + 6 * (tried + 1))) and rb.write_count == 6 * (tried + 1)
+
+
+def test_pipelined_writes_sent_at_the_bound_block_the_caller_and_none_is_dropped(make_buffer, ray_session):
+    rb = make_buffer(rows(0, 50), **{**KW, "online_capacity": 4000})
+    sent = rb.client(local_reads=False, max_writes_in_flight=2)
+    pending = [sent.extend(rows(1000 + 5 * i, 5), wait=False) for i in range(40)]
+    assert sum(not p.done() for p in pending) <= 2  # at most the bound on its way: the caller waited for the rest
+    sent.flush()
+    got = torch.cat([p.result() for p in pending])
+    assert len(set(got.tolist())) == 200 and online_ids(rb) == list(range(1000, 1200))
