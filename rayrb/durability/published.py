@@ -43,7 +43,8 @@ class CountsMap:
     """The map (see the module), over a memory map or, for a coordinator without a folder to share, an array."""
 
     def __init__(self, array: np.ndarray, path: str | None = None):
-        self._a, self.path = array, path
+        self._a, self.path = np.asarray(array), path  # a plain view: numpy's memmap costs microseconds an index
+        self._words = memoryview(self._a).cast("B").cast("q")  # version() a few hundred ns: read before each batch
         self.shards = (len(array) - 1) // 2
 
     @classmethod
@@ -88,4 +89,5 @@ class CountsMap:
 
     def version(self) -> int:
         """Word 0 plus every shard's changes (see the module)."""
-        return int(self._a[0]) + int(self._a[1::2].sum())
+        words = self._words
+        return words[0] + sum(words[1::2])
