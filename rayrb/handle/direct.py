@@ -196,6 +196,19 @@ class DirectWrites:
                 return done
         return self.receive(self.send(rows, n, write_id, digest, look))
 
+    def online_rows(self) -> int | None:
+        """Online rows held, read from the counts map where every online shard publishes there (a handle on the
+        coordinator's node, shards there too), as the coordinator's next call counts them; else None (ask it)."""
+        counts = self.rpc.counts_map()
+        if counts is None:
+            return None
+        self._learn()
+        k = len(self._capacity)
+        changes = counts.changes()[:k]  # before the counts: a change seen is a count seen
+        if len(changes) < k or not changes.all():  # a shard that never published here: the coordinator knows
+            return None
+        return int(np.minimum(counts.written()[:k], self._capacity).sum())
+
     def _learn(self) -> None:
         """The shards' capacities once, and their counts: from the coordinator at first, then from the answer
         to the latest tell once it came (never waits for it)."""

@@ -121,6 +121,10 @@ class Writer:
             return {}
         return {k if k.startswith("rows") else f"writes_{k}": v for k, v in self._direct.stats.items()}
 
+    def online_rows(self) -> int | None:
+        """Online rows held, without a call where this process can read them (``DirectWrites.online_rows``)."""
+        return None if self._direct is None else self._direct.online_rows()
+
     def flush(self) -> None:
         """Wait for every write ``extend(..., wait=False)`` sent since the last flush; raise the first that
         failed (the others were each kept once or changed nothing)."""

@@ -58,8 +58,8 @@ class OfflineToOnlineEpisodeReplayBuffer(EpisodeReplayBuffer):
         seed: the built buffer's seed, and the seed of n-steps drawn from a range.
         buffer_kwargs: more ``OfflineToOnlineReplayBuffer`` options for the built buffer (shards, ...).
         rows_per_write: rows ``add`` gathers before it writes them in one ``extend`` (default 1: each ``add``
-            writes at once). A write is a few Ray calls whatever its size; gathered rows are not sampled until
-            written.
+            writes at once, in the driver's own process where the shard and coordinator run on its node:
+            rayrb.handle.direct). Gathered rows are not sampled until written.
         batch_size_B, batch_length_T, metrics_num_episodes_for_smoothing: RLlib's; ``batch_length_T`` must
             stay 0 or 1 (rows are transitions, not sequences).
     """
