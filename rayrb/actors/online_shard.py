@@ -122,14 +122,18 @@ class OnlineShard(Shard):
         return pos, gen
 
     def append(self, rows: Mapping[str, np.ndarray], write_id: str, piece: int = 0, start: int = 0,
-               digest: str | None = None, stop: int | None = None) -> tuple[np.ndarray, int, bool]:
+               digest: str | None = None, stop: int | None = None, forward: list | None = None
+               ) -> tuple[np.ndarray, int, bool, list]:
         """A piece of a write this shard places itself (``rayrb.handle.direct``): its rows in as this shard's
-        next rows, at its write count (``rayrb.durability.appends``); their slots, the write count after, and
+        next rows, at its write count (``rayrb.durability.appends``); their slots, the write count after,
         whether the count was published in the coordinator's counts map (else the writer tells the
-        coordinator). ``rows`` is the piece, which starts at row ``start`` of its write, or with ``stop`` the
-        whole write, of which the piece is ``[start, stop)``. A piece placed before under ``(write_id, piece)``
-        is answered from the journal and written once; other rows under it are refused (``WriteIdError``)."""
+        coordinator), and the calls to its live replicas that the writer waits for before either. ``rows`` is the
+        piece, which starts at row ``start`` of its write, or with ``stop`` the whole write, of which the piece
+        is ``[start, stop)``. A piece placed before under ``(write_id, piece)`` is answered from the journal and
+        written once; other rows under it are refused (``WriteIdError``). ``forward``: ``rows``' object-store ref,
+        unresolved, which the replicas are sent instead of the rows (each fetches them itself)."""
         t0 = time.perf_counter()
+        bounds = (start, stop) if stop is not None else (0, None)  # the piece within what is forwarded
         if stop is not None:
             rows = {k: v[start:stop] for k, v in rows.items()}
         n = self._spec.validate(rows, what=f"rows for shard {self.shard_id}")
@@ -141,7 +145,9 @@ class OnlineShard(Shard):
 
         def store(piece_rows: Mapping[str, np.ndarray], first: int, k: int) -> None:
             if self._replication is not None:  # sent first, at this count: the replicas copy while this copy does
-                sent.extend(self._replication.send(piece_rows, 0, k, first))
+                a, b = bounds if forward else (0, k)
+                sent.extend(self._replication.send(forward[0] if forward else piece_rows, a, a + k if b is None else b,
+                                                   first))
             self._store_rows(piece_rows, first, k)
 
         try:
@@ -152,12 +158,13 @@ class OnlineShard(Shard):
             raise
         if done.answered:
             self._metrics.count("writes_answered_again")
-        elif self._replication is not None:  # acknowledged, and counted, once every live replica holds the rows
-            self._replication.settle(sent, self.order())
-            with self._files.locked():
-                self._publish(self._store.written)
         self._metrics.observe("extend_ms", (time.perf_counter() - t0) * 1e3)
-        return done.slots, done.written, self._publisher.publishing
+        if self._replication is None:
+            return done.slots, done.written, self._publisher.publishing, []
+        # Acknowledged once every live replica holds the rows: the writer waits for their answers (this shard goes
+        # on to the next append meanwhile, and settles them later) and then tells the coordinator the count.
+        self._replication.settle_kept()
+        return done.slots, done.written, False, self._replication.keep(sent, done.written, self._store.restores)
 
     def pieces_of(self, write_id: str) -> dict[int, tuple[int, int, int, str | None]]:
         """The pieces of ``write_id`` this shard placed: piece -> ``(first, rows, start, digest)``."""

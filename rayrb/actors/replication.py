@@ -68,6 +68,8 @@ class Replication:
     def __init__(self, names: Sequence[str], snapshot: Callable[[], dict]):
         self.replicas = [Replica(n) for n in names]
         self._snapshot = snapshot
+        # appends' calls the writers wait for, settled here later: (replica, call, the piece's end, restore epoch)
+        self._kept: list[tuple[Replica, Any, int, int, float]] = []
 
     def _actor(self, r: Replica) -> Any:
         if r.actor is None:  # at the first start it may still be being made; later a short look will do
@@ -107,9 +109,45 @@ class Replication:
             if answer != tuple(order):
                 self._rebuild(r)
 
+    def keep(self, calls: list[tuple[Replica, Any]], end: int, restores: int) -> list[Any]:
+        """An append's calls to its live replicas, which its writer waits for (``rayrb.handle.direct``), so that
+        this primary goes on to the next append: settled here later (``settle_kept``). Returns the calls."""
+        now = time.monotonic()
+        self._kept += [(r, call, int(end), int(restores), now) for r, call in calls]
+        return [call for _, call in calls]
+
+    def settle_kept(self, wait: float = 0.0) -> None:
+        """Settle the kept calls that came back (within ``wait`` seconds): a replica that failed, or answers a count
+        short of the piece's end or another restore epoch (it missed a piece, or restarted), is rebuilt; one not
+        answering within ``WAIT`` seconds is late, as ``settle`` has it."""
+        import ray
+
+        if not self._kept:
+            return
+        calls = [c for _, c, _, _, _ in self._kept]
+        ready = set(ray.wait(calls, num_returns=len(calls), timeout=wait)[0])
+        kept, now = [], time.monotonic()
+        for r, call, end, restores, since in self._kept:
+            if call not in ready:
+                if now - since > WAIT and r.status == LIVE:
+                    self._late(r, call)
+                elif r.status == LIVE:
+                    kept.append((r, call, end, restores, since))
+                continue
+            try:
+                count, epoch = (int(x) for x in ray.get(call))
+            except Exception:
+                self._rebuild(r)
+                continue
+            r.count = max(r.count, count)
+            if (count < end or epoch != restores) and r.status == LIVE:
+                self._rebuild(r)
+        self._kept = kept
+
     def check(self, order: tuple[int, int]) -> None:
         """Between writes: ask each live replica its count and epoch (one restarted empty, or on older files, while
-        no write came)."""
+        no write came); asked after every piece sent, it answers behind them."""
+        self.settle_kept()
         self.poll()
         self.settle([(r, self._actor(r).order.remote()) for r in self.replicas if r.status == LIVE], order, 5.0)
 
@@ -211,6 +249,7 @@ class Replication:
         rebuilds so far."""
         import ray
 
+        self.settle_kept(wait=1.0)  # the pieces on their way (their writers wait for them too): behind, else not
         out = []
         for r in self.replicas:
             try:
