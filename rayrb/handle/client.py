@@ -65,7 +65,6 @@ class BufferClient:
         self._writer = Writer(self.rpc, spec, max_writes_in_flight, ordered_one_by_one=limited, shards_place=shards_place,
                               layout=layout, local=local_reads and storage_device == "cpu")
         self._learners = Learners(self.rpc, self.output, name, transport, read_device)
-        self._offline_rows: int | None = None  # learned at the first len()
 
     # writing ------------------------------------------------------------------
     @gives_back
@@ -254,12 +253,7 @@ class BufferClient:
 
     # introspection --------------------------------------------------------------
     def __len__(self) -> int:
-        online = self._writer.online_rows() if self._offline_rows is not None else None  # no call where it can
-        if online is not None:
-            return self._offline_rows + online
-        sizes = self.sizes()
-        self._offline_rows = int(sum(sizes[OFFLINE]))  # offline rows never change
-        return int(sum(sum(sizes[side]) for side in (OFFLINE, ONLINE)))
+        return self._writer.rows_held(self.sizes)
 
     @property
     def write_count(self) -> int:

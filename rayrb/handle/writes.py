@@ -70,6 +70,7 @@ class Writer:
         self._pending: list[PendingWrite] = []  # since the last flush
         self._sender: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._offline_rows: int | None = None  # learned at the first rows_held
 
     def rows(self, data: Any, what: str) -> dict[str, np.ndarray]:
         """``data`` as flat numpy arrays, checked against the row spec (``what`` names it in errors)."""
@@ -121,9 +122,14 @@ class Writer:
             return {}
         return {k if k.startswith("rows") else f"writes_{k}": v for k, v in self._direct.stats.items()}
 
-    def online_rows(self) -> int | None:
-        """Online rows held, without a call where this process can read them (``DirectWrites.online_rows``)."""
-        return None if self._direct is None else self._direct.online_rows()
+    def rows_held(self, sizes: Any) -> int:
+        """Rows the buffer holds: the online ones read without a call where this process can
+        (``DirectWrites.online_rows``), else ``sizes()`` asked of the coordinator (offline rows never change)."""
+        online = self._direct.online_rows() if self._direct is not None and self._offline_rows is not None else None
+        if online is None:
+            asked = sizes()
+            self._offline_rows, online = int(sum(asked["offline"])), int(sum(asked["online"]))
+        return self._offline_rows + online
 
     def flush(self) -> None:
         """Wait for every write ``extend(..., wait=False)`` sent since the last flush; raise the first that

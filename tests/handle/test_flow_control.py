@@ -144,8 +144,11 @@ def test_a_blocked_learner_does_not_stall_the_writer_that_releases_it(make_buffe
     rb.extend(rows(12, 10))  # the writer goes through while the learner waits
     # a writer stalled behind the learner would wait out its 30 s timeout; 10 s leaves room for a loaded machine
     assert time.monotonic() - t0 < 10
-    assert ray.get(waiting, timeout=10) >= 1.0
-    assert limiter_stats(rb)["sample_blocked_seconds"] >= 0.9
+    waited = ray.get(waiting, timeout=10)
+    s = limiter_stats(rb)
+    # the learner was held back and says so: what it reports waiting is within what it waited (how long depends on
+    # when its call reached it, which a loaded machine delays: asserted on what happened, not on a clock)
+    assert s["sample_blocked_calls"] >= 1 and 0 < s["sample_blocked_seconds"] <= waited
 
 
 def test_prefill_bypasses_the_limiter_then_limiting_resumes(make_buffer):
