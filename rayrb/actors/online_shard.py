@@ -80,8 +80,9 @@ class OnlineShard(Shard):
         """Rows ever written (the write count); ``size()`` is this capped at the capacity."""
         return self._store.written
 
-    def _size_at(self, written: int) -> int:
-        return min(written, self._capacity)
+    @property
+    def _capacity_for_reads(self) -> int:
+        return self._capacity
 
     def write_state(self) -> tuple[int, list[tuple[int, int]]]:
         """The write count, and the runs of rows held beyond it (written behind a piece that has not landed)."""

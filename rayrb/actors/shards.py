@@ -28,7 +28,7 @@ import numpy as np
 from rayrb.actors.lifecycle import begin
 from rayrb.actors.metrics import ActorMetrics
 from rayrb.core.plans import OFFLINE_GENERATION, Epoch
-from rayrb.core.samplers import make_sampler, read_indices
+from rayrb.core.samplers import make_sampler, read_indices, read_size
 from rayrb.core.validation import ALPHA, EPS
 from rayrb.durability.storage import PriorityStore, remove_directory, whole
 from rayrb.errors import BufferUnavailableError, InvalidArgumentError, RowIndexError, RowsLostError, SavedStateError
@@ -81,7 +81,7 @@ class Shard:
 
     def _behind(self, written: int | None) -> bool:
         """Whether a read planned at ``written`` rows came before they landed here; raises if they never will."""
-        if written is None or self.written() >= written:
+        if read_size(self.written(), self._capacity_for_reads, written) is not None:
             return False
         if self._lost:
             raise RowsLostError(f"shard {self.shard_id}: expected the {written} rows this read was planned over, "
@@ -155,11 +155,12 @@ class Shard:
 
     def _indices(self, counts: list[int], seeds: list[int], epochs: list[Epoch | None] | None,
                  written: int | None = None) -> np.ndarray:
-        size = self.size() if written is None else min(self.size(), self._size_at(int(written)))
-        return read_indices(self._sampler, counts, seeds, epochs, size)
+        size = read_size(self.written(), self._capacity_for_reads, written)  # not None: _behind said so first
+        return read_indices(self._sampler, counts, seeds, epochs, self.size() if size is None else size)
 
-    def _size_at(self, written: int) -> int:
-        """Rows held when ``written`` rows had been written (an offline shard's never change)."""
+    @property
+    def _capacity_for_reads(self) -> int:
+        """Slots a read draws within: an online shard's capacity, an offline shard's rows."""
         return self.size()
 
     def sample_many_tensors(self, counts: list[int], seeds: list[int], epochs: list[Epoch | None] | None = None,

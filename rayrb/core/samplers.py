@@ -87,6 +87,21 @@ def read_indices(sampler: "Sampler", counts: Sequence[int], seeds: Sequence[int]
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
+def read_size(held: int, capacity: int, written: int | None) -> int | None:
+    """The rows a read planned at write count ``written`` draws over, in a shard that has had ``held`` rows
+    written (its write count; an offline shard's rows) into ``capacity`` slots: those there were at the plan,
+    still at the same slots (a circular shard's ``w``-th row sits at ``w mod capacity``), even if later rows
+    overwrote some since. None: the rows it was planned over have not all landed here yet (the caller asks again).
+    The rule every reader of a shard applies, the shard and a handle reading its files alike.
+
+    >>> read_size(100, 64, None), read_size(100, 64, 40), read_size(100, 64, 80), read_size(30, 64, 40)
+    (64, 40, 64, None)
+    """
+    if written is not None and held < written:
+        return None
+    return min(held, capacity) if written is None else min(held, int(written), capacity)
+
+
 class Sampler:
     """The shard side of a sampling kind. Subclasses set ``name`` and ``allocator`` and override what differs."""
 

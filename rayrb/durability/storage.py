@@ -271,10 +271,3 @@ def _layout(directory: Path) -> dict | None:
         return json.loads((directory / LAYOUT).read_text())
     except (OSError, ValueError):
         return None
-
-
-def shard_directory(root: str | os.PathLike | None, buffer_id: str, shard: str) -> str | None:
-    """Where shard ``shard`` of buffer instance ``buffer_id`` keeps its files (None: in memory)."""
-    if root is None:
-        return None
-    return str(Path(root) / buffer_id / shard)

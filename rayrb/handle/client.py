@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from rayrb.core.layout import ShardLayout
 from rayrb.core.plans import OFFLINE, ONLINE
 from rayrb.core.schedules import Schedule, make_schedule
 from rayrb.core.schema import RowSpec
@@ -55,7 +56,7 @@ class BufferClient:
     def __init__(self, coord: Any, shards: list, spec: RowSpec, *, name: str, batch_size: int | None,
                  transform: Any, timeout: float | None, max_batch_bytes: int, prefetch: int = PREFETCH,
                  storage_device: str = "cpu", num_offline: int = 1, transport: str = "object_store",
-                 read_device: str | None = "cpu", layout: list | None = None, local_reads: bool = True,
+                 read_device: str | None = "cpu", layout: ShardLayout | None = None, local_reads: bool = True,
                  limited: bool = False, max_writes_in_flight: int = MAX_WRITES_IN_FLIGHT, shards_place: bool = False):
         self.rpc = Rpc(coord, shards, num_offline, name=name, timeout=timeout)
         self.output = Output(spec, batch_size, transform, max_batch_bytes)

@@ -40,6 +40,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from rayrb.core.allocation import assign_pieces, cut_write
+from rayrb.core.layout import ShardLayout
 from rayrb.core.plans import ONLINE
 from rayrb.durability.appends import UNDO_ROWS, positions
 from rayrb.errors import WriteIdError
@@ -60,12 +61,12 @@ class Sent(NamedTuple):
 
 
 class DirectWrites:
-    """A handle's writes to shards that place them (see the module). ``layout``: each shard's place on disk
-    (``rayrb.handle.launch.layout``); ``local``: appends in this process are allowed."""
+    """A handle's writes to shards that place them (see the module). ``layout``: the buffer's
+    (``rayrb.core.layout.ShardLayout``); ``local``: appends in this process are allowed."""
 
-    def __init__(self, rpc: Any, spec: Any, layout: list | None = None, local: bool = True):
+    def __init__(self, rpc: Any, spec: Any, layout: ShardLayout | None = None, local: bool = True):
         self.rpc, self._spec = rpc, spec
-        self._online = [d for d in (layout or []) if d.get("side") == ONLINE]
+        self._online = layout.online if layout is not None else ()
         self._local = local
         self._capacity: np.ndarray | None = None  # per online shard
         self._offsets: np.ndarray | None = None
@@ -142,10 +143,10 @@ class DirectWrites:
 
         d = self._online[shard] if shard < len(self._online) else None
         counts = self.rpc.counts_map()
-        if (d is None or d.get("dir") is None or d.get("sampler") not in LOCAL_SAMPLERS or d.get("copies")
-                or counts is None or shard not in self._local_shards() or not ordered_stores()):
+        if (d is None or d.directory is None or d.sampler not in LOCAL_SAMPLERS or d.copies or counts is None
+                or shard not in self._local_shards() or not ordered_stores()):
             return None
-        return _Here.open(d["dir"], self._spec, int(d["capacity"]), counts, shard)
+        return _Here.open(d.directory, self._spec, d.capacity, counts, shard)
 
     # 3. one call ---------------------------------------------------------------------
     def send(self, rows: Rows | Any, n: int, write_id: str, digest: str | None, look: bool) -> Sent:
@@ -164,7 +165,7 @@ class DirectWrites:
         shard = self._choose(n)
         self._placed(shard, n)
         more = {}
-        if shard < len(self._online) and self._online[shard].get("copies"):
+        if shard < len(self._online) and self._online[shard].copies:
             import ray
 
             if isinstance(rows, dict) and sum(a.nbytes for a in rows.values()) > FORWARD_BYTES:

@@ -8,53 +8,34 @@ import shutil
 from dataclasses import replace
 from typing import Any
 
-from rayrb.core.plans import OFFLINE, ONLINE
+from rayrb.core.layout import ShardLayout
 from rayrb.errors import InvalidArgumentError
-from rayrb.handle.rpc import shard_id
 from rayrb.handle.settings import BufferSettings, default_offline_kind, is_dataset_id
 from rayrb.io.chunks import ChunkDataset
 
 
-def layout(dataset: ChunkDataset, name: str, instance: str, kinds: dict[str, str], ranges: list, capacities: list,
-           storage_dir: str | None, replicas: int) -> list[dict]:
-    """Where each shard's rows lie, for handles on its node that read them themselves (``rayrb.handle.local``)."""
-    from rayrb.durability.storage import shard_directory
-
-    layout = [{"side": OFFLINE, "sampler": kinds[OFFLINE], "root": str(dataset.root), "start": a, "stop": b}
-              for a, b in ranges]
-    return layout + [{"side": ONLINE, "sampler": kinds[ONLINE], "capacity": c,
-                      "dir": shard_directory(storage_dir, instance, shard_id(ONLINE, i)),
-                      "copies": [{"name": f"{name}/{shard_id(ONLINE, i, r)}",
-                                  "dir": shard_directory(storage_dir, instance, shard_id(ONLINE, i, r))}
-                                 for r in range(1, replicas)]} for i, c in enumerate(capacities)]
-
-
-def start_online(spec: dict, capacities: list[int], name: str, instance: str, kind: str, so: dict, on_opts: dict,
-                 cls_opts: dict, storage_dir: str | None, table: str | None, online_nodes: list | None,
-                 groups: list, replicas: int, started: list) -> list:
-    """Start the online shards (appended to ``started``), each with ``replicas - 1`` copies on other nodes, all of
-    a shard's in its placement group of ``groups``; returns the groups and copies, which the shard owns."""
+def start_online(layout: ShardLayout, spec: dict, so: dict, on_opts: dict, cls_opts: dict, table: str | None,
+                 groups: list, started: list) -> tuple[list, list]:
+    """Start the online shards of ``layout``, each after its copies (which it looks up by name), all of a shard's
+    in its placement group of ``groups`` (else on its node hint); returns the shards and their copies. Every actor
+    is appended to ``started`` as it starts, for the caller to kill should a later start fail."""
     from rayrb.actors.lifecycle import actor_class
     from rayrb.actors.online_shard import OnlineShard
     from rayrb.actors.placement import in_group, on_node
-    from rayrb.durability.storage import shard_directory
 
-    extra = list(groups)
-    for i, c in enumerate(capacities):
-        copies = [f"{name}/{shard_id(ONLINE, i, r)}" for r in range(1, replicas)]
-        for r, copy in enumerate(copies, 1):  # before the shard, which looks them up by name
-            started.append(actor_class(OnlineShard, **cls_opts).options(
-                name=copy, **in_group(on_opts, groups[i], r)).remote(
-                spec, c, copy, kind, sampler_options=so,
-                state_dir=shard_directory(storage_dir, instance, shard_id(ONLINE, i, r)), device=table))
-            extra.append(started[-1])
-        place = in_group(on_opts, groups[i], 0) if groups else on_node(on_opts, online_nodes[i] if online_nodes else None)
-        shard = f"{name}/{shard_id(ONLINE, i)}"
-        started.append(actor_class(OnlineShard, **cls_opts).options(name=shard, **place).remote(
-            spec, c, shard, kind, sampler_options=so,
-            state_dir=shard_directory(storage_dir, instance, shard_id(ONLINE, i)), device=table, replicas=copies,
-            coordinator=name))
-    return extra
+    shards, copies = [], []
+    for p in layout.online:
+        for r, copy in enumerate(p.copies, 1):
+            copies.append(actor_class(OnlineShard, **cls_opts).options(
+                name=copy.name, **in_group(on_opts, groups[p.index], r)).remote(
+                spec, p.capacity, copy.name, p.sampler, sampler_options=so, state_dir=copy.directory, device=table))
+            started.append(copies[-1])
+        place = in_group(on_opts, groups[p.index], 0) if groups else on_node(on_opts, p.node)
+        shards.append(actor_class(OnlineShard, **cls_opts).options(name=p.name, **place).remote(
+            spec, p.capacity, p.name, p.sampler, sampler_options=so, state_dir=p.directory, device=table,
+            replicas=[c.name for c in p.copies], coordinator=layout.buffer))
+        started.append(shards[-1])
+    return shards, copies
 
 
 def kill(actor: Any) -> None:

@@ -43,8 +43,9 @@ from typing import Any
 
 import numpy as np
 
+from rayrb.core.layout import Shard, ShardLayout
 from rayrb.core.plans import OFFLINE, OFFLINE_GENERATION, Epoch
-from rayrb.core.samplers import make_sampler, read_indices
+from rayrb.core.samplers import make_sampler, read_indices, read_size
 from rayrb.core.schema import RowSpec
 from rayrb.durability.storage import whole
 
@@ -132,12 +133,9 @@ class OnlineReader(Reader):
         maps = self._current(time.monotonic())
         if maps is None:
             return None
-        held_rows = int(maps["written"][0])
-        if written is not None and held_rows < written:
+        size = read_size(int(maps["written"][0]), self._capacity, written)
+        if size is None:
             return None  # planned after writes that have not landed yet: the shard waits for them
-        size = min(held_rows, self._capacity)
-        if written is not None:
-            size = min(size, int(written), self._capacity)
         idx = self._indices(counts, seeds, epochs, size)
         if idx is None:
             return None
@@ -169,15 +167,13 @@ def ordered_stores(machine: str | None = None) -> bool:
 class LocalReads:
     """The readers of one handle, made at first use for the shards this process can read (see the module).
 
-    ``layout`` describes each shard, offline first: ``{"side", "sampler", "root", "start", "stop"}`` offline,
-    ``{"side", "sampler", "dir", "capacity", "copies"}`` online (None: no state directory; ``copies``: each
-    replica's ``{"name", "dir"}``). ``node`` is this process's node; ``place(j)`` asks shard ``j`` for its node,
-    ``place(name)`` the actor of that name.
+    ``layout`` is the buffer's (``rayrb.core.layout.ShardLayout``). ``node`` is this process's node; ``place(j)``
+    asks shard ``j`` (offline first) for its node, ``place(name)`` the actor of that name.
     """
 
-    def __init__(self, layout: Sequence[Mapping[str, Any]], spec: RowSpec, num_offline: int, node: str | None,
-                 place: Any):
-        self._layout, self._spec, self._m, self._node, self._place = list(layout), spec, num_offline, node, place
+    def __init__(self, layout: ShardLayout, spec: RowSpec, node: str | None, place: Any):
+        self._layout, self._spec, self._node, self._place = layout, spec, node, place
+        self._m = len(layout.offline)
         self._readers: dict[int, Reader | None] = {}
         self._all: bool | None = None
         self.stats = {"local": 0, "fell_back": 0}
@@ -191,8 +187,7 @@ class LocalReads:
     def all_local(self) -> bool:
         """Whether this process reads every shard itself."""
         if self._all is None:
-            self._all = all(self.reader(d["side"], j if j < self._m else j - self._m) is not None
-                            for j, d in enumerate(self._layout))
+            self._all = all(self.reader(d.side, d.index) is not None for d in self._layout.shards)
         return self._all
 
     def forget(self, side: str, shard: int) -> None:
@@ -201,27 +196,27 @@ class LocalReads:
         self._all = None
 
     def _make(self, j: int) -> Reader | None:
-        d = self._layout[j] if j < len(self._layout) else None
-        if d is None or d.get("sampler") not in LOCAL_KINDS or self._node is None:
+        d = self._layout.shards[j] if j < len(self._layout.shards) else None
+        if d is None or d.sampler not in LOCAL_KINDS or self._node is None:
             return None
         try:
-            if d["side"] != OFFLINE and (d.get("dir") is None or not ordered_stores()):
+            if d.side != OFFLINE and (d.directory is None or not ordered_stores()):
                 return None
             if self._place(j) != self._node:
-                return None if d["side"] == OFFLINE else self._copy(d)
-            if d["side"] == OFFLINE:
-                return OfflineReader(d["root"], d["start"], d["stop"], d["sampler"])
-            return OnlineReader(d["dir"], self._spec, d["capacity"], d["sampler"])
+                return None if d.side == OFFLINE else self._copy(d)
+            if d.side == OFFLINE:
+                return OfflineReader(d.root, d.start, d.stop, d.sampler)
+            return OnlineReader(d.directory, self._spec, d.capacity, d.sampler)
         except Exception:  # files this node cannot open, a shard that does not answer: the shard reads
             return None
 
-    def _copy(self, d: Mapping[str, Any]) -> Reader | None:
+    def _copy(self, d: Shard) -> Reader | None:
         """A replica of online shard ``d`` on this node (``online_replicas`` ≥ 2), read as the shard itself is:
         it holds every row its primary acknowledged, and a read it cannot serve goes to the primary."""
-        for copy in d.get("copies") or ():
+        for copy in d.copies:
             try:
-                if self._place(copy["name"]) == self._node:
-                    return OnlineReader(copy["dir"], self._spec, d["capacity"], d["sampler"])
+                if self._place(copy.name) == self._node:
+                    return OnlineReader(copy.directory, self._spec, d.capacity, d.sampler)
             except Exception:  # gone, restarting, or its files not here
                 continue
         return None

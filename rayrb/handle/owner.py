@@ -15,16 +15,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from rayrb.core.allocation import row_ranges, split_evenly
+from rayrb.core.layout import ShardLayout
 from rayrb.core.names import directory_name
-from rayrb.core.plans import OFFLINE, ONLINE
 from rayrb.core.schedules import Schedule
 from rayrb.core.validation import ALPHA, BETA, EPS
 from rayrb.handle import launch
 from rayrb.handle.client import PREFETCH, BufferClient, BufferUnavailableError, gives_back
 from rayrb.handle.launch import remove_leftovers as _remove_leftovers  # its name here since it moved
 from rayrb.handle.prefill import prefill_replay_buffer  # its home before it had a module of its own
-from rayrb.handle.rpc import shard_id
 from rayrb.handle.settings import (
     DEFAULT_MAX_BATCH_BYTES,
     DEFAULT_STORAGE,
@@ -300,59 +298,56 @@ class OfflineToOnlineReplayBuffer(BufferClient):
 
 
 def _start_actors(dataset: ChunkDataset, name: str, s: BufferSettings, *, seed: int | None, actor_options: dict
-                  ) -> tuple[Any, list, str | None, list[dict], list]:
-    """Start the offline shards, the online shards and the coordinator as ``s`` says; kill them all if one fails to
-    start. Returns them, the device reads go to, each shard's place on disk (``rayrb.handle.local``) and what the
+                  ) -> tuple[Any, list, str | None, ShardLayout, list]:
+    """Start the offline shards, the online shards and the coordinator as ``s`` says, where the buffer's layout
+    places them; kill them all if one fails to start. Returns them, the device reads go to, the layout and what the
     shards own besides (their copies and placement groups)."""
 
     from rayrb.actors.coordinator import Coordinator
     from rayrb.actors.lifecycle import actor_class
     from rayrb.actors.placement import group_options, replica_groups, shard_placement
     from rayrb.actors.shards import OfflineShard
-    from rayrb.durability.storage import shard_directory
 
     if s.transport == "nccl" and "num_gpus" not in actor_options:
         launch.check_nccl_gpus(s.num_offline_shards + s.num_online_shards)
-    m, k, kinds, storage_dir, replicas = (s.num_offline_shards, s.num_online_shards, s.samplers, s.storage_dir,
-                                          s.online_replicas)
-    cls_opts, opts, coord_opts, device = group_options(actor_options, s.transport, m + k, s.storage_device)
+    layout = ShardLayout.build(name, f"{directory_name(name)}-{uuid.uuid4().hex[:8]}", s.storage_dir,
+                               dataset_root=str(dataset.root), offline_rows=len(dataset),
+                               num_offline=s.num_offline_shards, online_capacity=s.online_capacity,
+                               num_online=s.num_online_shards, samplers=(s.offline_sampler, s.online_sampler),
+                               replicas=s.online_replicas, online_nodes=s.online_nodes)
+    cls_opts, opts, coord_opts, device = group_options(actor_options, s.transport, len(layout.shards), s.storage_device)
     table = None if s.storage_device == "cpu" else s.storage_device  # shards keep rows in a DeviceTable there
-    ranges = row_ranges(len(dataset), m)
-    capacities = split_evenly(s.online_capacity, k).tolist()
     so = {"alpha": s.alpha, "eps": s.eps}
     # A restarted offline shard re-maps its chunks; its priorities, and an online shard's rows, come back
     # from its state files. Without those files an online shard's rows would be lost, so it does not restart.
     restart = {"max_restarts": s.max_restarts, "max_task_retries": CALL_RETRIES if s.max_restarts else 0}
     off_opts = {**restart, **opts}
-    on_opts = {**restart, **opts} if storage_dir is not None else opts
-    instance = f"{directory_name(name)}-{uuid.uuid4().hex[:8]}"
+    on_opts = {**restart, **opts} if s.storage_dir is not None else opts
     started: list = []  # everything started, killed if one start fails
     try:
         # first: a cluster that cannot hold the copies refuses the buffer before any actor starts
-        groups = replica_groups(k, replicas, on_opts) if replicas > 1 else []
+        groups = replica_groups(s.num_online_shards, s.online_replicas, on_opts) if s.online_replicas > 1 else []
         started += groups
-        for i, (a, b) in enumerate(ranges):
-            started.append(actor_class(OfflineShard, **cls_opts).options(
-                name=f"{name}/{shard_id(OFFLINE, i)}", **shard_placement(dataset, a, b, off_opts))
-                           .remote(str(dataset.root), a, b, f"{name}/{shard_id(OFFLINE, i)}", kinds[OFFLINE], sampler_options=so,
-                                   state_dir=shard_directory(storage_dir, instance, shard_id(OFFLINE, i)), device=table))
-        extra = launch.start_online(dataset.spec.to_json(), capacities, name, instance, kinds[ONLINE], so, on_opts,
-                                    cls_opts, storage_dir, table, s.online_nodes, groups, replicas, started)
+        offline = [actor_class(OfflineShard, **cls_opts).options(
+            name=p.name, **shard_placement(dataset, p.start, p.stop, off_opts)).remote(
+            p.root, p.start, p.stop, p.name, p.sampler, sampler_options=so, state_dir=p.directory, device=table)
+            for p in layout.offline]
+        started += offline
+        online, copies = launch.start_online(layout, dataset.spec.to_json(), so, on_opts, cls_opts, table, groups,
+                                             started)
         # The coordinator restarts too when it can keep its state on disk: the stream, settings and
         # version there, the write counts in the shards.
-        coord_restart = restart if storage_dir is not None else {}
+        coord_restart = restart if s.storage_dir is not None else {}
         # Shards by name, not handle: a handle in the arguments would live in the object store, and a restart
         # needs its arguments for as long as the buffer lives (ray#53727).
         coord = actor_class(Coordinator).options(name=name, **coord_restart, **coord_opts).remote(
-            [f"{name}/{shard_id(OFFLINE, i)}" for i in range(m)], [b - a for a, b in ranges],
-            [f"{name}/{shard_id(ONLINE, i)}" for i in range(k)], capacities, offline_fraction=s.offline_fraction,
-            sampler=kinds, epoch_end=s.epoch_end, seed=seed, name=name, beta=s.beta, rate_limiter=dict(s.rate_limiter),
-            alpha=s.alpha, eps=s.eps, state_dir=shard_directory(storage_dir, instance, "coordinator"),
-            replicated=replicas > 1, shards_place=s.shards_place)
+            [p.name for p in layout.offline], [p.rows for p in layout.offline], [p.name for p in layout.online],
+            [p.capacity for p in layout.online], offline_fraction=s.offline_fraction, sampler=s.samplers,
+            epoch_end=s.epoch_end, seed=seed, name=name, beta=s.beta, rate_limiter=dict(s.rate_limiter),
+            alpha=s.alpha, eps=s.eps, state_dir=layout.coordinator_dir, replicated=s.online_replicas > 1,
+            shards_place=s.shards_place)
     except BaseException:
         for actor in started:
             launch.kill(actor)
         raise
-    shards = [a for a in started if a not in extra]
-    return coord, shards, device, launch.layout(dataset, name, instance, kinds, ranges, capacities, storage_dir,
-                                                replicas), extra
+    return coord, offline + online, device, layout, groups + copies

@@ -13,11 +13,11 @@ nothing (the shard answers None) and is sent again, within the same ``timeout``.
 """
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Sequence
 from typing import Any
 
+from rayrb.core.layout import shard_id  # noqa: F401  (its home before the layout had a module)
 from rayrb.core.plans import OFFLINE, ONLINE
 from rayrb.errors import BufferUnavailableError, CallTimeoutError, HeldBack, HeldBackTimeout, RowsLostError
 
@@ -172,17 +172,6 @@ class Rpc:
         """The coordinator's version read from its counts map, when it runs on this node (else None)."""
         counts = self.counts_map()
         return None if counts is None else counts.version()
-
-
-@functools.cache
-def shard_id(side: str, i: int, copy: int = 0) -> str:
-    """Shard ``i`` of a side within its buffer, and copy ``copy`` of an online shard: its actor is named
-    ``<buffer>/<id>``, its state directory is ``<id>``.
-
-    >>> shard_id(OFFLINE, 3), shard_id(ONLINE, 1), shard_id(ONLINE, 1, copy=2)
-    ('off-3', 'on-1', 'on-1.r2')
-    """
-    return f"{'off' if side == OFFLINE else 'on'}-{i}" + (f".r{copy}" if copy else "")
 
 
 def node_id() -> str | None:

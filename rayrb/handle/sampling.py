@@ -7,7 +7,7 @@ import weakref
 from typing import Any
 
 from rayrb.core.ahead import MAX_AHEAD
-from rayrb.core.plans import OFFLINE
+from rayrb.core.layout import ShardLayout
 from rayrb.errors import BufferUnavailableError
 from rayrb.handle.policies import Ahead, Loop
 from rayrb.handle.rpc import node_id
@@ -23,7 +23,7 @@ class Sampling:
     (``rayrb.handle.local``), read here unless ``local_reads`` is off; ``limited``: the buffer has a rate
     limiter."""
 
-    def __init__(self, rpc: Any, spec: Any, *, prefetch: int, layout: list | None, local_reads: bool,
+    def __init__(self, rpc: Any, spec: Any, *, prefetch: int, layout: ShardLayout | None, local_reads: bool,
                  limited: bool, storage_device: str):
         self.rpc, self.spec, self.prefetch, self.layout = rpc, spec, prefetch, layout
         self.local_enabled, self.limited, self.storage_device = local_reads, limited, storage_device
@@ -37,7 +37,7 @@ class Sampling:
             from rayrb.handle.local import LocalReads
 
             rpc = self.rpc
-            self._local = LocalReads(self.layout, self.spec, len(rpc.by_side[OFFLINE]), node_id(), rpc.node_of)
+            self._local = LocalReads(self.layout, self.spec, node_id(), rpc.node_of)
         return self._local
 
     def loop(self, batch_size: int) -> Stream:

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from tensordict import TensorDictBase
 
+from rayrb.core.layout import ShardLayout
 from rayrb.core.schema import strip_bookkeeping
 from rayrb.core.validation import boolean, optional_str
 from rayrb.errors import (
@@ -57,7 +58,7 @@ class Writer:
     """A handle's ``extend`` and ``update_priority`` (see the module; their arguments are documented there)."""
 
     def __init__(self, rpc: Any, spec: Any, max_in_flight: int = 8, ordered_one_by_one: bool = False,
-                 shards_place: bool = False, layout: list | None = None, local: bool = True):
+                 shards_place: bool = False, layout: ShardLayout | None = None, local: bool = True):
         self.rpc, self._spec, self.max_in_flight = rpc, spec, max_in_flight
         self.shards_place = shards_place
         # the shards place writes: appended here where a shard's files are on this node, else sent there

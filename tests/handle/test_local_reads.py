@@ -15,6 +15,7 @@ from tensordict import TensorDict
 
 from rayrb.actors.lifecycle import actor_class
 from rayrb.actors.online_shard import OnlineShard
+from rayrb.core.layout import Copy, Shard, ShardLayout
 from rayrb.core.schema import RowSpec
 from rayrb.handle.local import OfflineReader, OnlineReader
 
@@ -154,10 +155,10 @@ def test_online_rows_are_read_here_only_where_stores_are_seen_in_order(tmp_path,
     from rayrb.handle.local import LocalReads
 
     d, s, _ = filled(tmp_path)
-    layout = [{"side": "online", "sampler": "uniform", "dir": str(d), "capacity": 64}]
+    layout = one_online_shard(str(d))
     for machine, local in (("x86_64", True), ("aarch64", False)):
         monkeypatch.setattr("platform.machine", lambda: machine)
-        reads = LocalReads(layout, SPEC, 0, "node-a", lambda j: "node-a")
+        reads = LocalReads(layout, SPEC, "node-a", lambda j: "node-a")
         assert (reads.reader("online", 0) is not None) is local, machine
 
 
@@ -169,15 +170,20 @@ def test_a_handle_beside_a_replica_and_not_its_shard_reads_the_replica(tmp_path)
     filled(tmp_path)  # the primary, on node-a
     copy = shard(tmp_path / "on-0.r1")
     copy.extend(rows_from(0, 64), first=0)
-    layout = [{"side": "online", "sampler": "uniform", "dir": str(tmp_path / "on-0"), "capacity": 64,
-               "copies": [{"name": "t/on-0.r1", "dir": str(tmp_path / "on-0.r1")}]}]
+    layout = one_online_shard(str(tmp_path / "on-0"), copies=(Copy("t/on-0.r1", str(tmp_path / "on-0.r1")),))
     nodes = {0: "node-a", "t/on-0.r1": "node-b"}
-    beside = LocalReads(layout, SPEC, 0, "node-b", nodes.get).reader("online", 0)
+    beside = LocalReads(layout, SPEC, "node-b", nodes.get).reader("online", 0)
     assert beside is not None and beside._dir == str(tmp_path / "on-0.r1")
     out = out_for(8)
     assert beside.read([8], [1], [None], 64, out) is not None
     np.testing.assert_array_equal(out["id"], copy.sample_many([8], [1], None, 64)[0]["id"])
-    assert LocalReads(layout, SPEC, 0, "node-c", nodes.get).reader("online", 0) is None
+    assert LocalReads(layout, SPEC, "node-c", nodes.get).reader("online", 0) is None
+
+
+def one_online_shard(directory: str, copies: tuple = (), sampler: str = "uniform") -> ShardLayout:
+    """A layout of one online shard of 64 slots whose files are in ``directory``."""
+    return ShardLayout("t", "t-0", None, (Shard("online", 0, "on-0", "t/on-0", directory, sampler, capacity=64,
+                                               copies=copies),))
 
 
 def test_an_offline_reader_draws_what_the_shard_draws(tmp_path):
@@ -196,6 +202,51 @@ def test_an_offline_reader_draws_what_the_shard_draws(tmp_path):
         rows, want = sh.sample_many([40, 30], [5, 6], epochs)
         np.testing.assert_array_equal(out["id"], rows["id"])
         np.testing.assert_array_equal(info["index"], want["index"])
+
+
+@pytest.mark.parametrize("sampler", ["uniform", "without_replacement", "prioritized"])
+def test_an_online_shard_and_a_reader_of_its_files_agree_on_every_read_for_every_sampler(tmp_path, sampler):
+    """One read rule (rayrb.core.samplers.read_size, read_indices; rayrb.durability.storage.whole): over random
+    plans, every write count a plan may carry (behind, at, past the shard's; wrapped or not), the reader gives the
+    shard's rows and info, or defers to the shard; a sampler whose indices need the shard's state never reads here."""
+    from rayrb.core.plans import Epoch
+
+    d = tmp_path / "on-0"
+    s = OnlineShard(SPEC.to_json(), 64, "t/on-0", sampler, state_dir=str(d))
+    reader = OnlineReader(str(d), SPEC, 64, sampler)
+    rng = np.random.default_rng(0)
+    served = deferred = 0
+    for written_now in (10, 64, 100, 150):
+        s.extend(rows_from(s.written(), written_now - s.written()), first=s.written())
+        for _ in range(25):
+            counts = [int(c) for c in rng.integers(1, 9, size=rng.integers(1, 4))]
+            seeds = [int(x) for x in rng.integers(0, 2**31, size=len(counts))]
+            planned = int(rng.integers(1, written_now + 20))  # at most 20 rows past what the shard holds
+            size = min(planned, 64)
+            epochs = [Epoch(1, 3, size, int(rng.integers(0, 3))) for _ in counts] \
+                if sampler == "without_replacement" else [None] * len(counts)
+            if sampler == "without_replacement" and sum(counts) > size:
+                continue
+            out = out_for(sum(counts))
+            info = reader.read(counts, seeds, epochs, planned, out) if sampler != "prioritized" else None
+            theirs = s.sample_many(counts, seeds, epochs, planned)
+            if theirs is None:  # planned past the shard's rows: neither reads
+                assert info is None and planned > written_now
+                continue
+            if info is None:
+                deferred += 1
+                continue
+            served += 1
+            rows, want = theirs
+            np.testing.assert_array_equal(out["id"], rows["id"])
+            np.testing.assert_array_equal(info["index"], want["index"])
+            np.testing.assert_array_equal(info["generation"], want["generation"])
+    if sampler == "prioritized":  # the sum tree lives in the shard: no reader of its files is ever made
+        from rayrb.handle.local import LocalReads
+
+        assert LocalReads(one_online_shard(str(d), sampler=sampler), SPEC, "n", lambda j: "n").reader("online", 0) is None
+    else:
+        assert served > 50 and deferred == 0
 
 
 # -- through Ray ----------------------------------------------------------------------------------------------------
