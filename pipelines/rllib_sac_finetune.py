@@ -191,7 +191,7 @@ def buffer_cost(result: dict, config: Any) -> dict[str, Any]:
     per_call = {k: float(timers[k]) for k in calls if k in timers}
     return {"per_call": per_call, "training_steps": steps, "adds_per_step": store, "samples_per_step": train,
             "seconds": steps * sum(per_call[k] * calls[k] for k in per_call),
-            "iteration_seconds": float(timers.get("training_iteration", float("nan")))}
+            "training_iteration_timer": float(timers.get("training_iteration", float("nan")))}
 
 
 def count_offline_rows(buffer: Any) -> list[int]:
@@ -251,10 +251,9 @@ def finetune(learner: str, args: argparse.Namespace, dataset_root: str, episodes
                "buffer_timesteps": int(algo.local_replay_buffer.get_num_timesteps())}
         if learner == "rayrb":
             expected = int(np.floor(args.offline_fraction * args.batch_size + 0.5))
-            out["offline_rows_per_batch"] = {"expected": expected, "batches": len(offline_rows),
-                                             "min": min(offline_rows, default=None),
-                                             "max": max(offline_rows, default=None),
-                                             "exact": bool(offline_rows) and set(offline_rows) == {expected}}
+            rows = offline_rows or [None]  # every batch SAC drew, as logged rows in it
+            out["offline_rows_per_batch"] = {"expected": expected, "batches": len(offline_rows), "min": min(rows),
+                                             "max": max(rows), "exact": set(offline_rows) == {expected}}
         print(f"{learner:6s} seed {seed}: final greedy return {returns[-1]:7.1f} after {steps[-1]} env steps, threshold "
               f"{args.threshold} reached at {out['steps_to_threshold']}, {seconds:.1f}s ({eval_s:.1f}s evaluating), "
               f"buffer {out['buffer_ms_per_iteration']:.1f} ms of the last iteration's {out['iteration_ms']:.0f} ms",
@@ -275,11 +274,9 @@ def plot(metrics: dict, path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    config = metrics["config"]
-    fig, ax = plt.subplots(figsize=(10, 4.2))
+    config, (fig, ax) = metrics["config"], plt.subplots(figsize=(10, 4.2))
     colours = {"rllib": "tab:blue", "rayrb": "tab:orange", "online": "tab:green"}
-    names = {"rllib": "RLlib's buffer + log", "rayrb": f"rayrb {config['offline_fraction']:g} mix",
-             "online": "online only"}
+    names = {"rllib": "RLlib's buffer + log", "rayrb": f"rayrb {config['offline_fraction']:g} mix", "online": "online"}
     for run in metrics["runs"]:
         ax.plot(run["env_steps"], run["eval_return"], color=colours[run["buffer"]], alpha=0.85,
                 label=f"{names[run['buffer']]} (seed {run['seed']})", linestyle=["-", "--", ":", "-."][run["seed"] % 4],
@@ -307,7 +304,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--env", choices=sorted(TASKS), default="Pendulum-v1")
     p.add_argument("--learners", default=",".join(LEARNERS), help=f"comma-separated, of {LEARNERS}")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--iterations", type=int, default=12, help="RLlib training iterations per run")
+    p.add_argument("--iterations", type=int, default=8, help="RLlib training iterations per run")
     p.add_argument("--steps-per-iteration", type=int, default=500, help="env steps each iteration collects")
     p.add_argument("--rollout-fragment-length", type=int, default=1, help="env steps per sample call")
     p.add_argument("--training-intensity", type=float, default=None,

@@ -127,8 +127,6 @@ def replica_groups(shards: int, replicas: int, opts: dict, timeout: float = 60.0
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    if not ray.is_initialized():  # as the first actor's start would (these come before any)
-        ray.init()
     alive = len(_alive_nodes())
     if alive < replicas:
         raise InvalidArgumentError(

@@ -28,7 +28,8 @@ import numpy as np
 from rayrb.actors.lifecycle import begin
 from rayrb.actors.metrics import ActorMetrics
 from rayrb.core.plans import OFFLINE_GENERATION, Epoch
-from rayrb.core.samplers import make_sampler, read_indices, read_size
+from rayrb.core.reads import read_indices, read_size
+from rayrb.core.samplers import make_sampler
 from rayrb.core.validation import ALPHA, EPS
 from rayrb.durability.storage import PriorityStore, remove_directory, whole
 from rayrb.errors import BufferUnavailableError, InvalidArgumentError, RowIndexError, RowsLostError, SavedStateError

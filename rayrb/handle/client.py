@@ -65,7 +65,7 @@ class BufferClient:
                                   local_reads=local_reads, limited=limited, storage_device=storage_device)
         self._writer = Writer(self.rpc, spec, max_writes_in_flight, ordered_one_by_one=limited, shards_place=shards_place,
                               layout=layout, local=local_reads and storage_device == "cpu")
-        self._learners = Learners(self.rpc, self.output, name, transport, read_device)
+        self._learners = Learners(self.rpc, self.output, name, transport, read_device, layout)
 
     # writing ------------------------------------------------------------------
     @gives_back

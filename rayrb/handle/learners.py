@@ -23,8 +23,10 @@ from rayrb.handle.rpc import shard_id
 class Learners:
     """A handle's slices and feeding (see the module; the arguments are documented on the handle's methods)."""
 
-    def __init__(self, rpc: Any, output: Any, name: str, transport: str, read_device: str | None):
+    def __init__(self, rpc: Any, output: Any, name: str, transport: str, read_device: str | None,
+                 layout: Any = None):
         self.rpc, self.output, self.name, self.transport, self.read_device = rpc, output, name, transport, read_device
+        self.shard_names = None if layout is None else [p.name for p in layout.shards]  # offline first
         self.routes: Any = None  # rayrb.actors.transport.Routes to the learners connected here
         self.learners: list[Any] = []
 
@@ -59,7 +61,7 @@ class Learners:
         group = self.plan_once(batch_size, num_slices)
         out = []
         for j, (plan, parts) in enumerate(zip(group.plans, reads_by_plan(group))):
-            refs = [self.rpc.by_side[side][i].sample_many.remote(*args) for side, i, args in parts]
+            refs = [self.rpc.read(side, i, args) for side, i, args in parts]
             task = _assemble_task(nodes[j] if nodes else None, num_returns=2 if split_info else 1)
             out.append(task.remote(plan, return_info or split_info, postprocess, *refs))
         return out
@@ -72,8 +74,8 @@ class Learners:
         learners = list(learners)
         if not learners:
             raise InvalidArgumentError("expected at least one learner actor handle, got none")
-        names = [f"{self.name}/{shard_id(side, i)}" for side in (OFFLINE, ONLINE)
-                 for i in range(len(self.rpc.by_side[side]))]
+        names = self.shard_names or [f"{self.name}/{shard_id(side, i)}" for side in (OFFLINE, ONLINE)
+                                     for i in range(len(self.rpc.by_side[side]))]
         self.routes = connect_group(self.transport, self.rpc.shards, learners, f"{self.name}-{self.transport}",
                                     previous=self.routes, shard_names=names, timeout=self.rpc.timeout or 60.0)
         self.learners = learners
@@ -90,15 +92,8 @@ class Learners:
         m = len(self.rpc.by_side[OFFLINE])
         refs = []
         for j, (learner, plan, parts) in enumerate(zip(self.learners, group.plans, reads_by_plan(group))):
-            reads = []
-            for side, i, (counts, seeds, epochs, written) in parts:
-                shard = self.rpc.by_side[side][i]
-                route = self.routes.route[(i + (m if side == ONLINE else 0), j)]
-                if route != "object_store":
-                    reads.append(shard.sample_many_tensors.options(tensor_transport=route).remote(
-                        counts, seeds, epochs, device=self.read_device, written=written))
-                else:
-                    reads.append(shard.sample_many.remote(counts, seeds, epochs, written))
+            reads = [self.rpc.read(side, i, read, route=self.routes.route[(i + (m if side == ONLINE else 0), j)],
+                                   device=self.read_device) for side, i, read in parts]
             refs.append(getattr(learner, method).remote(plan, *reads, *args))
         return self.rpc.get(refs) if wait else refs
 

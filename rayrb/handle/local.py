@@ -45,7 +45,8 @@ import numpy as np
 
 from rayrb.core.layout import Shard, ShardLayout
 from rayrb.core.plans import OFFLINE, OFFLINE_GENERATION, Epoch
-from rayrb.core.samplers import make_sampler, read_indices, read_size
+from rayrb.core.reads import read_indices, read_size
+from rayrb.core.samplers import make_sampler
 from rayrb.core.schema import RowSpec
 from rayrb.durability.storage import whole
 

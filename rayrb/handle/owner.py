@@ -162,14 +162,14 @@ class OfflineToOnlineReplayBuffer(BufferClient):
             actor_options=actor_options, online_nodes=online_nodes, online_replicas=online_replicas, timeout=timeout,
             transport=transport, alpha=alpha, beta=beta, eps=eps, max_batch_bytes=max_batch_bytes,
             storage_dir=storage_dir, rate_limiter=rate_limiter, prefetch=prefetch, storage_device=storage_device,
-            max_restarts=max_restarts, local_reads=local_reads, name=name, write_path=write_path)
+            max_restarts=max_restarts, local_reads=local_reads, name=name, write_path=write_path, seed=seed,
+            dataset_root=dataset_root)
         dataset, self._owned_dirs, s = launch.offline_chunks(  # a sampler asked for wins over a TorchRL dataset's
-            offline_dataset, s, sampler is not None or offline_sampler is not None, dataset_root, dataset_kwargs)
+            offline_dataset, s, sampler is not None or offline_sampler is not None, s.dataset_root, dataset_kwargs)
         self._dataset_root, self._offline_rows, self._settings = str(dataset.root), len(dataset), s
         name = s.name
         try:
-            coord, shards, read_device, layout, self._copies = _start_actors(dataset, name, s, seed=seed,
-                                                                             actor_options=actor_options or {})
+            coord, shards, read_device, layout, self._copies = _start_actors(dataset, name, s)
         except BaseException:
             self._remove_owned()  # no half-built buffer: what started is killed in _start_actors
             raise
@@ -297,17 +297,22 @@ class OfflineToOnlineReplayBuffer(BufferClient):
         return f"{type(self).__name__}(name={self._name!r}, {state}, spec={self._spec!r}, batch_size={self.batch_size})"
 
 
-def _start_actors(dataset: ChunkDataset, name: str, s: BufferSettings, *, seed: int | None, actor_options: dict
-                  ) -> tuple[Any, list, str | None, ShardLayout, list]:
+def _start_actors(dataset: ChunkDataset, name: str, s: BufferSettings) -> tuple[Any, list, str | None, ShardLayout,
+                                                                                 list]:
     """Start the offline shards, the online shards and the coordinator as ``s`` says, where the buffer's layout
     places them; kill them all if one fails to start. Returns them, the device reads go to, the layout and what the
     shards own besides (their copies and placement groups)."""
+
+    import ray
 
     from rayrb.actors.coordinator import Coordinator
     from rayrb.actors.lifecycle import actor_class
     from rayrb.actors.placement import group_options, replica_groups, shard_placement
     from rayrb.actors.shards import OfflineShard
 
+    if not ray.is_initialized():  # the one place a buffer starts Ray, as its first actor's start would
+        ray.init()
+    actor_options = dict(s.actor_options)
     if s.transport == "nccl" and "num_gpus" not in actor_options:
         launch.check_nccl_gpus(s.num_offline_shards + s.num_online_shards)
     layout = ShardLayout.build(name, f"{directory_name(name)}-{uuid.uuid4().hex[:8]}", s.storage_dir,
@@ -343,7 +348,7 @@ def _start_actors(dataset: ChunkDataset, name: str, s: BufferSettings, *, seed: 
         coord = actor_class(Coordinator).options(name=name, **coord_restart, **coord_opts).remote(
             [p.name for p in layout.offline], [p.rows for p in layout.offline], [p.name for p in layout.online],
             [p.capacity for p in layout.online], offline_fraction=s.offline_fraction, sampler=s.samplers,
-            epoch_end=s.epoch_end, seed=seed, name=name, beta=s.beta, rate_limiter=dict(s.rate_limiter),
+            epoch_end=s.epoch_end, seed=s.seed, name=name, beta=s.beta, rate_limiter=dict(s.rate_limiter),
             alpha=s.alpha, eps=s.eps, state_dir=layout.coordinator_dir, replicated=s.online_replicas > 1,
             shards_place=s.shards_place)
     except BaseException:

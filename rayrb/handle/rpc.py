@@ -94,11 +94,16 @@ class Rpc:
         return getattr(self.coord, method).remote(*args, **kwargs)
 
     # reads ------------------------------------------------------------------------
-    def read(self, side: str, i: int, args: tuple, direct: dict[str, list] | None = None) -> Any:
-        """Shard ``i`` of ``side``'s read ``args = (counts, seeds, epochs, written)``: numpy rows through the
-        object store, or, with ``direct`` (the shards by side, on this actor's GPU), CUDA tensors over Ray
-        Direct Transport."""
+    def read(self, side: str, i: int, args: tuple, direct: dict[str, list] | None = None,
+             route: str | None = None, device: str | None = None) -> Any:
+        """Shard ``i`` of ``side``'s read ``args = (counts, seeds, epochs, written)``, the one place shard reads are
+        submitted: numpy rows through the object store; with ``direct`` (the shards by side, on this actor's GPU)
+        CUDA tensors over Ray Direct Transport; with ``route`` (a learner's: ``"gloo"``, ``"nccl"``, ...) tensors
+        that way, moved to ``device``."""
         counts, seeds, epochs, written = args
+        if route is not None and route != "object_store":
+            method = self.by_side[side][i].sample_many_tensors.options(tensor_transport=route)
+            return method.remote(counts, seeds, epochs, device=device, written=written)
         if direct is None:
             return self.by_side[side][i].sample_many.remote(counts, seeds, epochs, written)
         method = direct[side][i].sample_many_tensors

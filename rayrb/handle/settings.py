@@ -46,7 +46,7 @@ from rayrb.core.validation import (
     priority_options,
 )
 from rayrb.core.validation import timeout as check_timeout
-from rayrb.errors import InvalidArgumentError
+from rayrb.errors import InvalidArgumentError, InvalidArgumentTypeError
 from rayrb.handle.client import PREFETCH
 
 DEFAULT_MAX_BATCH_BYTES = 8 << 30
@@ -88,6 +88,9 @@ class BufferSettings:
     write_path: str  # "shards" or "coordinator": who places each write (rayrb.handle.direct)
     storage_dir: str | None
     name: str  # as given: its forms for metric tags and file names are rayrb.core.names's
+    seed: int | None = None
+    dataset_root: str | None = None  # where in-memory offline data is written as chunks (None: a folder of its own)
+    actor_options: Mapping[str, Any] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
 
     @property
     def samplers(self) -> dict[str, str]:
@@ -123,11 +126,16 @@ def checked_settings(offline_dataset: Any, *, online_capacity: Any = None, onlin
                      max_batch_bytes: Any = DEFAULT_MAX_BATCH_BYTES, storage_dir: Any = DEFAULT_STORAGE,
                      rate_limiter: Any = None, prefetch: Any = PREFETCH, storage_device: Any = "cpu",
                      max_restarts: Any = -1, local_reads: Any = True, name: Any = None,
-                     write_path: Any = None) -> BufferSettings:
+                     write_path: Any = None, seed: Any = None, dataset_root: Any = None) -> BufferSettings:
     """The buffer's options checked, each once, in ``OfflineToOnlineReplayBuffer``'s order (its defaults too)."""
     m = positive_int("num_offline_shards", num_offline_shards)
     k = positive_int("num_online_shards", num_online_shards)
     capacity = capacity_option(online_capacity, online_storage, k)
+    seed = None if seed is None else non_negative_int("seed", seed)
+    if dataset_root is not None and not isinstance(dataset_root, (str, os.PathLike)):
+        raise InvalidArgumentTypeError(f"expected dataset_root as a path (str or os.PathLike) or None, got "
+                                       f"{type(dataset_root).__name__}")
+    actor_options = actor_options_option(actor_options)
     schedule = make_schedule(offline_fraction)  # a number is checked here, once (a Constant trusts it after)
     if batch_size is None and is_dataset_id(offline_dataset):  # TorchRL's rule, and its words
         raise InvalidArgumentError(
@@ -141,7 +149,7 @@ def checked_settings(offline_dataset: Any, *, online_capacity: Any = None, onlin
     prio = priority_options(alpha, beta, eps)
     max_restarts = restarts_option(max_restarts)
     transport = check_transport(transport)
-    nodes = online_nodes_option(online_nodes, k, actor_options or {})
+    nodes = online_nodes_option(online_nodes, k, actor_options)
     storage_device = check_storage_device(storage_device)
     limiter = make_rate_limiter(rate_limiter)
     limiter.validate(online_capacity=capacity)  # a configuration that can deadlock is refused here
@@ -149,7 +157,7 @@ def checked_settings(offline_dataset: Any, *, online_capacity: Any = None, onlin
     transform = callable_or_none("transform", transform)
     max_batch_bytes = positive_int("max_batch_bytes", max_batch_bytes)
     prefetch = CLIENT_CHECKS["prefetch"](prefetch)
-    replicas = replicas_option(online_replicas, storage_dir, nodes, actor_options or {}, max_restarts)
+    replicas = replicas_option(online_replicas, storage_dir, nodes, actor_options, max_restarts)
     if write_path not in (None, "coordinator", "shards"):
         raise InvalidArgumentError(f"expected write_path None, 'coordinator' or 'shards', got {write_path!r}")
     admitted = limiter.samples_per_insert is not None  # each write admitted by the coordinator
@@ -165,7 +173,23 @@ def checked_settings(offline_dataset: Any, *, online_capacity: Any = None, onlin
         storage_device=storage_device, rate_limiter=MappingProxyType(limiter.config()),
         limited=limiter.samples_per_insert is not None, local_reads=local_reads, timeout=timeout,
         transform=transform, max_batch_bytes=max_batch_bytes, prefetch=prefetch, online_replicas=replicas,
-        write_path=write_path, storage_dir=None if storage_dir is None else str(storage_dir), name=buffer_name(name), **prio)
+        write_path=write_path, storage_dir=None if storage_dir is None else str(storage_dir), name=buffer_name(name),
+        seed=seed, dataset_root=None if dataset_root is None else os.fspath(dataset_root),
+        actor_options=MappingProxyType(actor_options), **prio)
+
+
+def actor_options_option(value: Any) -> dict[str, Any]:
+    """``actor_options=``: None or a dict of Ray's ``.options()`` keywords (names as str) for every actor.
+
+    >>> actor_options_option(None), actor_options_option({"num_cpus": 0.5})
+    ({}, {'num_cpus': 0.5})
+    """
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+        raise InvalidArgumentTypeError(f"expected actor_options as a dict of Ray actor options (str keys) or None, "
+                                       f"got {value!r}")
+    return dict(value)
 
 
 def client_options(timeout: Any = "same", prefetch: Any = "same", local_reads: Any = "same",

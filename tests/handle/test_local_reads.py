@@ -206,7 +206,7 @@ def test_an_offline_reader_draws_what_the_shard_draws(tmp_path):
 
 @pytest.mark.parametrize("sampler", ["uniform", "without_replacement", "prioritized"])
 def test_an_online_shard_and_a_reader_of_its_files_agree_on_every_read_for_every_sampler(tmp_path, sampler):
-    """One read rule (rayrb.core.samplers.read_size, read_indices; rayrb.durability.storage.whole): over random
+    """One read rule (rayrb.core.reads.read_size, read_indices; rayrb.durability.storage.whole): over random
     plans, every write count a plan may carry (behind, at, past the shard's; wrapped or not), the reader gives the
     shard's rows and info, or defers to the shard; a sampler whose indices need the shard's state never reads here."""
     from rayrb.core.plans import Epoch

@@ -145,3 +145,27 @@ def test_the_name_is_any_string_and_checked_with_the_options(chunks):
     assert checked_settings(chunks, online_capacity=10).name.startswith("rayrb-")  # a unique one
     with pytest.raises(InvalidArgumentTypeError, match="name must be a string .* got int 7"):
         checked_settings(chunks, online_capacity=10, name=7)
+
+
+@pytest.mark.parametrize("option, value, error, match", [
+    ("seed", -1, InvalidArgumentError, "seed"),
+    ("seed", "7", InvalidArgumentError, "seed must be a non-negative integer"),
+    ("seed", 1.5, InvalidArgumentError, "seed must be a non-negative integer"),
+    ("dataset_root", 3, InvalidArgumentTypeError, "dataset_root as a path"),
+    ("actor_options", ["num_cpus"], InvalidArgumentTypeError, "actor_options as a dict"),
+    ("actor_options", {1: 2}, InvalidArgumentTypeError, "actor_options as a dict"),
+])
+def test_seed_dataset_root_and_actor_options_are_checked_with_the_rest(chunks, option, value, error, match):
+    with pytest.raises(error, match=match):
+        checked_settings(chunks, online_capacity=10, **{option: value})
+
+
+def test_seed_dataset_root_and_actor_options_are_kept_checked_and_read_only(chunks, tmp_path):
+    import numpy as np
+
+    s = checked_settings(chunks, online_capacity=10, seed=np.int64(3), dataset_root=tmp_path / "ds",
+                         actor_options={"num_cpus": 0.5})
+    assert s.seed == 3 and type(s.seed) is int and s.dataset_root == str(tmp_path / "ds")
+    assert dict(s.actor_options) == {"num_cpus": 0.5}
+    with pytest.raises(TypeError):
+        s.actor_options["num_cpus"] = 1  # frozen: the layers below take it as it is
