@@ -8,7 +8,10 @@ do not pay for torch. The package's layers (``docs/architecture.md``), lowest fi
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the path users import, for type checkers and the API reference (resolved lazily at run time)
+    from rayrb.handle.owner import OfflineToOnlineReplayBuffer  # noqa: F401
 
 __version__ = "0.1.0"
 

@@ -23,8 +23,8 @@ LISTED = {
                                                                   "count, also its replicas' copies; append at its "
                                                                   "own), and its write lock around every change in "
                                                                   "bulk, since writers on its node append too"),
-    ("class", "rayrb/handle/owner.py::OfflineToOnlineReplayBuffer"): (255, "one documented keyword per setting "
-                                                                          "until the settings are grouped"),
+    ("class", "rayrb/handle/owner.py::OfflineToOnlineReplayBuffer"): (261, "one documented keyword per setting, "
+                                                                          "in its group, with its default value"),
 }
 
 

@@ -64,62 +64,68 @@ class OfflineToOnlineReplayBuffer(BufferClient):
         batch_size (int): default for ``sample``; required with a dataset id, as in
             TorchRL (which builds the dataset with it).
         transform (callable): applied to each sampled TensorDict in the caller.
-        num_offline_shards (int), num_online_shards (int): actors per side. Default 1.
-        sampler (str): both sides' sampler, unless ``offline_sampler`` / ``online_sampler``
-            name one: ``"uniform"`` (with replacement), ``"without_replacement"`` (epochs that
-            visit each row once) or ``"prioritized"`` (``p_i = (|priority| + eps)^alpha``, per-shard
-            sum trees, counts ~ Multinomial over shard masses; ``info["weight"]`` holds the importance
-            weights ``(p_i / min p)^-beta`` over each side's union of shards). By default, as in
-            TorchRL, an OpenML dataset id is sampled without replacement and anything else
-            uniformly, and the online side uniformly.
-        offline_sampler (str), online_sampler (str): one side's sampler.
-        alpha, beta, eps (float): prioritized sampling's exponents and floor (TorchRL's names).
-        epoch_end (str): without replacement, what a batch does when a side has fewer rows
-            left in its epoch than it needs: ``"short"`` (default, TorchRL's) returns a short
-            final batch, split exactly, and the next call begins the next epoch; ``"drop"``
-            drops those rows and begins the next epoch at once; ``"raise"`` refuses the call.
-        drop_last (bool): TorchRL's name: ``True`` is ``epoch_end="drop"``, ``False`` is ``"short"``.
-        seed (int): with a fixed shard layout, the same seed gives the same batches.
-        name (str): the coordinator's actor name, any string (default: a unique one; docs/guarantees.md).
-        dataset_root: where in-memory offline data is written as a chunk dataset.
-        actor_options (dict): extra ``.options(...)`` for the actors (default ``num_cpus=0``).
-        online_replicas (int): copies of each online shard, each on another node (default 1). With 2 or
-            more, a write is acknowledged once every live copy holds it, a lost copy is rebuilt on another
-            node, and the coordinator's files are kept off its node too, so a node loss loses no
-            acknowledged row (docs/durability.md). Needs a ``storage_dir`` and that many nodes.
-        write_path (str): who places each write. ``"shards"`` (the default, where it can be): the writer
-            appends to a shard's files itself on its node, else sends the write to the shard, one call, the
-            coordinator off the path (``rayrb.handle.direct``). ``"coordinator"`` (the default with a rate limiter
-            that bounds samples per insert): the coordinator admits, places and sends each write.
-        online_nodes (list): a node id (or None) per online shard, to place it beside
-            the collectors that feed it (a soft preference). A write prefers the online
-            shards on the writer's node while they are at most an eighth of a shard
-            ahead of the others, wherever they were placed.
-        timeout (float): seconds to wait on any call before raising ``TimeoutError``.
-        max_batch_bytes (int): the largest batch a call may ask for, in bytes of rows
-            (default 8 GiB); larger requests are refused before anything is drawn.
-        rate_limiter: flow control between collectors and learners, counted in online rows
-            only (``rayrb.core.rate_limiter``): a ``RateLimiter`` such as
-            ``SampleToInsertRatio(samples_per_insert, min_size_to_sample, error_buffer)`` or
-            ``MinSize(n)``, or its config dict. Sampling and writing wait (up to ``timeout``)
-            while they run ahead. Default: ``MinSize(1)``, no limit.
-        storage_dir: a directory on each node's local disk where shards keep their mutable state as
-            memory maps, so a shard whose process dies restarts with every acknowledged write. Default:
-            ``$TMPDIR/rayrb-state``. ``None``: process memory, and online shards do not restart.
-        storage_device (str): where shards hold their rows: ``"cpu"`` (default, host memory maps) or
-            ``"cuda"`` (loaded into GPU memory once, gathered there; the memory maps still keep every
-            acknowledged write). See docs/gpu.md; not yet run on a GPU.
-        transport (str): how ``feed`` hands rows to learners (see ``connect_learners``):
-            ``"object_store"`` (default), ``"gloo"``, ``"nccl"``, ``"cuda_ipc"`` or ``"auto"``.
-        prefetch (int): batches a plain ``sample`` loop may draw ahead (default 32, at most 64 MiB
-            of rows; ``0``: none), given back before this handle writes, steers or saves, so the stream
-            is the one unprefetched calls give (``rayrb.handle.stream``; under a rate limiter, only as
-            far as it allows).
-        max_restarts (int): restarts of each actor over the buffer's life; ``-1`` (default): without end.
-            A start that keeps crashing backs off (up to 30 s). ``stats()`` counts each actor's restarts.
-        local_reads (bool): handles on a shard's node gather its rows themselves, from the files the shard
-            maps, without an actor call (``rayrb.handle.local``; default True). The stream is the same either way.
         **dataset_kwargs: forwarded to ``load_dataset`` for dataset ids.
+
+    Sampling:
+        - ``sampler`` (str, default None): both sides' sampler, unless ``offline_sampler`` / ``online_sampler``
+          name one: ``"uniform"`` (with replacement), ``"without_replacement"`` (epochs that visit each row once) or
+          ``"prioritized"`` (``p_i = (|priority| + eps)^alpha``, per-shard sum trees, counts ~ Multinomial over
+          shard masses; ``info["weight"]`` holds the importance weights ``(p_i / min p)^-beta`` over each side's
+          union of shards). By default, as in TorchRL, an OpenML dataset id is sampled without replacement and
+          anything else uniformly, and the online side uniformly.
+        - ``offline_sampler``, ``online_sampler`` (str, default None): one side's sampler.
+        - ``alpha`` (0.6), ``beta`` (0.4), ``eps`` (1e-8): prioritized sampling's exponents and floor (TorchRL's).
+        - ``epoch_end`` (str, default ``"short"``): without replacement, what a batch does when a side has fewer
+          rows left in its epoch than it needs: ``"short"`` (TorchRL's) returns a short final batch, split
+          exactly, and the next call begins the next epoch; ``"drop"`` drops those rows and begins the next epoch
+          at once; ``"raise"`` refuses the call. ``drop_last`` (bool, TorchRL's name): ``True`` is ``"drop"``,
+          ``False`` is ``"short"``.
+        - ``seed`` (int, default None): with a fixed shard layout, the same seed gives the same batches.
+        - ``rate_limiter`` (default ``MinSize(1)``, no limit): flow control between collectors and learners,
+          counted in online rows only (``rayrb.core.rate_limiter``): a ``RateLimiter`` such as
+          ``SampleToInsertRatio(samples_per_insert, min_size_to_sample, error_buffer)`` or ``MinSize(n)``, or its
+          config dict. Sampling and writing wait (up to ``timeout``) while they run ahead.
+        - ``prefetch`` (32): batches a plain ``sample`` loop may draw ahead (at most 64 MiB of rows; ``0``: none),
+          given back before this handle writes, steers or saves, so the stream is the one unprefetched calls give.
+        - ``max_batch_bytes`` (8 GiB): the largest batch a call may ask for, in bytes of rows; larger requests
+          are refused before anything is drawn.
+
+    Placement:
+        - ``num_offline_shards``, ``num_online_shards`` (1 each): actors per side.
+        - ``name`` (str, default a unique one): the coordinator's actor name, any string (docs/guarantees.md).
+        - ``online_nodes`` (list, default None): a node id (or None) per online shard, to place it beside the
+          collectors that feed it (a soft preference). A write prefers the online shards on the writer's node
+          while they are at most an eighth of a shard ahead of the others, wherever they were placed.
+        - ``actor_options`` (dict, default None: ``num_cpus=0``): extra ``.options(...)`` for the actors.
+        - ``dataset_root`` (default None: a folder of its own): where in-memory offline data is written as a
+          chunk dataset.
+
+    Durability:
+        - ``storage_dir`` (default ``$TMPDIR/rayrb-state``): a directory on each node's local disk where shards
+          keep their mutable state as memory maps, so a shard whose process dies restarts with every acknowledged
+          write. ``None``: process memory, and online shards do not restart.
+        - ``online_replicas`` (1): copies of each online shard, each on another node. With 2 or more, a write is
+          acknowledged once every live copy holds it, a lost copy is rebuilt on another node, and the
+          coordinator's files are kept off its node too, so a node loss loses no acknowledged row
+          (docs/durability.md). Needs a ``storage_dir`` and that many nodes.
+        - ``max_restarts`` (-1: without end): restarts of each actor over the buffer's life. A start that keeps
+          crashing backs off (up to 30 s). ``stats()`` counts each actor's restarts.
+        - ``write_path`` (default None): who places each write. ``"shards"`` (the default where it can be): the
+          writer appends to a shard's files itself on its node, else sends the write to the shard, one call, the
+          coordinator off the path (``rayrb.handle.direct``). ``"coordinator"`` (the default with a rate limiter
+          that bounds samples per insert): the coordinator admits, places and sends each write.
+        - ``timeout`` (float, default None: no bound): seconds to wait on any call before raising
+          ``TimeoutError``.
+
+    Transport:
+        - ``local_reads`` (True): handles on a shard's node gather its rows themselves, from the files the shard
+          maps, without an actor call, and append their writes there (``rayrb.handle.local``). The stream is the
+          same either way.
+        - ``storage_device`` (``"cpu"``): where shards hold their rows: ``"cpu"`` (host memory maps) or
+          ``"cuda"`` (loaded into GPU memory once, gathered there; the memory maps still keep every acknowledged
+          write). See docs/gpu.md.
+        - ``transport`` (``"object_store"``): how ``feed`` hands rows to learners (see ``connect_learners``):
+          ``"object_store"``, ``"gloo"``, ``"nccl"``, ``"cuda_ipc"`` or ``"auto"``.
 
     Sampled batches are rebuilt from numpy arrays without copying where possible:
     treat them as read-only and ``.clone()`` before in-place changes.
