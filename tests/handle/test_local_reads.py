@@ -298,7 +298,7 @@ def test_a_shard_killed_restarted_or_losing_its_files_under_a_handle_gives_the_r
     kill_and_wait(on.rpc.by_side["online"][0])  # its maps stay valid; while it restarts, the shard reads
     same(10)
     fell_back = on.stats()["handle"]["fell_back_reads"]
-    lost = on._sampling.layout[KW["num_offline_shards"] + 1]["dir"]  # this buffer's second online shard
+    lost = on._sampling.layout.online[1].directory  # this buffer's second online shard
     shutil.rmtree(lost)  # this node lost the shard's files: the process still maps what it held
     same(10)
     assert on.stats()["handle"]["fell_back_reads"] > fell_back  # read by the shard, not from a stale map
