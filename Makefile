@@ -10,7 +10,7 @@ export RAY_AUTH_MODE ?= disabled
 export RAY_USAGE_STATS_ENABLED ?= 0
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER ?= 0
 
-.PHONY: install test test-fast lint docs docs-check demo bench clean
+.PHONY: install test test-fast test-bench lint docs docs-check demo bench clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,12 @@ install: $(STAMP)
 TEST_WORKERS ?= 2
 test: install lint docs
 	$(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
+
+# The benchmark's smoke sections that start clusters of their own (two nodes, two copies): minutes, so apart from
+# `make test`; run them after touching pipelines/bench/.
+test-bench: install
+	$(PY) -m pip install -q -e '.[bench]'
+	$(PY) -m pytest -q -m bench tests/test_benchmark.py
 
 # The layers without Ray: pure decisions and durability (no actors), with their doctests. Seconds, not minutes.
 test-fast: install

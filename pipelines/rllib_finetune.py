@@ -32,6 +32,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -214,7 +215,10 @@ def finetune(kind: str, args: argparse.Namespace, dataset_root: str, episodes: l
 
 
 # ---------------------------------------------------------------------------- report
-def plot(metrics: dict, path: Path) -> bool:
+def plot_returns(runs: list[dict], path: Path, *, colours: dict[str, str], label: Callable[[dict], str],
+                 lines: list[tuple[float, str, str]], ylabel: str, title: str) -> bool:
+    """Return against env steps, a line per run (colour: its buffer, dashes: its seed), with horizontal ``lines``
+    ``(y, label, style)``; False where matplotlib is missing. The DQN and SAC jobs draw their figures with it."""
     try:
         import matplotlib
 
@@ -223,23 +227,31 @@ def plot(metrics: dict, path: Path) -> bool:
     except ImportError:
         return False
     fig, ax = plt.subplots(figsize=(10, 4.2))
-    colours = {"rllib": "tab:blue", "rayrb": "tab:orange"}
-    for run in metrics["runs"]:
-        label = (f"{run['buffer']} (seed {run['seed']}, {run['seconds']:.0f} s, buffer "
-                 f"{run['buffer_ms_per_iteration']:.0f} ms/iter)")
-        ax.plot(run["env_steps"], run["eval_return"], color=colours[run["buffer"]], alpha=0.85, label=label,
+    for run in runs:
+        ax.plot(run["env_steps"], run["eval_return"], color=colours[run["buffer"]], alpha=0.85, label=label(run),
                 linestyle=["-", "--", ":", "-."][run["seed"] % 4], marker="o", markersize=3)
-    ax.axhline(metrics["behaviour"]["eval_return"], color="grey", linestyle="--",
-               label=f"behaviour policy ({metrics['behaviour']['eval_return']:.0f})")
+    for y, text, style in lines:
+        ax.axhline(y, color="grey" if style == "--" else "black", linestyle=style, linewidth=1, label=text)
     ax.set_xlabel("online env steps collected")
-    ax.set_ylabel(f"greedy return ({metrics['config']['eval_episodes']} episodes)")
-    ax.set_title("RLlib DQN on CartPole-v1 from a logged policy: RLlib's buffer vs rayrb")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+def plot(metrics: dict, path: Path) -> bool:
+    return plot_returns(
+        metrics["runs"], path, colours={"rllib": "tab:blue", "rayrb": "tab:orange"},
+        label=lambda run: (f"{run['buffer']} (seed {run['seed']}, {run['seconds']:.0f} s, buffer "
+                           f"{run['buffer_ms_per_iteration']:.0f} ms/iter)"),
+        lines=[(metrics["behaviour"]["eval_return"], f"behaviour policy ({metrics['behaviour']['eval_return']:.0f})",
+                "--")],
+        ylabel=f"greedy return ({metrics['config']['eval_episodes']} episodes)",
+        title="RLlib DQN on CartPole-v1 from a logged policy: RLlib's buffer vs rayrb")
 
 
 def summarise(runs: list[dict]) -> dict[str, Any]:

@@ -54,7 +54,7 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 import pendulum_behaviour  # noqa: E402
-from rllib_finetune import RAYRB_BUFFER, eval_seeds, summarise  # noqa: E402
+from rllib_finetune import RAYRB_BUFFER, eval_seeds, plot_returns, summarise  # noqa: E402
 
 LEARNERS = ("rllib", "rayrb", "online")
 QUICK = {"iterations": 3, "steps_per_iteration": 64, "learning_starts": 32, "batch_size": 32, "hidden": 16,
@@ -168,7 +168,7 @@ def sac_config(args: argparse.Namespace, buffer_config: dict, seed: int) -> Any:
             .env_runners(num_env_runners=0, rollout_fragment_length=args.rollout_fragment_length)
             .training(actor_lr=args.lr, critic_lr=args.lr, alpha_lr=args.lr, gamma=args.gamma, tau=args.tau,
                       initial_alpha=args.initial_alpha, train_batch_size_per_learner=args.batch_size,
-                      n_step=args.n_step, training_intensity=args.training_intensity,
+                      n_step=args.n_step, training_intensity=args.updates_per_step * args.batch_size,
                       num_steps_sampled_before_learning_starts=args.learning_starts,
                       replay_buffer_config=buffer_config)
             .rl_module(model_config=DefaultModelConfig(fcnet_hiddens=[args.hidden], head_fcnet_hiddens=[args.hidden]))
@@ -180,7 +180,7 @@ def sac_config(args: argparse.Namespace, buffer_config: dict, seed: int) -> Any:
 def buffer_cost(result: dict, config: Any) -> dict[str, Any]:
     """Seconds per training iteration in the buffer's calls: RLlib's time per call (its timers, moving averages)
     times the calls. Each training_step adds ``store`` times and samples (and updates priorities) ``train`` times,
-    RLlib's round-robin weights of ``training_intensity`` (``ray.rllib.algorithms.dqn.calculate_rr_weights``);
+    RLlib's round-robin weights for ``training_intensity`` (``ray.rllib.algorithms.dqn.calculate_rr_weights``);
     DQN's job (``rllib_finetune.buffer_cost``) has both at 1."""
     from ray.rllib.algorithms.dqn.dqn import calculate_rr_weights
 
@@ -267,32 +267,15 @@ def finetune(learner: str, args: argparse.Namespace, dataset_root: str, episodes
 
 # ---------------------------------------------------------------------------- report
 def plot(metrics: dict, path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    config, (fig, ax) = metrics["config"], plt.subplots(figsize=(10, 4.2))
-    colours = {"rllib": "tab:blue", "rayrb": "tab:orange", "online": "tab:green"}
+    config, behaviour = metrics["config"], metrics["behaviour"]["eval_return"]
     names = {"rllib": "RLlib's buffer + log", "rayrb": f"rayrb {config['offline_fraction']:g} mix", "online": "online"}
-    for run in metrics["runs"]:
-        ax.plot(run["env_steps"], run["eval_return"], color=colours[run["buffer"]], alpha=0.85,
-                label=f"{names[run['buffer']]} (seed {run['seed']})", linestyle=["-", "--", ":", "-."][run["seed"] % 4],
-                marker="o", markersize=3)
-    ax.axhline(metrics["behaviour"]["eval_return"], color="grey", linestyle="--",
-               label=f"behaviour policy ({metrics['behaviour']['eval_return']:.0f})")
-    ax.axhline(config["threshold"], color="black", linestyle=":", linewidth=1, label=f"threshold ({config['threshold']:g})")
-    ax.set_xlabel("online env steps collected")
-    ax.set_ylabel(f"deterministic return ({config['eval_episodes']} episodes)")
-    ax.set_title(f"RLlib SAC on {config['env']} from a logged policy: prefilled, rayrb's mix, online only")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return plot_returns(
+        metrics["runs"], path, colours={"rllib": "tab:blue", "rayrb": "tab:orange", "online": "tab:green"},
+        label=lambda run: f"{names[run['buffer']]} (seed {run['seed']})",
+        lines=[(behaviour, f"behaviour policy ({behaviour:.0f})", "--"),
+               (config["threshold"], f"threshold ({config['threshold']:g})", ":")],
+        ylabel=f"deterministic return ({config['eval_episodes']} episodes)",
+        title=f"RLlib SAC on {config['env']} from a logged policy: prefilled, rayrb's mix, online only")
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -306,9 +289,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--iterations", type=int, default=8, help="RLlib training iterations per run")
     p.add_argument("--steps-per-iteration", type=int, default=500, help="env steps each iteration collects")
-    p.add_argument("--rollout-fragment-length", type=int, default=1, help="env steps per sample call")
-    p.add_argument("--training-intensity", type=float, default=None,
-                   help="RLlib's replayed / sampled steps (default: one update per fragment)")
+    p.add_argument("--rollout-fragment-length", type=int, default=None,
+                   help="env steps per sample call (default: --n-step, the least SAC takes)")
+    p.add_argument("--updates-per-step", type=float, default=1.0, help="SAC updates per env step (RLlib's "
+                   "training_intensity is this times --batch-size)")
     p.add_argument("--learning-starts", type=int, default=256, help="env steps before the first update")
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--hidden", type=int, default=64, help="units of the encoder's and the heads' hidden layer")
@@ -329,15 +313,17 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     if p.parse_known_args(argv)[0].quick:  # the quick configuration's values are defaults: flags still win
         p.set_defaults(**QUICK)
     args = p.parse_args(argv)
+    args.rollout_fragment_length = args.rollout_fragment_length or args.n_step
     args.learners = [b for b in args.learners.split(",") if b]
     if not args.learners or set(args.learners) - set(LEARNERS):
         p.error(f"expected --learners among {LEARNERS}, got {args.learners}")
     if not 0 <= args.offline_fraction <= 1:
         p.error(f"expected --offline-fraction in [0, 1], got {args.offline_fraction}")
     if min(args.iterations, args.steps_per_iteration, args.rollout_fragment_length, args.batch_size, args.hidden,
-           args.n_step, args.offline_episodes, args.eval_episodes) <= 0 or args.learning_starts < 0:
+           args.n_step, args.offline_episodes, args.eval_episodes, args.updates_per_step) <= 0 or args.learning_starts < 0:
         p.error("expected positive --iterations, --steps-per-iteration, --rollout-fragment-length, --batch-size, "
-                "--hidden, --n-step, --offline-episodes and --eval-episodes, and --learning-starts >= 0")
+                "--hidden, --n-step, --offline-episodes, --eval-episodes and --updates-per-step, and "
+                "--learning-starts >= 0")
     args.threshold = TASKS[args.env][1] if args.threshold is None else args.threshold
     return args
 

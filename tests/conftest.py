@@ -97,10 +97,14 @@ LONGEST_FIRST = ("test_benchmark.py", "test_node_loss.py", "test_jobs.py", "test
 
 def pytest_collection_modifyitems(config, items):
     """Mark every test that starts or uses Ray ``ray``, so that ``-m "not ray"`` (``make test-fast``) runs
-    the rest in seconds; put the longest files first (a stable sort: each file's tests keep their order)."""
+    the rest in seconds; skip ``bench`` tests unless ``-m`` names them; put the longest files first (a stable sort:
+    each file's tests keep their order)."""
+    asked_for_bench = "bench" in (config.option.markexpr or "")
     for item in items:
         if RAY_FIXTURES & set(getattr(item, "fixturenames", ())) or item.get_closest_marker("cluster"):
             item.add_marker(pytest.mark.ray)
+        if item.get_closest_marker("bench") and not asked_for_bench:
+            item.add_marker(pytest.mark.skip(reason="a benchmark smoke section on clusters of its own: make test-bench"))
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 

@@ -1,24 +1,43 @@
-"""The benchmark harness's smoke mode runs end to end, so it cannot rot (figures are not checked: not a timed test)."""
+"""The benchmark harness's smoke mode runs end to end, so it cannot rot (figures are not checked: not a timed test).
+The sections on this driver's Ray run in the default suite; those that start clusters of their own (``cluster``,
+``replicas``: two thirds of the smoke run's time) under the ``bench`` marker, ``make test-bench``."""
 import json
 import os
 import subprocess
 import sys
 
+import pytest
 from conftest import REPO, SHARED_DATA
 
+ONE_INSTANCE = "headline,sampling,draw_path,consumers,real,writing,preprocess"
 
-def test_benchmark_smoke_writes_results(tmp_path):
+
+def smoke(tmp_path, sections: str) -> dict:
+    """``benchmark.py --smoke`` with these sections in a process (and a Ray) of its own; its results.json."""
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
     env.pop("RAY_ADDRESS", None)
-    cmd = [sys.executable, str(REPO / "pipelines" / "benchmark.py"), "--smoke", "--out", str(tmp_path)]
+    cmd = [sys.executable, str(REPO / "pipelines" / "benchmark.py"), "--smoke", "--out", str(tmp_path),
+           "--sections", sections]
     if (SHARED_DATA / "openml").is_dir():
         cmd += ["--data-home", str(SHARED_DATA)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-4000:]
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["mode"] == "smoke" and results["command"]
-    for section in ("sampling", "prefetch_sweep", "consumers", "writing", "preprocess", "memory", "object_store",
-                    "cluster"):
+    return results
+
+
+def render(tmp_path) -> str:
+    """What ``report.py`` prints for the run's results.json (it renders every section the run wrote)."""
+    tables = subprocess.run([sys.executable, str(REPO / "pipelines" / "report.py"), str(tmp_path / "results.json")],
+                            capture_output=True, text=True, timeout=60)
+    assert tables.returncode == 0, tables.stderr[-4000:]
+    return tables.stdout
+
+
+def test_benchmark_smoke_writes_results(tmp_path):
+    results = smoke(tmp_path, ONE_INSTANCE)
+    for section in ("sampling", "prefetch_sweep", "consumers", "writing", "preprocess", "memory", "object_store"):
         assert section in results, section
     for peer in ("index_select", "torchrl_o2o", "torchrl_ray", "rayrb_1shard", "rayrb_1shard_noahead",
                  "rayrb_1shard_prefetch"):
@@ -40,14 +59,17 @@ def test_benchmark_smoke_writes_results(tmp_path):
     consumers = results["headline"]["consumers"]["64"]
     assert consumers["consumers_rows_per_s"]["median"] > 0 and consumers["coordinator_cpu_ms_per_batch"]["median"] > 0
     assert "consumers_pss_growth_mib" in consumers and "consumers_uss_growth_mib" in consumers
+    assert "Default arguments" in render(tmp_path)
+
+
+@pytest.mark.bench
+def test_benchmark_smoke_on_clusters_of_its_own(tmp_path):
+    results = smoke(tmp_path, "cluster,replicas")
     by_node = results["cluster"]["loops_by_node"]["64"]
     assert by_node["same_node_default_local_reads"] > 0 and by_node["other_node_default_local_reads"] == 0
     assert by_node["same_node_shard_reads_local_reads"] == 0 and by_node["other_node_default"] > 0
-    # the report renders every section the run wrote
-    tables = subprocess.run([sys.executable, str(REPO / "pipelines" / "report.py"), str(tmp_path / "results.json")],
-                            capture_output=True, text=True, timeout=60)
-    assert tables.returncode == 0, tables.stderr[-4000:]
-    assert "Default arguments" in tables.stdout and "Two-node Cluster" in tables.stdout
+    assert "replicas" in results
+    assert "Two-node Cluster" in render(tmp_path)
 
 
 def test_ray_settings_are_refused_for_a_cluster_the_benchmark_joins(tmp_path):
