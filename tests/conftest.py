@@ -104,7 +104,7 @@ def pytest_collection_modifyitems(config, items):
         if RAY_FIXTURES & set(getattr(item, "fixturenames", ())) or item.get_closest_marker("cluster"):
             item.add_marker(pytest.mark.ray)
         if item.get_closest_marker("bench") and not asked_for_bench:
-            item.add_marker(pytest.mark.skip(reason="a benchmark smoke section on clusters of its own: make test-bench"))
+            item.add_marker(pytest.mark.skip(reason="benchmark smoke sections outside the default run: make test-bench"))
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
