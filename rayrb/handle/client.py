@@ -283,6 +283,7 @@ class BufferClient:
     def shutdown(self) -> None:
         """Close this handle. A client never stops the buffer: its owner does."""
         self.rpc.closed = True
+        self._sampling.close_reads()
 
     close = shutdown
 

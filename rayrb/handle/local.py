@@ -76,6 +76,9 @@ class Reader:
         generation), or None if they cannot be read here (see the module)."""
         raise NotImplementedError
 
+    def close(self) -> None:
+        """Let go of what this reader holds open (its maps go with the last reference to them)."""
+
 
 class OfflineReader(Reader):
     """Rows ``[start, stop)`` of the chunk dataset at ``root``, as the offline shard maps them."""
@@ -111,7 +114,10 @@ class OnlineReader(Reader):
         self._checked = -TRUST  # when the shard's process and files were last found as mapped
 
     def close(self) -> None:
-        os.close(self._lease_fd)
+        self._maps = None
+        if self._lease_fd >= 0:
+            os.close(self._lease_fd)
+            self._lease_fd = -1
 
     def _current(self, now: float) -> dict[str, Any] | None:
         """The shard's files as mapped here, mapped again if the shard made them afresh; None if it cannot say.
@@ -193,7 +199,17 @@ class LocalReads:
 
     def forget(self, side: str, shard: int) -> None:
         """Ask again at the next read (the shard may have moved to this node, or away from it)."""
-        self._readers.pop(shard if side == OFFLINE else self._m + shard, None)
+        reader = self._readers.pop(shard if side == OFFLINE else self._m + shard, None)
+        if reader is not None:
+            reader.close()
+        self._all = None
+
+    def close(self) -> None:
+        """Close every reader (a closed handle's): their lease descriptors and maps go now, not at exit."""
+        for reader in self._readers.values():
+            if reader is not None:
+                reader.close()
+        self._readers.clear()
         self._all = None
 
     def _make(self, j: int) -> Reader | None:

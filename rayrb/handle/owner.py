@@ -289,6 +289,8 @@ class OfflineToOnlineReplayBuffer(BufferClient):
 
     def shutdown(self) -> None:
         """Kill the buffer's actors, remove their state files and offline data it wrote itself. Idempotent."""
+        if getattr(self, "_sampling", None) is not None:
+            self._sampling.close_reads()
         launch.stop(getattr(self, "rpc", None), self._copies)
         self._copies = []
         self._remove_owned()

@@ -40,6 +40,12 @@ class Sampling:
             self._local = LocalReads(self.layout, self.spec, node_id(), rpc.node_of)
         return self._local
 
+    def close_reads(self) -> None:
+        """Close the readers of the shards' files this process made (a closed handle's)."""
+        local, self._local = self._local, None
+        if local is not None:
+            local.close()
+
     def loop(self, batch_size: int) -> Stream:
         """The ``sample()`` loop's stream."""
         if self.stream is None:

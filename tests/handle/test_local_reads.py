@@ -162,6 +162,34 @@ def test_online_rows_are_read_here_only_where_stores_are_seen_in_order(tmp_path,
         assert (reads.reader("online", 0) is not None) is local, machine
 
 
+def test_readers_let_go_of_the_shards_files_when_forgotten_or_closed(tmp_path):
+    """A reader holds the shard's lease file open (and maps its rows): forgetting a shard closes its reader, closing
+    the reads (a closed handle's) closes every one; a shard asked for again is read from a fresh reader."""
+    from rayrb.durability.lease import FILE
+    from rayrb.handle.local import LocalReads
+
+    d, s, r = filled(tmp_path)
+    r.close()
+
+    def open_leases() -> int:
+        return sum(os.path.realpath(f"/proc/self/fd/{fd}") == str((d / FILE).resolve())
+                   for fd in os.listdir("/proc/self/fd") if os.path.exists(f"/proc/self/fd/{fd}"))
+
+    before = open_leases()  # the shard's own
+    reads = LocalReads(one_online_shard(str(d)), SPEC, "node-a", lambda j: "node-a")
+    reader = reads.reader("online", 0)
+    assert reader is not None and open_leases() == before + 1
+    assert reads.read_into("online", 0, ([8], [1], [None], 64), out_for(8)) is not None
+    reads.forget("online", 0)
+    assert open_leases() == before
+    assert reads.read_into("online", 0, ([8], [1], [None], 64), out_for(8)) is not None  # asked again: a new reader
+    assert reads.reader("online", 0) is not reader and open_leases() == before + 1
+    reads.close()
+    assert open_leases() == before
+    reader.close()  # twice: nothing more to close
+    assert open_leases() == before
+
+
 def test_a_handle_beside_a_replica_and_not_its_shard_reads_the_replica(tmp_path):
     """With online_replicas, a node may hold a shard's replica and not the shard: its handles read the replica's
     files; a node with neither reads through the shard."""
