@@ -24,7 +24,8 @@ no log at all.
    ``--threshold`` and the buffer's cost per training iteration from RLlib's own timers.
 
     python pipelines/rllib_sac_finetune.py --out outputs/rllib_sac_finetune
-    python pipelines/rllib_sac_finetune.py --env MountainCarContinuous-v0 --out outputs/rllib_sac_mountaincar
+    python pipelines/rllib_sac_finetune.py --env MountainCarContinuous-v0 --iterations 8 --steps-per-iteration 256 \
+        --n-step 3 --initial-alpha 0.1 --updates-per-step 4 --out outputs/rllib_sac_mountaincar
     python pipelines/rllib_sac_finetune.py --quick
     ray job submit --working-dir . -- python pipelines/rllib_sac_finetune.py --out /mnt/rayrb/out/rllib_sac
 """
