@@ -23,7 +23,7 @@ LISTED = {
                                                                   "count, also its replicas' copies; append at its "
                                                                   "own), and its write lock around every change in "
                                                                   "bulk, since writers on its node append too"),
-    ("class", "rayrb/handle/owner.py::OfflineToOnlineReplayBuffer"): (261, "one documented keyword per setting, "
+    ("class", "rayrb/handle/owner.py::OfflineToOnlineReplayBuffer"): (263, "one documented keyword per setting, "
                                                                           "in its group, with its default value"),
 }
 

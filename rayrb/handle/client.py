@@ -245,8 +245,7 @@ class BufferClient:
         self._sampling.give_back()
 
     def report_served(self) -> None:
-        """Tell the coordinator what the streams of this buffer in this process handed over, before a save
-        counts it."""
+        """Tell the coordinator what this buffer's streams in this process handed over, before a save counts it."""
         self._sampling.report_served()
 
     local_reads = property(lambda self: self._sampling.local, doc="The shard reads this process makes itself "
