@@ -314,14 +314,20 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def start_ray(args: argparse.Namespace) -> bool:
+    """Torch's threads as ``--threads`` says, and Ray at ``--address`` (a new local one by default) unless this
+    process has one already (a test's stays up); whether this started it. The SAC job starts the same way."""
+    torch.set_num_threads(args.threads)
+    if ray.is_initialized():
+        return False
+    ray.init(address=args.address, include_dashboard=False if args.address is None else None,
+             logging_level=logging.WARNING)
+    return True
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse(argv)
-    torch.set_num_threads(args.threads)
-    t_start = time.perf_counter()
-    started = not ray.is_initialized()  # a caller's Ray (a test's) stays up
-    if started:
-        ray.init(address=args.address, include_dashboard=False if args.address is None else None,
-                 logging_level=logging.WARNING)
+    t_start, started = time.perf_counter(), start_ray(args)
     from rayrb.integrations.rllib import write_episodes
 
     out_dir = Path(args.out).resolve()

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 import time
@@ -55,7 +54,7 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 import pendulum_behaviour  # noqa: E402
-from rllib_finetune import RAYRB_BUFFER, eval_seeds, plot_returns, summarise  # noqa: E402
+from rllib_finetune import RAYRB_BUFFER, eval_seeds, plot_returns, start_ray, summarise  # noqa: E402
 
 LEARNERS = ("rllib", "rayrb", "online")
 QUICK = {"iterations": 3, "steps_per_iteration": 64, "learning_starts": 32, "batch_size": 32, "hidden": 16,
@@ -350,12 +349,7 @@ def write_log(args: argparse.Namespace, root: Path) -> tuple[list, Any, dict]:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse(argv)
-    torch.set_num_threads(args.threads)
-    t_start = time.perf_counter()
-    started = not ray.is_initialized()  # a caller's Ray (a test's) stays up
-    if started:
-        ray.init(address=args.address, include_dashboard=False if args.address is None else None,
-                 logging_level=logging.WARNING)
+    t_start, started = time.perf_counter(), start_ray(args)
     out_dir = Path(args.out).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     episodes, dataset, behaviour = write_log(args, Path(args.root).resolve() if args.root else out_dir)
