@@ -268,12 +268,18 @@ def summarise(runs: list[dict]) -> dict[str, Any]:
     return out
 
 
-def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="outputs/rllib_finetune", help="where metrics.json and the plot go")
+def job_parser(doc: str, out: str) -> argparse.ArgumentParser:
+    """The arguments the DQN and SAC jobs share: where their outputs and log go, and the Ray cluster."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=out, help="where metrics.json and the plot go")
     p.add_argument("--root", default=None, help="where the offline chunk dataset goes (default: a folder under --out)")
     p.add_argument("--address", default=os.environ.get("RAY_ADDRESS"), help="Ray cluster (default: $RAY_ADDRESS "
                    "or a new local Ray)")
+    return p
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = job_parser(__doc__, "outputs/rllib_finetune")
     p.add_argument("--buffers", default=",".join(BUFFERS), help=f"comma-separated, of {BUFFERS}")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--iterations", type=int, default=10, help="RLlib training iterations per run")

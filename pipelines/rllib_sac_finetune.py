@@ -54,7 +54,7 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 import pendulum_behaviour  # noqa: E402
-from rllib_finetune import RAYRB_BUFFER, eval_seeds, plot_returns, start_ray, summarise  # noqa: E402
+from rllib_finetune import RAYRB_BUFFER, eval_seeds, job_parser, plot_returns, start_ray, summarise  # noqa: E402
 
 LEARNERS = ("rllib", "rayrb", "online")
 QUICK = {"iterations": 3, "steps_per_iteration": 64, "learning_starts": 32, "batch_size": 32, "hidden": 16,
@@ -279,11 +279,7 @@ def plot(metrics: dict, path: Path) -> bool:
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="outputs/rllib_sac_finetune", help="where metrics.json and the plot go")
-    p.add_argument("--root", default=None, help="where the offline chunk dataset goes (default: a folder under --out)")
-    p.add_argument("--address", default=os.environ.get("RAY_ADDRESS"), help="Ray cluster (default: $RAY_ADDRESS "
-                   "or a new local Ray)")
+    p = job_parser(__doc__, "outputs/rllib_sac_finetune")
     p.add_argument("--env", choices=sorted(TASKS), default="Pendulum-v1")
     p.add_argument("--learners", default=",".join(LEARNERS), help=f"comma-separated, of {LEARNERS}")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
