@@ -58,7 +58,7 @@ class OnlineShard(Shard):
         if self._store.reopened:
             self._sampler.on_write(np.arange(self.size()))
         self._sampler.attach(self._store.priority, self._store.max_priority, self._store.reopened)
-        self._replication = Replication(replicas, self.state) if replicas else None
+        self._replication = Replication(replicas, lambda: self.state(journal=True)) if replicas else None
         # Restarted without its files (its node was lost): its rows come from its replicas, or are lost
         self._lost = bool(self._lives.restarts) and not self._store.reopened
         if self._replication is not None:
@@ -148,7 +148,7 @@ class OnlineShard(Shard):
             if self._replication is not None:  # sent first, at this count: the replicas copy while this copy does
                 a, b = bounds if forward else (0, k)
                 sent.extend(self._replication.send(forward[0] if forward else piece_rows, a, a + k if b is None else b,
-                                                   first))
+                                                   first, (write_id, int(piece), int(start), digest)))
             self._store_rows(piece_rows, first, k)
 
         try:
@@ -204,9 +204,24 @@ class OnlineShard(Shard):
         return pos, gen
 
     # replicas -----------------------------------------------------------------------
-    def replicate(self, rows: Mapping[str, np.ndarray], start: int, stop: int, first: int) -> tuple[int, int]:
-        """A piece its primary was given; this copy's ``order()`` after."""
-        self.extend(rows, start, stop, first=first)
+    def replicate(self, rows: Mapping[str, np.ndarray], start: int, stop: int, first: int,
+                  write: tuple[str, int, int, str | None] | None = None) -> tuple[int, int]:
+        """A piece its primary was given; this copy's ``order()`` after. ``write``: the piece's ``(write id, piece,
+        start in its write, digest)`` where the primary placed it itself, journalled here as there (before the
+        rows), so that a retry reaching this copy once it serves the shard is answered, not written again."""
+        with self._files.locked():
+            ids = self._files.ids
+            ids.sync(self._store.written)
+            new = write is not None and int(first) == self._store.written and ids.get(write[0], write[1]) is None
+            if new:
+                ids.add(write[0], write[1], first=int(first), rows=int(stop) - int(start), start=write[2],
+                        digest=write[3])
+            try:
+                self.extend(rows, start, stop, first=first)
+            except BaseException:
+                if new:
+                    ids.forget(write[:2])
+                raise
         return self.order()
 
     def order(self) -> tuple[int, int]:
@@ -238,6 +253,7 @@ class OnlineShard(Shard):
         self._held.clear()
         self._held.update(held_runs(self._gen, count))
         self._store.written = count
+        self._files.ids.adopt(state.get("write_ids"), count)  # a retry of the copy's writes is answered here
         self._metrics.count("rows_merged", int(take.size))
         return count
 
@@ -245,6 +261,7 @@ class OnlineShard(Shard):
         """Take another copy's state whole, with its restore epoch (``copy_order``); the write count after."""
         with self._files.locked():
             super().load_state(state)
+            self._files.ids.adopt(state.get("write_ids"), self._store.written)  # its journal with its rows
             self._store.restores = int(state.get("restores", 0))  # last: rows without it read as the older copy
         self._lost = False
         return self._store.written
@@ -280,10 +297,15 @@ class OnlineShard(Shard):
             return self._table.numpy(idx)
         return {k: v[idx] for k, v in self._data.items()}
 
-    def state(self) -> dict[str, np.ndarray]:
-        """This shard's rows, generations, counts and sampler state at one cut: no append runs meanwhile."""
+    def state(self, journal: bool = False) -> dict[str, np.ndarray]:
+        """This shard's rows, generations, counts and sampler state at one cut: no append runs meanwhile; with
+        ``journal``, its write ids too (``write_ids``: what another copy takes with the rows)."""
         with self._files.locked():
-            return {k: np.array(v) for k, v in super().state().items()}
+            out = {k: np.array(v) for k, v in super().state().items()}
+            if journal:
+                self._files.ids.sync(self._store.written)
+                out["write_ids"] = self._files.ids.to_array()
+            return out
 
     def _state(self) -> dict[str, np.ndarray]:
         return {**{f"rows/{k}": v for k, v in self._data.items()}, "generation": self._gen,

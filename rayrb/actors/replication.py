@@ -76,13 +76,15 @@ class Replication:
             r.actor = lookup(r.name, LOOKUP if r.rebuilds == 0 and r.status == LIVE else 1.0)
         return r.actor
 
-    def send(self, rows_ref: Any, start: int, stop: int, first: int) -> list[tuple[Replica, Any]]:
-        """Send a piece to every replica that takes pieces (live or catching); the calls to await."""
+    def send(self, rows_ref: Any, start: int, stop: int, first: int, write: tuple | None = None
+             ) -> list[tuple[Replica, Any]]:
+        """Send a piece to every replica that takes pieces (live or catching), with its ``(write id, piece, start,
+        digest)`` where the primary placed it (``OnlineShard.replicate``); the calls to await."""
         self.poll()
         sent = []
         for r in self.replicas:
             if r.status in (LIVE, CATCHING):
-                call = self._actor(r).replicate.remote(rows_ref, start, stop, first=first)
+                call = self._actor(r).replicate.remote(rows_ref, start, stop, first=first, write=write)
                 if r.status == LIVE:
                     sent.append((r, call))
         return sent
@@ -227,7 +229,7 @@ class Replication:
         took, epochs = False, {}
         for r in self.replicas:
             try:
-                state = ray.get(lookup(r.name).state.remote(), timeout=WAIT)
+                state = ray.get(lookup(r.name).state.remote(journal=True), timeout=WAIT)
                 merge(state)
                 took, epochs[r.name] = True, int(state.get("restores", 0))
             except Exception as e:  # that copy is gone too (a second loss before it was rebuilt)

@@ -41,6 +41,8 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import NamedTuple
 
+import numpy as np
+
 from rayrb.errors import WriteIdError
 from rayrb.io.files import replace_file
 
@@ -174,6 +176,23 @@ class WriteIds:
     def __len__(self) -> int:
         return len(self._pieces)
 
+    def to_array(self) -> np.ndarray:
+        """The pieces remembered, oldest first, as journal lines: what another copy of the shard takes
+        (``adopt``) with its rows."""
+        return np.array([_line(k, p).rstrip("\n") for k, p in self._pieces.items()], dtype=str)
+
+    def adopt(self, lines: np.ndarray | None, written: int) -> None:
+        """Take the pieces of another copy of this shard (``to_array``), whose rows this copy just took (a merge
+        or a rebuild), so that a retry of a write that copy placed is answered here too; the journal is
+        rewritten at write count ``written``. A piece both copies journalled keeps this copy's line."""
+        self.sync(written)
+        theirs = [] if lines is None else [p for p in map(_parse, np.asarray(lines).tolist()) if p is not None]
+        kept = combined(list(self._pieces.items()), theirs, int(written))[-self._remember:]
+        self._pieces = OrderedDict(kept)
+        if self._path is not None:
+            replace_file(self._path, "".join(_line(k, p) for k, p in kept))
+            self._lines, self._read_to, self._open_line = len(kept), _stat(self._path), False
+
 
 def _line(key: tuple[str, int], p: Piece) -> str:
     return json.dumps([key[0], key[1], p.first, p.rows, p.start, p.digest], separators=(",", ":")) + "\n"
@@ -206,6 +225,24 @@ def _stat(path: Path) -> tuple[int, int]:
     except FileNotFoundError:
         return -1, 0
     return st.st_ino, st.st_size
+
+
+def combined(mine: list[tuple[tuple[str, int], Piece]], theirs: list[tuple[tuple[str, int], Piece]],
+             written: int) -> list[tuple[tuple[str, int], Piece]]:
+    """Two copies' journals made one at write count ``written``: every piece by its place in the write stream,
+    chained (``_chain``); where both hold a piece at one place (or under one key), this copy's wins, as its
+    rows do in a merge of equal generations.
+
+    >>> p = lambda first, rows: Piece(first, rows, 0, None)
+    >>> [k for k, _ in combined([(("a", 0), p(0, 2))], [(("a", 0), p(0, 2)), (("b", 0), p(2, 2))], written=4)]
+    [('a', 0), ('b', 0)]
+    >>> [k for k, _ in combined([(("c", 0), p(2, 2))], [(("b", 0), p(2, 2))], written=4)]
+    [('c', 0)]
+    """
+    mine_keys = {k for k, _ in mine}
+    lines = [(k, p, 0) for k, p in theirs if k not in mine_keys] + [(k, p, 1) for k, p in mine]
+    lines.sort(key=lambda line: (line[1].first, line[2]))
+    return _chain([(k, p) for k, p, _ in lines], written)
 
 
 def _chain(lines: list[tuple[tuple[str, int], Piece]], written: int) -> list[tuple[tuple[str, int], Piece]]:

@@ -4,6 +4,7 @@ only the primary held it survives the primary's loss after the rebuild, and a re
 once. Each acknowledged row is checked in both copies."""
 from __future__ import annotations
 
+import os
 import shutil
 import threading
 import time
@@ -53,6 +54,29 @@ def lose(ray, actor, directory):
     """The actor's files go (its node's disk), then its process: Ray restarts it empty."""
     shutil.rmtree(directory)
     ray.kill(actor, no_restart=False)
+
+
+def append(ray, primary, first, write_id=None):
+    """One write the primary places itself (``OnlineShard.append``), waited for as a writer waits: the shard's
+    answer, then its live replicas' (``rayrb.handle.direct``); ``(slots, write count)``."""
+    rows = {"x": np.arange(first, first + PIECE, dtype=np.int64)}
+    slots, written, _, calls = ray.get(primary.append.remote(rows, write_id or f"w{first}", 0, 0, f"d{first}"))
+    ray.get(calls)
+    return np.asarray(slots).tolist(), int(written)
+
+
+def restarted(ray, actor, times=1, limit=60.0):
+    """Wait until ``actor`` answers from its ``times``-th restart (a call sent just after ``ray.kill`` may still
+    reach the process being killed)."""
+    t0 = time.monotonic()
+    while True:
+        try:
+            if ray.get(actor.stats.remote(), timeout=10)["restarts"] >= times:
+                return
+        except Exception:  # killed between the call and its answer
+            pass
+        assert time.monotonic() - t0 < limit
+        time.sleep(0.1)
 
 
 def copy_of(ray, actor):
@@ -153,6 +177,68 @@ def test_a_restored_state_reaches_the_replica_and_a_later_loss_keeps_it(ray_sess
     assert written == 4 * PIECE and sorted(values.tolist()) == list(range(written))
 
 
+def test_a_write_the_primary_placed_is_answered_by_its_id_after_the_primarys_node_is_lost(ray_session, pair):
+    """The replica journals each piece's write id as the primary does: the primary, restarted without its files,
+    takes the ids with the rows, and a writer's retry (its answer lost with the node) lands nothing twice."""
+    ray = ray_session
+    primary, replica, dirs = pair
+    placed = [append(ray, primary, w) for w in range(0, 6 * PIECE, PIECE)]
+    level(ray, primary)
+    lose(ray, primary, dirs[0])
+    restarted(ray, primary)
+    assert append(ray, primary, 2 * PIECE) == (placed[2][0], 6 * PIECE)  # answered: the same slots, no new rows
+    assert append(ray, primary, 6 * PIECE) == (list(range(6 * PIECE, 7 * PIECE)), 7 * PIECE)
+    assert ray.get(primary.stats.remote())["writes_answered_again"] >= 1
+    level(ray, primary)
+    for actor in (primary, replica):
+        written, _, values = copy_of(ray, actor)
+        assert written == 7 * PIECE and sorted(values.tolist()) == list(range(written))  # each row once
+
+
+def test_a_rebuilt_replica_takes_the_write_ids_with_the_rows_and_answers_them_once_it_serves(ray_session, pair):
+    """A replica rebuilt from the primary's snapshot (it lost its files) holds the journal too, so the ids of
+    writes placed before the rebuild are answered after a later loss of the primary."""
+    ray = ray_session
+    primary, replica, dirs = pair
+    placed = [append(ray, primary, w) for w in range(0, 4 * PIECE, PIECE)]
+    lose(ray, replica, dirs[1])
+    restarted(ray, replica)
+    assert level(ray, primary)["rebuilds"] >= 1
+    lose(ray, primary, dirs[0])
+    restarted(ray, primary)
+    assert append(ray, primary, PIECE) == (placed[1][0], 4 * PIECE)
+    written, _, values = copy_of(ray, primary)
+    assert written == 4 * PIECE and sorted(values.tolist()) == list(range(written))
+    with pytest.raises(Exception, match="write_id"):  # other rows under a taken id are refused, as before
+        rows = {"x": np.arange(PIECE, dtype=np.int64)}
+        ray.get(primary.append.remote(rows, f"w{PIECE}", 0, 0, "another digest"))
+
+
+def test_a_primary_that_dies_between_sending_a_piece_and_storing_it_answers_the_retry_once(ray_session, pair):
+    """The primary sends each piece to its replica before it copies the piece in: one that dies right there, its
+    node's disk with it, restarts empty, takes the replica's rows and ids, and the write Ray sends again lands
+    once, at the slots the replica holds it in."""
+    ray = ray_session
+    primary, replica, dirs = pair
+    for w in range(0, 3 * PIECE, PIECE):
+        append(ray, primary, w)
+
+    def die_after_sending(shard, directory=dirs[0]):
+        def store_rows(*args):  # the piece has gone to the replica: the node goes now
+            shutil.rmtree(directory)
+            os._exit(1)
+        shard._store_rows = store_rows
+
+    ray.get(primary.__ray_call__.remote(die_after_sending))
+    assert append(ray, primary, 3 * PIECE) == (list(range(3 * PIECE, 4 * PIECE)), 4 * PIECE)
+    assert append(ray, primary, 3 * PIECE)[1] == 4 * PIECE  # the writer's own retry: answered too
+    assert ray.get(primary.stats.remote())["restarts"] == 1
+    level(ray, primary)
+    for actor in (primary, replica):
+        written, _, values = copy_of(ray, actor)
+        assert written == 4 * PIECE and sorted(values.tolist()) == list(range(written))
+
+
 @pytest.mark.parametrize("stale", ["primary", "replica"])
 def test_a_copy_restarted_on_older_files_than_the_other_copys_takes_the_newer_rows(ray_session, pair, tmp_path,
                                                                                    stale):
@@ -172,6 +258,7 @@ def test_a_copy_restarted_on_older_files_than_the_other_copys_takes_the_newer_ro
     shutil.rmtree(dirs[which])
     shutil.copytree(kept, dirs[which])
     ray.kill((primary, replica)[which], no_restart=False)  # it restarts on the older files
+    restarted(ray, (primary, replica)[which])
     level(ray, primary)
     for actor in (primary, replica):
         written, _, values = copy_of(ray, actor)
@@ -223,7 +310,7 @@ def test_a_replica_restarted_on_files_from_before_a_restore_that_count_as_many_r
     shutil.rmtree(dirs[1])
     shutil.copytree(tmp_path / "kept", dirs[1])
     ray.kill(replica, no_restart=False)  # it restarts on the older files, at the primary's count
-    ray.get(replica.ping.remote())
+    restarted(ray, replica)
     level(ray, primary)
     expected = list(range(4 * PIECE)) + list(range(10_000 + 4 * PIECE, 10_000 + 8 * PIECE))
     for actor in (primary, replica):

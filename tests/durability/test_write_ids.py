@@ -88,3 +88,40 @@ def test_pieces_of_a_write_are_found_by_its_id_and_without_a_directory_kept_in_m
     ids.add("w", 2, first=4, rows=4, start=8, digest="x")
     ids.add("v", 0, first=8, rows=1, start=0, digest="y")
     assert ids.of("w") == {0: Piece(0, 4, 0, "x"), 2: Piece(4, 4, 8, "x")}
+
+
+def test_a_copy_that_took_another_copys_rows_answers_its_pieces_after_a_restart_too(tmp_path):
+    """A primary that lost its files with its node takes its replica's rows and journal: the replica's pieces
+    are answered from the primary's journal, on disk, and a writer's view of the files sees them."""
+    for d in ("replica", "primary"):
+        (tmp_path / d).mkdir()
+    replica = WriteIds(tmp_path / "replica", written=0)
+    replica.add("a", 0, first=0, rows=4, start=0, digest="x")
+    replica.add("b", 0, first=4, rows=2, start=0, digest="y")
+    replica.add("unwritten", 0, first=6, rows=3, start=0, digest="z")  # the replica's count never reached it
+    primary = WriteIds(tmp_path / "primary", written=0)  # restarted empty
+    writer = WriteIds(tmp_path / "primary", written=0, rewrite=False)
+    primary.adopt(replica.to_array(), written=6)
+    assert primary.get("a", 0) == Piece(0, 4, 0, "x") and primary.get("b", 0) == Piece(4, 2, 0, "y")
+    assert primary.get("unwritten", 0) is None
+    again = WriteIds(tmp_path / "primary", written=6)
+    assert again.check("b", 0, 2, 0, "y") == Piece(4, 2, 0, "y")
+    writer.sync(6)
+    assert writer.get("a", 0) == Piece(0, 4, 0, "x")
+    with pytest.raises(WriteIdError):  # the copy's pieces are held to their rows as this copy's are
+        again.check("a", 0, 4, 0, "other")
+
+
+def test_where_both_copies_placed_a_piece_at_one_place_this_copys_line_wins(tmp_path):
+    (tmp_path / "mine").mkdir()
+    mine = WriteIds(tmp_path / "mine", written=0)
+    mine.add("a", 0, first=0, rows=2, start=0, digest="x")
+    mine.add("mine", 0, first=2, rows=2, start=0, digest="m")
+    theirs = WriteIds(None, written=0)
+    theirs.add("a", 0, first=0, rows=2, start=0, digest="x")
+    theirs.add("theirs", 0, first=2, rows=2, start=0, digest="t")
+    theirs.add("later", 0, first=4, rows=1, start=0, digest="l")
+    mine.adopt(theirs.to_array(), written=5)
+    assert [mine.get(k, 0) is not None for k in ("a", "mine", "theirs", "later")] == [True, True, False, True]
+    mine.adopt(None, written=5)  # a copy without a journal (an older state) changes nothing
+    assert len(WriteIds(tmp_path / "mine", written=5)) == 3
