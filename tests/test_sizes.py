@@ -19,10 +19,6 @@ LISTED = {
                                                                  "under a rate limiter that admits each write, by "
                                                                  "the shards otherwise) until the limiter admits "
                                                                  "writes it does not place"),
-    ("class", "rayrb/actors/online_shard.py::OnlineShard"): (322, "the same two write paths (extend at a planned "
-                                                                  "count, also its replicas' copies; append at its "
-                                                                  "own), and its write lock around every change in "
-                                                                  "bulk, since writers on its node append too"),
     ("class", "rayrb/handle/owner.py::OfflineToOnlineReplayBuffer"): (263, "one documented keyword per setting, "
                                                                           "in its group, with its default value"),
 }
