@@ -34,6 +34,7 @@ _EXPORTS = {
     "write_ray_dataset": "rayrb.io.raydata",
     "write_dataset": "rayrb.io.chunks",
     "RowSpec": "rayrb.core.schema",
+    "SliceSampler": "rayrb.core.slice_sampling",
     "SchemaError": "rayrb.errors",
     "load_dataset": "rayrb.io.datasets.registry",
     "register_dataset": "rayrb.io.datasets.registry",

@@ -52,7 +52,8 @@ class Shard:
         self._device = device  # None: rows in host memory maps; else a DeviceTable on this torch device
         self._table = None
         opts = dict(sampler_options or {})
-        self._sampler = make_sampler(sampler, capacity, opts.get("alpha", ALPHA), opts.get("eps", EPS))
+        self._sampler = make_sampler(sampler, capacity, opts.get("alpha", ALPHA), opts.get("eps", EPS),
+                                     **{k: v for k, v in opts.items() if k.startswith("slice_")})
         self._metrics = ActorMetrics("shard", {"shard": shard_id, "kind": self.kind})
 
     # storage hooks ------------------------------------------------------------
@@ -315,6 +316,9 @@ class OfflineShard(Shard):
 
             self._table = DeviceTable.load(lambda idx: self._ds.gather(idx + self._start), self.size(),
                                            self._ds.spec.shapes, device)
+        key = getattr(self._sampler, "key", None)
+        if key is not None:  # a slice sampler finds this shard's episodes in one of its columns
+            self._sampler.bind({key: self._ds.column(key, self._start, self._stop)}, None)
         self._sampler.on_write(np.arange(self.size()))
         self._store = PriorityStore(max(1, stop - start), state_dir if self._sampler.per_slot_state else None)
         self._sampler.attach(self._store.priority, self._store.max_priority, self._store.reopened)

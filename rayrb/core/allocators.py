@@ -52,9 +52,14 @@ class Allocator:
     # What a batch does when a side has fewer rows left in its epoch than it needs ("short", "drop", "raise"):
     # None for a kind without epochs. The planner reads it rather than guessing from the kind.
     epoch_end: str | None = None
+    unit = 1  # rows per drawn item: a batch is planned in items (a slice sampler's slices), its parts in rows
 
     def __init__(self, num_shards: Mapping[str, int], **options: Any):
         self.num_shards = {side: int(num_shards[side]) for side in SIDES}
+
+    def drawable(self, side: str, sizes: np.ndarray) -> int:
+        """Items ``side`` can draw from now (its rows, unless a kind draws other items): none means all offline."""
+        return int(sizes.sum())
 
     def check(self, need: Mapping[str, int], sizes: Sizes) -> dict[str, bool]:
         """Raise if ``need[side]`` rows cannot be drawn; else say which sides begin an epoch. Changes nothing."""

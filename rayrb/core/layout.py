@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rayrb.core.allocation import row_ranges, split_evenly
+from rayrb.core.episodes import whole_ranges
 from rayrb.core.plans import OFFLINE, ONLINE
 
 
@@ -90,6 +91,8 @@ class ShardLayout:
     instance: str
     coordinator_dir: str | None
     shards: tuple[Shard, ...]
+    # slices: the flat key episodes are found by and whether it holds end flags (None: rows are drawn one by one)
+    episodes: tuple[str, bool] | None = None
 
     @property
     def offline(self) -> tuple[Shard, ...]:
@@ -105,20 +108,26 @@ class ShardLayout:
     @classmethod
     def build(cls, buffer: str, instance: str, storage_dir: str | os.PathLike | None, *, dataset_root: str,
               offline_rows: int, num_offline: int, online_capacity: int, num_online: int, samplers: Sequence[str],
-              replicas: int = 1, online_nodes: Sequence[str | None] | None = None) -> ShardLayout:
+              replicas: int = 1, online_nodes: Sequence[str | None] | None = None,
+              episodes: tuple[str, bool] | None = None, episode_starts: Sequence[int] | None = None) -> ShardLayout:
         """The layout of buffer ``buffer`` (its coordinator's actor name) for these checked settings;
-        ``samplers``: the offline side's and the online side's."""
+        ``samplers``: the offline side's and the online side's. With slices, ``episodes`` says where episodes are
+        found, and ``episode_starts`` (the offline rows that begin one) move each offline shard's first row to an
+        episode's first, so that an offline shard holds whole episodes (``rayrb.core.episodes.whole_ranges``)."""
         def place(side: str, i: int, **more) -> Shard:
             sid = shard_id(side, i)
             return Shard(side, i, sid, f"{buffer}/{sid}", state_directory(storage_dir, instance, sid),
                          samplers[0 if side == OFFLINE else 1], **more)
 
-        offline = [place(OFFLINE, i, start=a, stop=b, root=str(dataset_root))
-                   for i, (a, b) in enumerate(row_ranges(offline_rows, num_offline))]
+        ranges = row_ranges(offline_rows, num_offline)
+        if episode_starts is not None:
+            ranges = whole_ranges(ranges, episode_starts)
+        offline = [place(OFFLINE, i, start=a, stop=b, root=str(dataset_root)) for i, (a, b) in enumerate(ranges)]
         nodes = list(online_nodes) if online_nodes is not None else [None] * num_online
         online = [place(ONLINE, i, capacity=int(c), node=nodes[i],
                         copies=tuple(Copy(f"{buffer}/{shard_id(ONLINE, i, r)}",
                                           state_directory(storage_dir, instance, shard_id(ONLINE, i, r)))
                                      for r in range(1, replicas)))
                   for i, c in enumerate(split_evenly(online_capacity, num_online))]
-        return cls(buffer, instance, state_directory(storage_dir, instance, "coordinator"), tuple(offline + online))
+        return cls(buffer, instance, state_directory(storage_dir, instance, "coordinator"), tuple(offline + online),
+                   episodes)

@@ -57,12 +57,14 @@ class Planner:
     def __init__(self, num_shards: Mapping[str, int], *, offline_fraction: Any = 0.5,
                  sampler: str | Mapping[str, str] = "uniform",
                  drop_last: bool | None = None, epoch_end: str | None = None, seed: int | None = None,
-                 beta: float = BETA, rate_limiter: Any = None, online_capacity: int | None = None):
+                 beta: float = BETA, rate_limiter: Any = None, online_capacity: int | None = None,
+                 slice_len: int | None = None):
         self.num_shards = {side: int(num_shards[side]) for side in SIDES}
         if isinstance(sampler, Mapping) and sampler[OFFLINE] == sampler[ONLINE]:
             sampler = sampler[OFFLINE]
         self.sampler = dict(sampler) if isinstance(sampler, Mapping) else sampler
-        self._alloc_options = {"drop_last": drop_last, "epoch_end": epoch_end, "beta": beta}
+        self._alloc_options = {"drop_last": drop_last, "epoch_end": epoch_end, "beta": beta,
+                               **({} if slice_len is None else {"slice_len": slice_len})}
         self.alloc = make_allocator(sampler, self.num_shards, **self._alloc_options)
         self._online_capacity = online_capacity
         self.limiter = make_rate_limiter(rate_limiter)
@@ -158,7 +160,15 @@ class Planner:
               totals: tuple[int, int] | None) -> list[tuple[BatchPlan, Reads]]:
         offline, online = totals if totals is not None else (int(sizes[OFFLINE].sum()), int(sizes[ONLINE].sum()))
         fraction = self._fraction(offline, online)
-        need = self._shorten(batch_size, fraction, online)
+        unit = self.alloc.unit
+        if unit > 1:  # planned in items of ``unit`` rows (slices), over the items each side holds
+            if batch_size % unit:
+                raise InvalidArgumentError(f"expected a batch_size that is a multiple of slice_len={unit}, got "
+                                           f"{batch_size}")
+            need = self._shorten(batch_size // unit, fraction, self.alloc.drawable(ONLINE, sizes[ONLINE]))
+            need = {side: n * unit for side, n in need.items()}
+        else:
+            need = self._shorten(batch_size, fraction, online)
         decision = self.limiter.decide(need[ONLINE], online)
         if decision == WAIT:
             raise HeldBack("sample", f"the rate limiter holds back {need[ONLINE]} online rows "
@@ -169,7 +179,7 @@ class Planner:
             if begin:
                 self.alloc.begin_epoch(side, sizes[side], self.rng)
         cuts = [(need[OFFLINE], need[ONLINE])] if num_slices == 1 else \
-            split_slices(need[OFFLINE], need[ONLINE], num_slices)
+            [(a * unit, b * unit) for a, b in split_slices(need[OFFLINE] // unit, need[ONLINE] // unit, num_slices)]
         out = [self._slice(n_off, n_on, fraction, sizes) for n_off, n_on in cuts]
         self.limiter.record_sample(need[ONLINE])
         self.step += 1
@@ -220,7 +230,7 @@ class Planner:
                 continue
             # asked before the counts, which move an epoch's cursor
             kwargs = [alloc.read_args(side, i) for i in range(self.num_shards[side])] if with_args else None
-            counts = alloc.counts(side, n, sizes[side], rng).tolist()
+            counts = (alloc.counts(side, n // alloc.unit, sizes[side], rng) * alloc.unit).tolist()
             # 63 of 64 raw bits: a seed per read in [0, 2**63), without integers()' bounds checks per call
             seeds = rng.bit_generator.random_raw(len(counts)).tolist()
             for i, c in enumerate(counts):

@@ -36,12 +36,11 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 
 from rayrb.core.allocators import (
-    Allocator,
     PrioritizedAllocator,
     UniformAllocator,
     WithoutReplacementAllocator,
@@ -49,6 +48,8 @@ from rayrb.core.allocators import (
     register_allocator,
 )
 from rayrb.core.plans import Epoch
+from rayrb.core.sampler_base import Sampler
+from rayrb.core.slice_sampling import EpisodeSlices
 from rayrb.core.validation import ALPHA, EPS, positive_int, priority_options
 from rayrb.errors import DrawError, InvalidArgumentError, SavedStateError
 
@@ -73,47 +74,6 @@ def read_rng(seed: int) -> np.random.Generator:
     gen.bit_generator.state = {"bit_generator": "PCG64", "state": {"state": (int(seed) * _MIX) & (2**128 - 1),
                                                                    "inc": _INC}, "has_uint32": 0, "uinteger": 0}
     return gen
-
-
-class Sampler:
-    """The shard side of a sampling kind. Subclasses set ``name`` and ``allocator`` and override what differs."""
-
-    name: ClassVar[str] = "sampler"
-    allocator: ClassVar[type[Allocator]] = Allocator
-    per_slot_state: ClassVar[bool] = False  # whether ``attach`` has anything to keep
-
-    def __init__(self, capacity: int = 0, **options: Any):
-        pass
-
-    def sample(self, count: int, size: int, rng: np.random.Generator | None, epoch: Epoch | None = None) -> np.ndarray:
-        raise NotImplementedError
-
-    def on_write(self, idx: np.ndarray) -> None:
-        """Slots ``idx`` now hold new rows."""
-
-    def info(self, idx: np.ndarray) -> dict[str, np.ndarray]:
-        """Per-row provenance beyond index and generation."""
-        return {}
-
-    def mass(self, size: int) -> tuple[float, float]:
-        """``(total mass, smallest p_i)`` that the allocator weighs this shard by."""
-        return float(size), 1.0
-
-    def update_priority(self, idx: np.ndarray, priority: np.ndarray) -> None:
-        raise InvalidArgumentError(f"update_priority needs sampler='prioritized', this shard samples {self.name!r}")
-
-    def check_priority(self, idx: np.ndarray, priority: np.ndarray) -> None:
-        """Raise before anything changes if ``update_priority`` would refuse these values."""
-        self.update_priority(idx[:0], priority[:0])
-
-    def state_dict(self) -> dict[str, np.ndarray]:
-        return {}
-
-    def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
-        pass
-
-    def attach(self, priority: np.ndarray, max_priority: np.ndarray, reopened: bool) -> None:
-        """Keep per-slot state in these (memory-mapped) arrays, reloading it from them if ``reopened``."""
 
 
 class UniformSampler(Sampler):
@@ -369,8 +329,9 @@ def register_sampler(cls: type[Sampler]) -> type[Sampler]:
     return cls
 
 
-for _cls in (UniformSampler, WithoutReplacementSampler, PrioritizedSampler):
+for _cls in (UniformSampler, WithoutReplacementSampler, PrioritizedSampler, EpisodeSlices):
     register_sampler(_cls)
+
 
 
 def sampler_class(name: str) -> type[Sampler]:
@@ -379,5 +340,6 @@ def sampler_class(name: str) -> type[Sampler]:
     return SAMPLERS[name]
 
 
-def make_sampler(name: str, capacity: int = 0, alpha: float = ALPHA, eps: float = EPS) -> Sampler:
-    return sampler_class(name)(capacity=capacity, alpha=alpha, eps=eps)
+def make_sampler(name: str, capacity: int = 0, alpha: float = ALPHA, eps: float = EPS, **options: Any) -> Sampler:
+    """A shard's sampler of kind ``name``; ``options``: the kind's own (a slice sampler's ``slice_len``...)."""
+    return sampler_class(name)(capacity=capacity, alpha=alpha, eps=eps, **options)

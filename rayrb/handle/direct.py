@@ -35,6 +35,7 @@ tell lost with the coordinator is not needed: a restarted coordinator takes ever
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -49,6 +50,7 @@ Rows = dict[str, np.ndarray]
 LOCAL_SAMPLERS = ("uniform", "without_replacement")  # samplers that keep no per-row state in the shard
 SLACK = 8  # a shard on this node takes a write while at most capacity / SLACK rows ahead of the least-written
 FORWARD_BYTES = 100 << 10  # rows for a shard with replicas put in the object store once, past Ray's inline size
+PLACINGS = 4096  # writes whose shard a handle remembers (a write in flight is asked again with its id)
 REPLICA_WAIT = 30.0  # seconds a write waits for a live replica (rayrb.actors.replication.WAIT) before it goes on
 
 
@@ -74,6 +76,12 @@ class DirectWrites:
         self._nodes: list[str | None] | None = None  # each online shard's node, asked once
         self._here: dict[int, Any] = {}  # online shard -> its files' appender in this process (None: not here)
         self._told: Any = None  # the latest tell: its answer is (version, every shard's count)
+        # slices: an episode stays in one shard. Where each write begins and ends an episode (marked as it comes),
+        # this handle's running episode (its shard, and its last id, or whether it ended) and the latest choice
+        self._episodes = layout.episodes if layout is not None else None
+        self._marks: dict[str, tuple[Any, Any]] = {}
+        self._running: tuple[int, Any] | None = None
+        self._placing: OrderedDict[str, int] = OrderedDict()  # write id -> its shard, chosen once
         # writes by how they went, and rows placed in shards on this node
         self.stats = {"appended_here": 0, "sent": 0, "relayed": 0, "told": 0, "rows_local": 0}
 
@@ -81,6 +89,35 @@ class DirectWrites:
     def _choose(self, n: int) -> int:
         """The shard a one-piece write of ``n`` rows goes to (step 1)."""
         return assign_pieces([n], self._known(), self._local_shards(), int(self._capacity.min()) // SLACK)[0]
+
+    def mark(self, write_id: str, rows: Rows) -> None:
+        """Note how a write's rows begin and end an episode, as it comes (slices only; see ``_place``)."""
+        if self._episodes is None:
+            return
+        key, ends = self._episodes
+        column = np.asarray(rows[key]).reshape(len(rows[key]), -1)
+        self._marks[write_id] = (None, bool(column[-1].any())) if ends else (column[0, 0].item(), column[-1, 0].item())
+
+    def _place(self, write_id: str, n: int) -> int:
+        """The shard a one-piece write goes to: with slices, the one this handle's running episode is in when the
+        write goes on with it (its first id is the last one written, or no end flag ended the last write), so an
+        episode written over several calls stays whole in one shard; else the least written (``_choose``)."""
+        if self._episodes is None:
+            return self._choose(n)
+        if write_id in self._placing:  # asked again (appended here failed; sent later; a retry)
+            return self._placing[write_id]
+        mark, shard = self._marks.pop(write_id, None), None
+        if mark is not None and self._running is not None:
+            at, last = self._running
+            if (not last) if mark[0] is None else mark[0] == last:
+                shard = at
+        shard = self._choose(n) if shard is None else shard
+        if mark is not None:
+            self._running = (shard, mark[1])
+        self._placing[write_id] = shard
+        if len(self._placing) > PLACINGS:
+            self._placing.popitem(last=False)
+        return shard
 
     def _placed(self, shard: int, n: int, written: int | None = None) -> None:
         """``n`` rows went to ``shard``, whose count is ``written`` after, if known: the next write goes on."""
@@ -119,7 +156,7 @@ class DirectWrites:
         self._learn()
         if len(cut_write(n, self._capacity.tolist(), min_piece=int(self._capacity.max()))) > 1:
             return None
-        shard = self._choose(n)
+        shard = self._place(write_id, n)
         appender = self._appender(shard)
         if appender is None:
             return None
@@ -162,7 +199,7 @@ class DirectWrites:
             held = self._held(write_id)
             if held:
                 return Sent(n, [], self._answer(held, write_id, n, digest))
-        shard = self._choose(n)
+        shard = self._place(write_id, n)
         self._placed(shard, n)
         more = {}
         if shard < len(self._online) and self._online[shard].copies:

@@ -119,3 +119,10 @@ def remove_leftovers(storage_dir: Any) -> None:
         remove(leftovers([storage_dir] if storage_dir is not None else []))
     except Exception:  # a clean-up: never a reason not to start
         pass
+
+
+def episode_starts(dataset: Any, key: str, ends: bool) -> Any:
+    """The offline rows that begin an episode, found by ``key`` (trajectory ids, or end flags with ``ends``)."""
+    from rayrb.core.episodes import episodes_of
+
+    return episodes_of(dataset.column(key, 0, len(dataset)), ends).starts

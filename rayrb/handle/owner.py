@@ -323,14 +323,18 @@ def _start_actors(dataset: ChunkDataset, name: str, s: BufferSettings) -> tuple[
     actor_options = dict(s.actor_options)
     if s.transport == "nccl" and "num_gpus" not in actor_options:
         launch.check_nccl_gpus(s.num_offline_shards + s.num_online_shards)
+    # a slice sampler's length and the key episodes are found by, for the shards and the coordinator alike
+    slices = {} if s.slices is None else s.slices.resolve(list(dataset.spec), s.batch_size)
+    episodes = (slices["slice_key"], slices["slice_ends"]) if slices else None
     layout = ShardLayout.build(name, f"{directory_name(name)}-{uuid.uuid4().hex[:8]}", s.storage_dir,
                                dataset_root=str(dataset.root), offline_rows=len(dataset),
                                num_offline=s.num_offline_shards, online_capacity=s.online_capacity,
                                num_online=s.num_online_shards, samplers=(s.offline_sampler, s.online_sampler),
-                               replicas=s.online_replicas, online_nodes=s.online_nodes)
+                               replicas=s.online_replicas, online_nodes=s.online_nodes, episodes=episodes,
+                               episode_starts=None if episodes is None else launch.episode_starts(dataset, *episodes))
     cls_opts, opts, coord_opts, device = group_options(actor_options, s.transport, len(layout.shards), s.storage_device)
     table = None if s.storage_device == "cpu" else s.storage_device  # shards keep rows in a DeviceTable there
-    so = {"alpha": s.alpha, "eps": s.eps}
+    so = {"alpha": s.alpha, "eps": s.eps, **slices}
     # A restarted offline shard re-maps its chunks; its priorities, and an online shard's rows, come back
     # from its state files. Without those files an online shard's rows would be lost, so it does not restart.
     restart = {"max_restarts": s.max_restarts, "max_task_retries": CALL_RETRIES if s.max_restarts else 0}
@@ -358,7 +362,7 @@ def _start_actors(dataset: ChunkDataset, name: str, s: BufferSettings) -> tuple[
             [p.capacity for p in layout.online], offline_fraction=s.offline_fraction, sampler=s.samplers,
             epoch_end=s.epoch_end, seed=s.seed, name=name, beta=s.beta, rate_limiter=dict(s.rate_limiter),
             alpha=s.alpha, eps=s.eps, state_dir=layout.coordinator_dir, replicated=s.online_replicas > 1,
-            shards_place=s.shards_place)
+            shards_place=s.shards_place, slice_len=slices.get("slice_len"))
     except BaseException:
         for actor in started:
             launch.kill(actor)

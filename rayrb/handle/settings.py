@@ -35,6 +35,7 @@ from rayrb.core.plans import OFFLINE, ONLINE
 from rayrb.core.rate_limiter import make_rate_limiter
 from rayrb.core.samplers import sampler_class
 from rayrb.core.schedules import Schedule, make_schedule
+from rayrb.core.slice_sampling import NAME, SliceSampler
 from rayrb.core.validation import (
     ALPHA,
     BETA,
@@ -91,6 +92,7 @@ class BufferSettings:
     seed: int | None = None
     dataset_root: str | None = None  # where in-memory offline data is written as chunks (None: a folder of its own)
     actor_options: Mapping[str, Any] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
+    slices: SliceSampler | None = None  # how slices are drawn, with sampler "slice" on both sides
 
     @property
     def samplers(self) -> dict[str, str]:
@@ -142,7 +144,8 @@ def checked_settings(offline_dataset: Any, *, online_capacity: Any = None, onlin
             f"batch_size must be provided when offline_dataset is a string, so the dataset can be "
             f"constructed. Got batch_size=None for {offline_dataset!r}")
     batch_size = None if batch_size is None else positive_int("batch_size", batch_size)
-    kinds = sampler_kinds(offline_dataset, sampler, offline_sampler, online_sampler)
+    slices = sampler if isinstance(sampler, SliceSampler) else torchrl_slices(offline_dataset, sampler, offline_sampler)
+    kinds = sampler_kinds(offline_dataset, NAME if slices else sampler, offline_sampler, online_sampler, slices)
     if drop_last is None and epoch_end is None:  # a TorchRL buffer's SamplerWithoutReplacement(drop_last=...)
         drop_last = getattr(getattr(offline_dataset, "_sampler", None), "drop_last", None)
     epoch_end = epoch_end_option(epoch_end, drop_last)
@@ -163,7 +166,10 @@ def checked_settings(offline_dataset: Any, *, online_capacity: Any = None, onlin
     admitted = limiter.samples_per_insert is not None  # each write admitted by the coordinator
     if write_path is None:
         write_path = "coordinator" if admitted else "shards"
-    elif write_path == "shards" and admitted:
+    if write_path == "coordinator" and slices is not None:
+        raise InvalidArgumentError(f"expected slices where the shards place writes (an episode's writes go to one "
+                                   f"shard), got write_path='coordinator' (rate_limiter={rate_limiter!r})")
+    if write_path == "shards" and admitted:
         raise InvalidArgumentError(f"write_path='shards' takes no rate limiter that bounds samples per insert (the "
                                    f"coordinator admits each write), got rate_limiter={rate_limiter!r}")
     return BufferSettings(
@@ -175,7 +181,7 @@ def checked_settings(offline_dataset: Any, *, online_capacity: Any = None, onlin
         transform=transform, max_batch_bytes=max_batch_bytes, prefetch=prefetch, online_replicas=replicas,
         write_path=write_path, storage_dir=None if storage_dir is None else str(storage_dir), name=buffer_name(name),
         seed=seed, dataset_root=None if dataset_root is None else os.fspath(dataset_root),
-        actor_options=MappingProxyType(actor_options), **prio)
+        actor_options=MappingProxyType(actor_options), slices=slices, **prio)
 
 
 def actor_options_option(value: Any) -> dict[str, Any]:
@@ -252,12 +258,26 @@ def is_dataset_id(dataset: Any) -> bool:
     return isinstance(dataset, str) and not Path(dataset).exists()
 
 
-def sampler_kinds(dataset: Any, sampler: str | None, offline: str | None, online: str | None) -> dict[str, str]:
-    """Each side's sampler: its own option, else ``sampler``, else TorchRL's default for that side."""
+def sampler_kinds(dataset: Any, sampler: str | None, offline: str | None, online: str | None,
+                  slices: SliceSampler | None = None) -> dict[str, str]:
+    """Each side's sampler: its own option, else ``sampler``, else TorchRL's default for that side. Slices are
+    drawn on both sides or neither (the split counts slices), and only with their settings."""
     kinds = {OFFLINE: offline or sampler or default_offline_kind(dataset), ONLINE: online or sampler or "uniform"}
     for kind in kinds.values():
         sampler_class(kind)
+    if (NAME in kinds.values()) != (slices is not None) or slices is not None and set(kinds.values()) != {NAME}:
+        raise InvalidArgumentError(f"expected sampler=rayrb.SliceSampler(slice_len=...) for slices, on both sides, "
+                                   f"got sampler={sampler!r}, offline_sampler={offline!r}, online_sampler={online!r}")
     return kinds
+
+
+def torchrl_slices(dataset: Any, sampler: Any, offline: Any) -> SliceSampler | None:
+    """A TorchRL offline buffer's ``SliceSampler`` as rayrb's (its slice settings kept), unless a sampler is given."""
+    own = getattr(dataset, "_sampler", None)
+    if sampler is not None or offline is not None or type(own).__name__ != "SliceSampler":
+        return None
+    return SliceSampler(slice_len=own.slice_len, num_slices=own.num_slices, traj_key=own.traj_key,
+                        end_key=None if own.traj_key is not None else own.end_key, strict_length=own.strict_length)
 
 
 def default_offline_kind(dataset: Any) -> str:

@@ -98,6 +98,8 @@ class Writer:
             return torch.empty(0, dtype=torch.int64) if wait else PendingWrite.resolved(write_id)
         look = write_id is not None  # named by the caller: maybe a retry from another handle
         write_id = write_id if write_id is not None else uuid.uuid4().hex
+        if self._direct is not None:
+            self._direct.mark(write_id, arrays)  # slices: an episode's writes go to one shard
         digest = rows_digest(arrays)  # the rows the id names: a retry sends these, other rows are refused
         if all(p.done() for p in self._pending):  # nothing on its way that this must land after
             if wait:

@@ -154,6 +154,18 @@ class ChunkDataset:
             return pieces[0]
         return {k: np.concatenate([p[k] for p in pieces]) for k in self.spec}
 
+    def column(self, key: str, start: int, stop: int) -> np.ndarray:
+        """One key's rows ``[start, stop)``: a read-only map where they lie in one chunk, else a fresh array."""
+        if key not in self.spec or not 0 <= start <= stop <= len(self):
+            raise RowIndexError(f"expected a key of {sorted(self.spec)} and 0 <= start <= stop <= {len(self)}, got "
+                                f"{key!r} and [{start}, {stop})")
+        pieces = []
+        for c in range(len(self.chunks)):
+            a, b = max(start, self.offsets[c]), min(stop, self.offsets[c + 1])
+            if a < b:
+                pieces.append(self.chunk_arrays(c)[key][a - self.offsets[c]:b - self.offsets[c]])
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces) if pieces else np.zeros(0)
+
     def gather(self, indices: np.ndarray, out: Mapping[str, np.ndarray] | None = None, *,
                checked: bool = True) -> dict[str, np.ndarray]:
         """Rows at global ``indices`` (any order, repeats allowed) as fresh arrays, or into ``out``'s.

@@ -1,0 +1,186 @@
+"""Slice sampling: batches of consecutive steps of one episode, for learners with memory (recurrent policies, world
+models, sequence models), as TorchRL's ``SliceSampler`` draws them, over shards, with an exact offline share.
+
+``sampler=SliceSampler(slice_len=L)`` (or ``num_slices=``, with the buffer's ``batch_size``) makes a batch of
+``B`` steps out of ``B / L`` slices of ``L`` steps each, one after another (TorchRL's flat layout). The math is in
+``rayrb.core.episodes``; here are its two halves, registered as the sampling kind ``"slice"``:
+
+* ``SliceAllocator`` (the coordinator's): a batch is planned in slices, ``floor(f * B / L + 1/2)`` of them offline
+  and the rest online (all offline while no online shard holds a whole slice), each side's slices spread over its
+  shards ~ Multinomial over the valid slices each shard holds (its *mass*, asked of the shard after its writes),
+  and every count then multiplied by ``L``: so the plan's parts are rows, as for every kind;
+* ``EpisodeSlices`` (each shard's): a read of ``k * L`` rows draws ``k`` valid slices uniformly among the shard's
+  and returns their steps in order. Episodes come from the rows' trajectory ids (``traj_key``) or end flags
+  (``end_key``, TorchRL's default ``("next", "done")``), in write order: an online shard orders its slots by the
+  row each holds (its generation), so a slice never reads an overwritten step, a step not yet written, or across
+  the wrap of the circular buffer.
+
+Not built yet: ``strict_length=False`` (short slices), sampling slices without replacement or by priority.
+
+Examples:
+    >>> s = SliceSampler(slice_len=4, traj_key="episode")
+    >>> s.resolve(["episode", "obs"], batch_size=None)
+    {'slice_len': 4, 'slice_key': 'episode', 'slice_ends': False}
+    >>> SliceSampler(num_slices=8).resolve(["next/done", "obs"], batch_size=64)
+    {'slice_len': 8, 'slice_key': 'next/done', 'slice_ends': True}
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from rayrb.core.allocation import multinomial_counts
+from rayrb.core.allocators import Allocator
+from rayrb.core.episodes import Slices, episodes_of, slice_count, steps
+from rayrb.core.plans import SIDES, Epoch
+from rayrb.core.sampler_base import Sampler
+from rayrb.core.schema import SEP
+from rayrb.core.validation import positive_int
+from rayrb.errors import DrawError, InvalidArgumentError, SchemaError
+
+NAME = "slice"
+DEFAULT_END_KEY = ("next", "done")  # TorchRL's
+DEFAULT_TRAJ_KEY = "episode"  # TorchRL's, looked for when no end key is stored
+
+
+def flat_key(key: str | Sequence[str]) -> str:
+    """A nested key as the row spec names it: ``("next", "done")`` -> ``"next/done"``."""
+    return key if isinstance(key, str) else SEP.join(key)
+
+
+@dataclass(frozen=True)
+class SliceSampler:
+    """How a buffer draws slices (see the module); TorchRL's ``SliceSampler`` arguments, checked here.
+
+    Args:
+        slice_len: steps per slice; the batch size must be a multiple. Exclusive with ``num_slices``.
+        num_slices: slices per batch, with the buffer's ``batch_size`` (``slice_len = batch_size / num_slices``).
+        traj_key: the key of each step's trajectory id (a run of one id is an episode). Exclusive with
+            ``end_key``.
+        end_key: the key of each step's end flag (an episode ends after a step whose flag is set). Without either,
+            ``("next", "done")`` where the rows hold it, else ``"episode"``.
+        strict_length: only ``True`` (episodes shorter than a slice are never drawn) is built.
+    """
+
+    slice_len: int | None = None
+    num_slices: int | None = None
+    traj_key: str | tuple[str, ...] | None = None
+    end_key: str | tuple[str, ...] | None = None
+    strict_length: bool = True
+
+    def __post_init__(self) -> None:
+        if (self.slice_len is None) == (self.num_slices is None):
+            raise InvalidArgumentError(f"expected one of slice_len and num_slices, got slice_len={self.slice_len} "
+                                       f"and num_slices={self.num_slices}")
+        positive_int("slice_len" if self.num_slices is None else "num_slices", self.slice_len or self.num_slices)
+        if self.traj_key is not None and self.end_key is not None:
+            raise InvalidArgumentError(f"expected one of traj_key and end_key, got traj_key={self.traj_key!r} and "
+                                       f"end_key={self.end_key!r}")
+        if self.strict_length is not True:
+            raise InvalidArgumentError(f"expected strict_length=True (slices shorter than slice_len are not built "
+                                       f"yet), got {self.strict_length!r}")
+
+    def resolve(self, keys: Sequence[str], batch_size: int | None) -> dict[str, Any]:
+        """The shards' and the coordinator's options for rows with these (flat) ``keys`` and the buffer's
+        ``batch_size``: ``slice_len``, the flat key episodes come from and whether it holds end flags."""
+        if self.num_slices is not None:
+            if batch_size is None:
+                raise InvalidArgumentError(f"expected a buffer batch_size with num_slices={self.num_slices} (the "
+                                           "slice length is batch_size / num_slices), got none: give slice_len")
+            length = slice_count(batch_size, num_slices=self.num_slices)[1]
+        else:
+            length = int(self.slice_len)
+        if self.traj_key is not None:
+            key, ends = flat_key(self.traj_key), False
+        elif self.end_key is not None:
+            key, ends = flat_key(self.end_key), True
+        else:
+            ends = flat_key(DEFAULT_END_KEY) in keys
+            key = flat_key(DEFAULT_END_KEY) if ends else DEFAULT_TRAJ_KEY
+        if key not in keys:
+            raise SchemaError(f"expected the rows to hold {key!r} to find episodes by (traj_key / end_key), got "
+                              f"keys {sorted(keys)}")
+        return {"slice_len": length, "slice_key": key, "slice_ends": ends}
+
+
+class SliceAllocator(Allocator):
+    """A batch planned in slices of ``slice_len`` rows, each side's spread over its shards by the valid slices
+    each holds (see the module)."""
+
+    uses_masses = True
+
+    def __init__(self, num_shards: Mapping[str, int], *, slice_len: int = 1, **options: Any):
+        super().__init__(num_shards)
+        self.unit = positive_int("slice_len", slice_len)
+        self._mass = {side: np.zeros(self.num_shards[side]) for side in SIDES}
+
+    def set_masses(self, side: str, stats: list[tuple[float, float]], sizes: np.ndarray) -> None:
+        self._mass[side] = np.asarray([m for m, _ in stats], dtype=np.float64)
+
+    def drawable(self, side: str, sizes: np.ndarray) -> int:
+        return int(self._mass[side].sum())
+
+    def counts(self, side: str, n: int, sizes: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        return multinomial_counts(n, self._mass[side], rng)
+
+
+class EpisodeSlices(Sampler):
+    """A shard's half of slice sampling (see the module): ``bind`` gives it the shard's column episodes come from
+    and, online, the slots' generations."""
+
+    name = NAME
+    allocator = SliceAllocator
+
+    def __init__(self, capacity: int = 0, slice_len: int = 1, slice_key: str | None = None,
+                 slice_ends: bool = False, **options: Any):
+        self._len, self._key, self._ends = positive_int("slice_len", slice_len), slice_key, bool(slice_ends)
+        self._capacity = int(capacity)
+        self._column: np.ndarray | None = None
+        self._generation: np.ndarray | None = None
+        self._version = 0  # moved by each write: the episodes are found again
+        self._cache: tuple = (None, None, None)
+
+    @property
+    def key(self) -> str | None:
+        """The key of the rows episodes are found by."""
+        return self._key
+
+    def bind(self, rows: Mapping[str, np.ndarray], generation: np.ndarray | None) -> None:
+        if self._key not in rows:
+            raise SchemaError(f"expected rows holding {self._key!r} to find episodes by, got keys {sorted(rows)}")
+        self._column, self._generation = rows[self._key], generation
+
+    def on_write(self, idx: np.ndarray) -> None:
+        self._version += 1
+
+    def _slices(self, size: int) -> tuple[np.ndarray, Slices]:
+        """The slots of the first ``size`` in write order, and the valid slices over them (cached until a write)."""
+        key = (size, self._version)
+        if self._cache[0] == key:
+            return self._cache[1], self._cache[2]
+        order = np.arange(size, dtype=np.int64)
+        if self._generation is not None and size >= self._capacity > 0:  # wrapped: the oldest row first
+            rows = (np.abs(self._generation[:size]) - 1) * self._capacity + order  # the row each slot holds
+            order = np.argsort(rows, kind="stable")
+        slices = Slices(episodes_of(self._column[order], self._ends), self._len)
+        self._cache = (key, order, slices)
+        return order, slices
+
+    def sample(self, count: int, size: int, rng: np.random.Generator | None, epoch: Epoch | None = None) -> np.ndarray:
+        if count % self._len:
+            raise DrawError(f"expected a read of whole slices ({self._len} rows each), got {count} rows")
+        k = count // self._len
+        order, slices = self._slices(size)
+        if k and slices.total == 0:
+            raise DrawError(f"cannot draw {k} slices of {self._len} steps: no episode here holds that many")
+        items = np.minimum((rng.random(k) * slices.total).astype(np.int64), max(slices.total - 1, 0))
+        starts, lengths = slices.locate(items)
+        return order[steps(starts, lengths)[0]]
+
+    def mass(self, size: int) -> tuple[float, float]:
+        """The valid slices this shard holds: what the allocator spreads a side's slices by."""
+        return float(self._slices(size)[1].total), 1.0
+

@@ -1,0 +1,134 @@
+"""The slice sampling kind without Ray: the planner counts slices (exact offline share, all offline while no online
+shard holds a whole slice), a shard's reads are whole slices of one episode in write order (across the wrap of a
+circular shard, never over an overwritten step), and settings that cannot work are refused at construction."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from rayrb.core.planner import Planner
+from rayrb.core.plans import OFFLINE, ONLINE
+from rayrb.core.samplers import make_sampler
+from rayrb.core.slice_sampling import SliceSampler
+from rayrb.errors import DrawError, InvalidArgumentError, SchemaError
+
+
+def planner(fraction=0.3, slice_len=4, masses=((10.0, 5.0), (6.0,))):
+    p = Planner({OFFLINE: len(masses[0]), ONLINE: len(masses[1])}, offline_fraction=fraction, sampler="slice",
+                slice_len=slice_len, seed=0)
+    for side, m in zip((OFFLINE, ONLINE), masses):
+        p.alloc.set_masses(side, [(x, 1.0) for x in m], np.full(len(m), 100))
+    return p
+
+
+SIZES = {OFFLINE: np.array([100, 100]), ONLINE: np.array([100])}
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.3, 0.5, 0.9, 1.0])
+def test_a_batch_is_planned_in_slices_with_an_exact_offline_share(fraction):
+    p = planner(fraction)
+    for slices in (1, 3, 5, 8):
+        ((plan, _),) = p.draw(4 * slices, sizes=SIZES)
+        assert plan.n_offline == 4 * int(np.floor(fraction * slices + 0.5)) and plan.n_online == 4 * slices - plan.n_offline
+        assert all(part.count % 4 == 0 for part in plan.parts)
+
+
+def test_all_offline_while_no_online_shard_holds_a_whole_slice_and_shards_without_slices_draw_none():
+    p = planner(0.5, masses=((10.0, 0.0), (0.0,)))  # online rows, but no episode of 4 steps yet
+    for _ in range(20):
+        ((plan, _),) = p.draw(16, sizes=SIZES)
+        assert (plan.n_offline, plan.n_online) == (16, 0) and {part.shard for part in plan.parts} == {0}
+
+
+def test_a_batch_that_is_not_whole_slices_and_too_many_learner_parts_are_refused_and_change_nothing():
+    p = planner()
+    with pytest.raises(InvalidArgumentError, match="multiple of slice_len=4, got 10"):
+        p.draw(10, sizes=SIZES)
+    assert p.step == 0
+    plans = p.draw(16, num_slices=2, sizes=SIZES)  # two learners' parts, each whole slices
+    assert [plan.n_offline + plan.n_online for plan, _ in plans] == [8, 8]
+
+
+def shard(ids, capacity=None, generation=None, slice_len=3):
+    s = make_sampler("slice", capacity or len(ids), slice_len=slice_len, slice_key="episode")
+    s.bind({"episode": np.asarray(ids), "obs": np.zeros(len(ids))}, generation)
+    return s
+
+
+def test_a_shard_draws_whole_slices_of_one_episode_and_weighs_itself_by_them():
+    ids = np.repeat([0, 1, 2, 3], [5, 2, 4, 3])
+    s = shard(ids)
+    assert s.mass(len(ids)) == (3.0 + 0 + 2 + 1, 1.0)
+    idx = s.sample(3 * 40, len(ids), np.random.default_rng(0))
+    for run in idx.reshape(-1, 3):
+        assert np.array_equal(run, np.arange(run[0], run[0] + 3)) and len(set(ids[run])) == 1
+    with pytest.raises(DrawError, match="whole slices"):
+        s.sample(4, len(ids), np.random.default_rng(0))
+
+
+def test_a_wrapped_online_shard_draws_in_write_order_and_never_over_an_overwritten_step():
+    """Capacity 8, 12 rows written: slots 0-3 hold rows 8-11 (generation 2), slots 4-7 rows 4-7. Episode 1 runs
+    over rows 4-9 (slots 4-7 then 0-1): its slices cross the wrap in write order; episode 0's rows 0-3 are gone."""
+    by_row = np.repeat([0, 1, 2], [4, 6, 2])  # rows 0..11
+    slots = np.empty(8, np.int64)
+    generation = np.empty(8, np.int64)
+    for w in range(4, 12):
+        slots[w % 8], generation[w % 8] = by_row[w], w // 8 + 1
+    s = shard(slots, capacity=8, generation=generation)
+    assert s.mass(8)[0] == 4  # episode 1: 6 steps, 4 slices of 3; episode 2: 2 steps, none
+    seen = set()
+    for run in s.sample(3 * 200, 8, np.random.default_rng(1)).reshape(-1, 3):
+        rows = (generation[run] - 1) * 8 + run
+        assert np.array_equal(rows, np.arange(rows[0], rows[0] + 3)) and set(slots[run]) == {1}
+        seen.add(int(rows[0]))
+    assert seen == {4, 5, 6, 7}
+
+
+def test_a_write_is_seen_by_the_next_read():
+    ids = np.array([0, 0, 1, 1, 1, 1, 2, 2])
+    s = shard(ids, capacity=8, generation=np.ones(8, np.int64))
+    assert s.mass(6)[0] == 2  # rows 0..5: episode 1 has 4 steps
+    ids[6:] = 1  # two more steps of episode 1 written
+    s.on_write(np.array([6, 7]))
+    assert s.mass(8)[0] == 4
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({}, InvalidArgumentError, "one of slice_len and num_slices"),
+    ({"slice_len": 4, "num_slices": 2}, InvalidArgumentError, "one of slice_len and num_slices"),
+    ({"slice_len": 0}, InvalidArgumentError, "slice_len must be a positive integer"),
+    ({"slice_len": 4, "traj_key": "a", "end_key": "b"}, InvalidArgumentError, "one of traj_key and end_key"),
+    ({"slice_len": 4, "strict_length": False}, InvalidArgumentError, "strict_length=True"),
+])
+def test_settings_that_cannot_work_are_refused_at_construction(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        SliceSampler(**kwargs)
+
+
+def test_keys_are_resolved_against_the_rows_as_torchrl_does():
+    assert SliceSampler(slice_len=2).resolve(["episode", "obs"], None)["slice_key"] == "episode"
+    assert SliceSampler(slice_len=2, end_key=("next", "terminated")).resolve(["next/terminated"], None) == {
+        "slice_len": 2, "slice_key": "next/terminated", "slice_ends": True}
+    with pytest.raises(SchemaError, match="expected the rows to hold 'traj'"):
+        SliceSampler(slice_len=2, traj_key="traj").resolve(["episode"], None)
+    with pytest.raises(InvalidArgumentError, match="batch_size"):
+        SliceSampler(num_slices=4).resolve(["episode"], None)
+    with pytest.raises(InvalidArgumentError, match="multiple of num_slices=4"):
+        SliceSampler(num_slices=4).resolve(["episode"], 30)
+
+
+def test_the_buffer_settings_take_slices_on_both_sides_only_and_keep_a_torchrl_datasets_slice_sampler(tmp_path):
+    from rayrb.handle.settings import checked_settings
+
+    data = {"episode": np.zeros(10, np.int64), "obs": np.zeros(10)}
+    s = checked_settings(data, online_capacity=10, sampler=SliceSampler(slice_len=2))
+    assert s.samplers == {OFFLINE: "slice", ONLINE: "slice"} and s.slices == SliceSampler(slice_len=2)
+    for bad in ({"sampler": "slice"}, {"sampler": SliceSampler(slice_len=2), "online_sampler": "uniform"},
+                {"offline_sampler": "slice"}):
+        with pytest.raises(InvalidArgumentError, match="SliceSampler"):
+            checked_settings(data, online_capacity=10, **bad)
+    rb_mod = pytest.importorskip("torchrl.data.replay_buffers")
+    torchrl_rb = rb_mod.ReplayBuffer(storage=rb_mod.LazyTensorStorage(10),
+                                     sampler=rb_mod.SliceSampler(num_slices=4, traj_key="episode"))
+    s = checked_settings(torchrl_rb, online_capacity=10, batch_size=32)
+    assert s.slices == SliceSampler(num_slices=4, traj_key="episode") and s.online_sampler == "slice"

@@ -1,0 +1,64 @@
+"""Slices on Ray: a buffer with ``sampler=SliceSampler(...)`` serves batches of whole slices of one episode, an
+exact offline share of them in every batch, online slices over the steps written only (episodes written over
+several ``extend`` calls join up, a running one grows), never across an episode's end or a shard's edge."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from rayrb import SliceSampler
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+L = 4
+
+
+def episodes(lengths, first_id=0, first_step=0):
+    """Rows of consecutive episodes: ``episode`` ids, and ``step`` numbering every row (to find it again)."""
+    ids = np.repeat(np.arange(first_id, first_id + len(lengths)), lengths)
+    return {"episode": ids.astype(np.int64), "step": np.arange(first_step, first_step + ids.size, dtype=np.int64)}
+
+
+def check_slices(batch, info, episode_of):
+    """Each run of L rows is one slice: consecutive steps of one episode, from one side and shard."""
+    steps, ids = np.asarray(batch["step"]).reshape(-1, L), np.asarray(batch["episode"]).reshape(-1, L)
+    for s, e in zip(steps, ids):
+        assert np.array_equal(s, np.arange(s[0], s[0] + L)), steps
+        assert len(set(e.tolist())) == 1 and {episode_of[x] for x in s.tolist()} == {e[0]}
+    for key in ("offline", "shard"):
+        flags = np.asarray(info[key]).reshape(-1, L)
+        assert (flags == flags[:, :1]).all()
+
+
+def test_offline_and_online_slices_with_an_exact_share_in_every_batch(make_buffer):
+    offline = episodes([9, 2, 7, 3, 12, 5, 4, 6])  # two offline shards: episodes cut at their edge stay apart
+    rb = make_buffer(offline, online_capacity=64, num_offline_shards=2, num_online_shards=2, offline_fraction=0.25,
+                     sampler=SliceSampler(slice_len=L, traj_key="episode"), seed=0)
+    episode_of = dict(zip(offline["step"].tolist(), offline["episode"].tolist()))
+    batch, info = rb.sample(8 * L, return_info=True)  # nothing online yet: all offline
+    assert np.asarray(info["offline"]).all()
+    check_slices(batch, info, episode_of)
+    # online: episode 100 written over three extends (it joins up), then 101 still running with 3 steps
+    step = 10_000
+    for part in ([3], [4], [2]):
+        rows = episodes(part, first_id=100, first_step=step)
+        rb.extend(rows)
+        episode_of.update(dict.fromkeys(rows["step"].tolist(), 100))
+        step += part[0]
+    rows = episodes([3], first_id=101, first_step=step)
+    rb.extend(rows)
+    episode_of.update(dict.fromkeys(rows["step"].tolist(), 101))
+    for _ in range(30):
+        batch, info = rb.sample(8 * L, return_info=True)
+        assert int((~np.asarray(info["offline"])).sum()) == 6 * L  # floor(0.25 * 8 + 1/2) = 2 offline slices of 8
+        check_slices(batch, info, episode_of)
+        assert not np.isin(np.asarray(batch["episode"]), [101]).any()  # 3 steps so far: no whole slice yet
+
+
+def test_a_buffer_without_the_key_or_with_a_batch_of_part_slices_is_refused(make_buffer):
+    with pytest.raises(Exception, match="expected the rows to hold 'traj'"):
+        make_buffer(episodes([5, 5]), online_capacity=16, sampler=SliceSampler(slice_len=L, traj_key="traj"))
+    rb = make_buffer(episodes([5, 5]), online_capacity=16, sampler=SliceSampler(slice_len=L))
+    with pytest.raises(Exception, match="multiple of slice_len=4"):
+        rb.sample(6)
+    steps = np.asarray(rb.sample(2 * L)["step"]).reshape(-1, L)  # "episode" found by TorchRL's default
+    assert steps[:, -1].tolist() == (steps[:, 0] + L - 1).tolist()
