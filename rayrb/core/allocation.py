@@ -61,6 +61,17 @@ def split_checked(batch_size: int, offline_fraction: float, online_size: int) ->
     return n_off, batch_size - n_off
 
 
+def whole_items(batch_size: int, unit: int) -> int:
+    """Items of ``unit`` rows a batch of ``batch_size`` rows holds (a slice sampler's slices); it must be whole.
+
+    >>> whole_items(12, 4), whole_items(7, 1)
+    (3, 7)
+    """
+    if batch_size % unit:
+        raise InvalidArgumentError(f"expected a batch_size that is a multiple of slice_len={unit}, got {batch_size}")
+    return batch_size // unit
+
+
 def _weights(name: str, values: Sequence[float]) -> np.ndarray:
     w = np.asarray(values, dtype=np.float64)
     if w.ndim != 1 or w.size == 0 or np.any(w < 0) or not np.all(np.isfinite(w)):

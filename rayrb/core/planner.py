@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from rayrb.core.allocation import split_checked, split_slices
+from rayrb.core.allocation import split_checked, split_slices, whole_items
 from rayrb.core.allocators import make_allocator
 from rayrb.core.plans import OFFLINE, ONLINE, SIDES, BatchPlan, Part
 from rayrb.core.rate_limiter import ALL_OFFLINE, WAIT, make_rate_limiter
@@ -160,15 +160,10 @@ class Planner:
               totals: tuple[int, int] | None) -> list[tuple[BatchPlan, Reads]]:
         offline, online = totals if totals is not None else (int(sizes[OFFLINE].sum()), int(sizes[ONLINE].sum()))
         fraction = self._fraction(offline, online)
-        unit = self.alloc.unit
-        if unit > 1:  # planned in items of ``unit`` rows (slices), over the items each side holds
-            if batch_size % unit:
-                raise InvalidArgumentError(f"expected a batch_size that is a multiple of slice_len={unit}, got "
-                                           f"{batch_size}")
-            need = self._shorten(batch_size // unit, fraction, self.alloc.drawable(ONLINE, sizes[ONLINE]))
-            need = {side: n * unit for side, n in need.items()}
-        else:
-            need = self._shorten(batch_size, fraction, online)
+        unit = self.alloc.unit  # planned in items of ``unit`` rows (slices), over the items each side holds
+        need = self._shorten(whole_items(batch_size, unit), fraction,
+                             online if unit == 1 else self.alloc.drawable(ONLINE, sizes[ONLINE]))
+        need = need if unit == 1 else {side: n * unit for side, n in need.items()}
         decision = self.limiter.decide(need[ONLINE], online)
         if decision == WAIT:
             raise HeldBack("sample", f"the rate limiter holds back {need[ONLINE]} online rows "

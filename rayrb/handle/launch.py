@@ -121,8 +121,15 @@ def remove_leftovers(storage_dir: Any) -> None:
         pass
 
 
-def episode_starts(dataset: Any, key: str, ends: bool) -> Any:
-    """The offline rows that begin an episode, found by ``key`` (trajectory ids, or end flags with ``ends``)."""
+def slicing(settings: BufferSettings, dataset: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A slice sampler's options for the shards and the coordinator (``SliceSampler.resolve``: none without one),
+    and the layout's: the key episodes are found by, whether it holds end flags, and the offline rows that begin
+    an episode (``ShardLayout.build``)."""
     from rayrb.core.episodes import episodes_of
 
-    return episodes_of(dataset.column(key, 0, len(dataset)), ends).starts
+    if settings.slices is None:
+        return {}, {}
+    options = settings.slices.resolve(list(dataset.spec), settings.batch_size)
+    key, ends = options["slice_key"], options["slice_ends"]
+    return options, {"episodes": (key, ends),
+                     "episode_starts": episodes_of(dataset.column(key, 0, len(dataset)), ends).starts}

@@ -323,15 +323,12 @@ def _start_actors(dataset: ChunkDataset, name: str, s: BufferSettings) -> tuple[
     actor_options = dict(s.actor_options)
     if s.transport == "nccl" and "num_gpus" not in actor_options:
         launch.check_nccl_gpus(s.num_offline_shards + s.num_online_shards)
-    # a slice sampler's length and the key episodes are found by, for the shards and the coordinator alike
-    slices = {} if s.slices is None else s.slices.resolve(list(dataset.spec), s.batch_size)
-    episodes = (slices["slice_key"], slices["slice_ends"]) if slices else None
+    slices, episodes = launch.slicing(s, dataset)  # a slice sampler's options, and where episodes are
     layout = ShardLayout.build(name, f"{directory_name(name)}-{uuid.uuid4().hex[:8]}", s.storage_dir,
                                dataset_root=str(dataset.root), offline_rows=len(dataset),
                                num_offline=s.num_offline_shards, online_capacity=s.online_capacity,
                                num_online=s.num_online_shards, samplers=(s.offline_sampler, s.online_sampler),
-                               replicas=s.online_replicas, online_nodes=s.online_nodes, episodes=episodes,
-                               episode_starts=None if episodes is None else launch.episode_starts(dataset, *episodes))
+                               replicas=s.online_replicas, online_nodes=s.online_nodes, **episodes)
     cls_opts, opts, coord_opts, device = group_options(actor_options, s.transport, len(layout.shards), s.storage_device)
     table = None if s.storage_device == "cpu" else s.storage_device  # shards keep rows in a DeviceTable there
     so = {"alpha": s.alpha, "eps": s.eps, **slices}

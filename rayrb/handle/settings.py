@@ -161,17 +161,7 @@ def checked_settings(offline_dataset: Any, *, online_capacity: Any = None, onlin
     max_batch_bytes = positive_int("max_batch_bytes", max_batch_bytes)
     prefetch = CLIENT_CHECKS["prefetch"](prefetch)
     replicas = replicas_option(online_replicas, storage_dir, nodes, actor_options, max_restarts)
-    if write_path not in (None, "coordinator", "shards"):
-        raise InvalidArgumentError(f"expected write_path None, 'coordinator' or 'shards', got {write_path!r}")
-    admitted = limiter.samples_per_insert is not None  # each write admitted by the coordinator
-    if write_path is None:
-        write_path = "coordinator" if admitted else "shards"
-    if write_path == "coordinator" and slices is not None:
-        raise InvalidArgumentError(f"expected slices where the shards place writes (an episode's writes go to one "
-                                   f"shard), got write_path='coordinator' (rate_limiter={rate_limiter!r})")
-    if write_path == "shards" and admitted:
-        raise InvalidArgumentError(f"write_path='shards' takes no rate limiter that bounds samples per insert (the "
-                                   f"coordinator admits each write), got rate_limiter={rate_limiter!r}")
+    write_path = write_path_option(write_path, limiter.samples_per_insert is not None, slices, rate_limiter)
     return BufferSettings(
         num_offline_shards=m, num_online_shards=k, online_capacity=capacity, offline_fraction=schedule,
         batch_size=batch_size, offline_sampler=kinds[OFFLINE], online_sampler=kinds[ONLINE], epoch_end=epoch_end,
@@ -251,6 +241,22 @@ def restarts_option(value: Any) -> int:
         raise InvalidArgumentError(
             f"max_restarts must be -1 (restart without end) or a non-negative integer, got {value!r}")
     return int(value)
+
+
+def write_path_option(write_path: Any, admitted: bool, slices: SliceSampler | None, rate_limiter: Any) -> str:
+    """Who places each write: ``"coordinator"`` where a rate limiter admits each write (``admitted``), else
+    ``"shards"``; slices need the shards to (an episode's writes go to one shard)."""
+    if write_path not in (None, "coordinator", "shards"):
+        raise InvalidArgumentError(f"expected write_path None, 'coordinator' or 'shards', got {write_path!r}")
+    if write_path is None:
+        write_path = "coordinator" if admitted else "shards"
+    if write_path == "coordinator" and slices is not None:
+        raise InvalidArgumentError(f"expected slices where the shards place writes (an episode's writes go to one "
+                                   f"shard), got write_path='coordinator' (rate_limiter={rate_limiter!r})")
+    if write_path == "shards" and admitted:
+        raise InvalidArgumentError(f"write_path='shards' takes no rate limiter that bounds samples per insert (the "
+                                   f"coordinator admits each write), got rate_limiter={rate_limiter!r}")
+    return write_path
 
 
 def is_dataset_id(dataset: Any) -> bool:
