@@ -54,6 +54,7 @@ from bench.real import bench_real  # noqa: E402
 from bench.replicas import bench_replicas  # noqa: E402
 from bench.report import headline_plot, plots, ratios  # noqa: E402
 from bench.sampling import bench_sampling  # noqa: E402
+from bench.slices import bench_slices  # noqa: E402
 from bench.writing import bench_writing  # noqa: E402
 
 REPO = HERE.parent
@@ -72,7 +73,8 @@ SIZES = {
                   min_iters=2, writer_batches=3, writer_rows=[16], per_row_frames=300, prefetch=2,
                   prefetch_sweep=[1, 2], consumers=[1, 2], consumer_batch=64,
                   draw_batches=[64], draw_consumers=1, draw_prefetch=[4], online_shards=1, writers=[1],
-                  cluster_nodes=[2], idle_s=0.2, settle_s=0.1, start_delay_s=0.1, headline_consumer_s=0.1),
+                  cluster_nodes=[2], idle_s=0.2, settle_s=0.1, start_delay_s=0.1, headline_consumer_s=0.1,
+                  slice_lens=[8]),
 }
 GPU = dict(n_off=COVERTYPE_ROWS, dim=54, n_on=100_000, batch_sizes=[4096, 65536, 262144], shards=[1, 2, 4],
            repeats=3, seconds=2.0, prefetch=16)
@@ -86,7 +88,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--data-home", default=os.environ.get("SCIKIT_LEARN_DATA"))
     p.add_argument("--out", default=str(DEFAULT_OUT))
     p.add_argument("--sections", default="headline,sampling,draw_path,consumers,real,writing,preprocess,cluster",
-                   help="comma-separated; 'call_cost' (Ray's cost per plan call by its shape), 'replicas' (a second copy "
+                   help="comma-separated; 'call_cost' (Ray's cost per plan call by its shape), 'slices' (a slice sampler "
+                        "against TorchRL's), 'replicas' (a second copy "
                         "of each online shard, on a cluster of its own) and 'gpu' (needs CUDA, "
                         "writes results_gpu.json) are not in the default")
     p.add_argument("--batch-sizes", default=None, help="comma-separated, overrides the mode's")
@@ -165,6 +168,7 @@ def run_sections(args: argparse.Namespace, cfg: dict, sections: set[str], out_di
             "real": ("real data", lambda: bench_real(cfg, args.data_home, root, results)),
             "writing": ("writing", lambda: bench_writing(cfg, root, results)),
             "preprocess": ("preprocess", lambda: bench_preprocess(cfg, offline, root, results)),
+            "slices": ("slices", lambda: bench_slices(cfg, root, results)),
             "gpu": ("gpu", lambda: bench_gpu(cfg, root, out_dir, results))})
         ray.shutdown()
         run_steps(sections, {"cluster": ("cluster", lambda: bench_cluster(cfg, results, args.baseline)),

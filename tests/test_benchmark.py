@@ -59,7 +59,7 @@ def test_benchmark_smoke_writes_results(tmp_path):
 
 @pytest.mark.bench
 def test_benchmark_smoke_of_the_other_sections(tmp_path):
-    results = smoke(tmp_path, "draw_path,consumers,real,cluster,replicas")
+    results = smoke(tmp_path, "draw_path,consumers,real,slices,cluster,replicas")
     assert results["consumers"]["2"]["rows_per_s"]["median"] > 0 and results["consumers"]["1"]["speedup_vs_one"] == 1
     # the draw path reports where the machine's CPU went, per role, and the Ray settings it ran under
     draw = results["draw_path"]["64"]
@@ -70,6 +70,8 @@ def test_benchmark_smoke_of_the_other_sections(tmp_path):
     assert by_node["same_node_default_local_reads"] > 0 and by_node["other_node_default_local_reads"] == 0
     assert by_node["same_node_shard_reads_local_reads"] == 0 and by_node["other_node_default"] > 0
     assert "replicas" in results
+    slices = results["slices"]["by_slice_len"]["8"]
+    assert slices["rayrb_offline"]["median"] > 0 and slices["torchrl_slice_sampler"]["median"] > 0
     assert "Two-node Cluster" in render(tmp_path)
 
 

@@ -24,7 +24,7 @@ ALLOWED = {
     ("rayrb.integrations.rllib.offline", "AttributeError"): "a wrapper's __getattr__",
     # abstract methods, which subclasses override: never raised to a user of rayrb
     ("rayrb.actors.shards", "NotImplementedError"): "abstract Shard methods",
-    ("rayrb.core.samplers", "NotImplementedError"): "abstract Sampler method",
+    ("rayrb.core.sampler_base", "NotImplementedError"): "abstract Sampler method",
     ("rayrb.core.schedules", "NotImplementedError"): "abstract Schedule method",
     ("rayrb.durability.mirror", "NotImplementedError"): "abstract Mirror methods",
     ("rayrb.handle.local", "NotImplementedError"): "abstract Reader method",

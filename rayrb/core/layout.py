@@ -91,8 +91,10 @@ class ShardLayout:
     instance: str
     coordinator_dir: str | None
     shards: tuple[Shard, ...]
-    # slices: the flat key episodes are found by and whether it holds end flags (None: rows are drawn one by one)
+    # slices: the flat key episodes are found by and whether it holds end flags, and the slices' length (None:
+    # rows are drawn one by one)
     episodes: tuple[str, bool] | None = None
+    slice_len: int | None = None
 
     @property
     def offline(self) -> tuple[Shard, ...]:
@@ -109,7 +111,8 @@ class ShardLayout:
     def build(cls, buffer: str, instance: str, storage_dir: str | os.PathLike | None, *, dataset_root: str,
               offline_rows: int, num_offline: int, online_capacity: int, num_online: int, samplers: Sequence[str],
               replicas: int = 1, online_nodes: Sequence[str | None] | None = None,
-              episodes: tuple[str, bool] | None = None, episode_starts: Sequence[int] | None = None) -> ShardLayout:
+              episodes: tuple[str, bool] | None = None, episode_starts: Sequence[int] | None = None,
+              slice_len: int | None = None) -> ShardLayout:
         """The layout of buffer ``buffer`` (its coordinator's actor name) for these checked settings;
         ``samplers``: the offline side's and the online side's. With slices, ``episodes`` says where episodes are
         found, and ``episode_starts`` (the offline rows that begin one) move each offline shard's first row to an
@@ -130,4 +133,4 @@ class ShardLayout:
                                      for r in range(1, replicas)))
                   for i, c in enumerate(split_evenly(online_capacity, num_online))]
         return cls(buffer, instance, state_directory(storage_dir, instance, "coordinator"), tuple(offline + online),
-                   episodes)
+                   episodes, slice_len)

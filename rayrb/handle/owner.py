@@ -71,8 +71,8 @@ class OfflineToOnlineReplayBuffer(BufferClient):
           name one: ``"uniform"`` (with replacement), ``"without_replacement"`` (epochs that visit each row once) or
           ``"prioritized"`` (``p_i = (|priority| + eps)^alpha``, per-shard sum trees, counts ~ Multinomial over
           shard masses; ``info["weight"]`` holds the importance weights ``(p_i / min p)^-beta`` over each side's
-          union of shards). By default, as in TorchRL, an OpenML dataset id is sampled without replacement and
-          anything else uniformly, and the online side uniformly.
+          union of shards); by default (TorchRL's) an OpenML id without replacement, else uniformly, online uniformly.
+          ``rayrb.SliceSampler(slice_len=...)``: slices of episodes, both sides (docs/sequences.md; TorchRL's too).
         - ``offline_sampler``, ``online_sampler`` (str, default None): one side's sampler.
         - ``alpha`` (0.6), ``beta`` (0.4), ``eps`` (1e-8): prioritized sampling's exponents and floor (TorchRL's).
         - ``epoch_end`` (str, default ``"short"``): without replacement, what a batch does when a side has fewer

@@ -132,3 +132,22 @@ def test_the_buffer_settings_take_slices_on_both_sides_only_and_keep_a_torchrl_d
                                      sampler=rb_mod.SliceSampler(num_slices=4, traj_key="episode"))
     s = checked_settings(torchrl_rb, online_capacity=10, batch_size=32)
     assert s.slices == SliceSampler(num_slices=4, traj_key="episode") and s.online_sampler == "slice"
+
+
+def test_a_batch_of_slices_is_marked_at_each_slices_edges_as_torchrls_slice_sampler_marks_it():
+    torch = pytest.importorskip("torch")
+    from tensordict import TensorDict
+
+    from rayrb.handle.output import mark_slices
+
+    done = torch.tensor([0, 1, 0, 0, 0, 0, 0, 0], dtype=torch.bool).reshape(8, 1)
+    stored_init = torch.tensor([0, 0, 1, 0, 0, 0, 0, 0], dtype=torch.uint8).reshape(8, 1)
+    td = TensorDict({"obs": torch.zeros(8, 2), "is_init": stored_init, "next": {"done": done}}, [8])
+    mark_slices(td, 4)
+    assert td["is_init"].dtype == torch.uint8 and td["is_init"].reshape(-1).tolist() == [1, 0, 1, 0, 1, 0, 0, 0]
+    assert td["next", "truncated"].shape == (8, 1) and td["next", "truncated"].dtype == torch.bool
+    assert td["next", "truncated"].reshape(-1).tolist() == [False, False, False, True] * 2
+    assert td["next", "done"].reshape(-1).tolist() == [False, True, False, True, False, False, False, True]
+    bare = TensorDict({"obs": torch.zeros(6, 1)}, [6])
+    mark_slices(bare, 3)
+    assert "done" not in bare["next"].keys() and bare["is_init"].reshape(-1).tolist() == [True, False, False] * 2

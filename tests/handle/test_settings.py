@@ -122,7 +122,7 @@ def test_a_dataset_id_needs_a_batch_size():
 def test_the_class_lists_its_fields_once():
     names = [f.name for f in dataclasses.fields(BufferSettings)]
     assert len(names) == len(set(names))
-    assert set(names) - {"offline_sampler", "online_sampler", "limited"} <= set(
+    assert set(names) - {"offline_sampler", "online_sampler", "limited", "slices"} <= set(
         inspect.signature(checked_settings).parameters) | {"online_capacity"}
 
 

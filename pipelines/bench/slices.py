@@ -1,0 +1,66 @@
+"""Section ``slices``: slices/s and steps/s of a slice sampler at slice lengths 8, 32 and 80 (32 slices a batch),
+rayrb's ``SliceSampler`` against TorchRL's in-process ``ReplayBuffer`` with its ``SliceSampler`` on the same
+episodes, in one run. rayrb's buffer draws all its slices offline (``offline_fraction=1``, what TorchRL's buffer
+holds) and, as a second figure, half of them from an online side holding episodes too."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+
+from bench.harness import measure, med_ranges, medians_text, write_offline
+
+SLICES_PER_BATCH = 32
+
+
+def episodes_table(n: int, dim: int, seed: int) -> TensorDict:
+    """Random rows in episodes of 20 to 400 steps (a trajectory id per step). NOT real data."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(20, 400, size=n // 20 + 1)
+    ids = np.repeat(np.arange(lengths.size), lengths)[:n]
+    return TensorDict({"X": torch.from_numpy(rng.standard_normal((n, dim), dtype=np.float32)),
+                       "episode": torch.from_numpy(ids.astype(np.int64))}, [n])
+
+
+def bench_slices(cfg: dict, root: str, results: dict) -> None:
+    from torchrl.data import LazyTensorStorage, ReplayBuffer
+    from torchrl.data import SliceSampler as TorchRLSliceSampler
+
+    from rayrb import OfflineToOnlineReplayBuffer, SliceSampler
+
+    offline = episodes_table(cfg["n_off"], cfg["dim"], seed=0)
+    online = episodes_table(cfg["n_on"], cfg["dim"], seed=1)
+    online["episode"] += int(offline["episode"].max()) + 1
+    ds_root = write_offline(offline, root, "slices")
+    out = {}
+    for length in cfg.get("slice_lens", [8, 32, 80]):
+        batch = SLICES_PER_BATCH * length
+        peer = ReplayBuffer(storage=LazyTensorStorage(len(offline)), batch_size=batch,
+                            sampler=TorchRLSliceSampler(slice_len=length, traj_key="episode", cache_values=True))
+        peer.extend(offline)
+        made = []
+        try:
+            for fraction in (1.0, 0.5):
+                rb = OfflineToOnlineReplayBuffer(str(ds_root), online_capacity=len(online), offline_fraction=fraction,
+                                                 sampler=SliceSampler(slice_len=length, traj_key="episode"), seed=0)
+                made.append(rb)
+                rb.extend(online)
+            row: dict[str, list] = {}
+            for _ in range(cfg["repeats"]):
+                for name, fn in (("torchrl_slice_sampler", peer.sample),
+                                 ("rayrb_offline", lambda: made[0].sample(batch)),
+                                 ("rayrb_half_online", lambda: made[1].sample(batch))):
+                    row.setdefault(name, []).append(measure(cfg, fn, batch)["rows_per_s"])
+            summary = med_ranges(row)
+            for name in ("rayrb_offline", "rayrb_half_online"):
+                summary[f"{name}_vs_torchrl"] = {"median": summary[name]["median"]
+                                                 / summary["torchrl_slice_sampler"]["median"]}
+            summary["slices_per_s"] = {k: summary[k]["median"] / length for k in row}
+            out[str(length)] = summary
+            print(f"  slice_len={length}: steps/s " + medians_text({k: summary[k] for k in row}, ",.0f"), flush=True)
+        finally:
+            for rb in made:
+                rb.shutdown()
+    results["slices"] = {"slices_per_batch": SLICES_PER_BATCH, "by_slice_len": out,
+                         "data": f"synthetic episodes of 20-400 steps, {cfg['n_off']} offline and {cfg['n_on']} "
+                                 f"online rows x {cfg['dim']} float32 + int64 episode id (NOT real data)"}
