@@ -52,6 +52,8 @@ def test_offline_and_online_slices_with_an_exact_share_in_every_batch(make_buffe
         assert int((~np.asarray(info["offline"])).sum()) == 6 * L  # floor(0.25 * 8 + 1/2) = 2 offline slices of 8
         check_slices(batch, info, episode_of)
         assert not np.isin(np.asarray(batch["episode"]), [101]).any()  # 3 steps so far: no whole slice yet
+    handle = rb.stats()["handle"]  # this process on the shards' node read their files itself, each read whole
+    assert handle["local_reads"] > 0 and handle["fell_back_reads"] == 0, handle
     # TorchRL's marks at each slice's edges: a recurrent learner starts its state at is_init
     assert np.flatnonzero(np.asarray(batch["is_init"]).reshape(-1)).tolist() == list(range(0, 8 * L, L))
     assert np.flatnonzero(np.asarray(batch["next", "truncated"]).reshape(-1)).tolist() == list(range(L - 1, 8 * L, L))

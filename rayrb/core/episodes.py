@@ -198,6 +198,28 @@ def steps(starts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarr
     return pos, init, truncated
 
 
+def whole_slices(rows: np.ndarray, column: np.ndarray, slice_len: int, ends: bool) -> bool:
+    """Whether steps laid out in slices of ``slice_len`` one after another are whole slices: each slice's rows
+    (their places in the write stream) consecutive, and of one episode by ``column`` (trajectory ids all equal,
+    or no end flag before the slice's last step).
+
+    >>> whole_slices(np.array([4, 5, 9, 10]), np.array([1, 1, 2, 2]), 2, ends=False)
+    True
+    >>> whole_slices(np.array([4, 5, 9, 11]), np.array([1, 1, 2, 2]), 2, ends=False)  # a step overwritten
+    False
+    >>> whole_slices(np.array([4, 5]), np.array([True, False]), 2, ends=True)  # an episode ends inside
+    False
+    """
+    rows = np.asarray(rows, np.int64).reshape(-1, slice_len)
+    if not (np.diff(rows, axis=1) == 1).all():
+        return False
+    column = np.asarray(column).reshape(rows.size, -1)
+    if ends:
+        return not column.any(axis=1).reshape(-1, slice_len)[:, :-1].any()
+    ids = column[:, 0].reshape(-1, slice_len)
+    return bool((ids == ids[:, :1]).all())
+
+
 def slice_count(batch_size: int, slice_len: int | None = None, num_slices: int | None = None) -> tuple[int, int]:
     """``(num_slices, slice_len)`` of a batch of ``batch_size`` steps given one of them, as TorchRL's
     ``SliceSampler`` takes them; the batch size must be a multiple.

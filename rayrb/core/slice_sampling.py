@@ -15,6 +15,10 @@ models, sequence models), as TorchRL's ``SliceSampler`` draws them, over shards,
   row each holds (its generation), so a slice never reads an overwritten step, a step not yet written, or across
   the wrap of the circular buffer.
 
+A handle on a shard's node reads the shard's files itself for slices as for rows (``rayrb.handle.local``): it
+finds the episodes in the mapped column and, after its copy, checks that every slice it copied is still whole
+(``whole``), else the shard reads them.
+
 Not built yet: ``strict_length=False`` (short slices), sampling slices without replacement or by priority.
 
 Examples:
@@ -34,7 +38,7 @@ import numpy as np
 
 from rayrb.core.allocation import multinomial_counts
 from rayrb.core.allocators import Allocator
-from rayrb.core.episodes import Slices, episodes_of, slice_count, steps
+from rayrb.core.episodes import Slices, episodes_of, slice_count, steps, whole_slices
 from rayrb.core.plans import SIDES, Epoch
 from rayrb.core.sampler_base import Sampler
 from rayrb.core.schema import SEP
@@ -142,23 +146,34 @@ class EpisodeSlices(Sampler):
         self._generation: np.ndarray | None = None
         self._version = 0  # moved by each write: the episodes are found again
         self._cache: tuple = (None, None, None)
+        self._written: np.ndarray | None = None
 
     @property
     def key(self) -> str | None:
         """The key of the rows episodes are found by."""
         return self._key
 
-    def bind(self, rows: Mapping[str, np.ndarray], generation: np.ndarray | None) -> None:
+    def bind(self, rows: Mapping[str, np.ndarray], generation: np.ndarray | None,
+             written: np.ndarray | None = None) -> None:
+        """The shard's rows and (online) generations; ``written``, its write count's one-element map, where
+        another process writes them (a handle reading the shard's files): the episodes are found again when it
+        moves, as the shard finds them again at each write (``on_write``)."""
         if self._key not in rows:
             raise SchemaError(f"expected rows holding {self._key!r} to find episodes by, got keys {sorted(rows)}")
-        self._column, self._generation = rows[self._key], generation
+        self._column, self._generation, self._written = rows[self._key], generation, written
+        self._version += 1
+
+    def whole(self, rows: np.ndarray, column: np.ndarray) -> bool:
+        """Whether a read's steps, copied by another process than the shard's while it may write (each step's
+        row in the write stream, and its copied episode column), are still whole slices (``whole_slices``)."""
+        return whole_slices(rows, column, self._len, self._ends)
 
     def on_write(self, idx: np.ndarray) -> None:
         self._version += 1
 
     def _slices(self, size: int) -> tuple[np.ndarray, Slices]:
         """The slots of the first ``size`` in write order, and the valid slices over them (cached until a write)."""
-        key = (size, self._version)
+        key = (size, self._version, -1 if self._written is None else int(self._written[0]))
         if self._cache[0] == key:
             return self._cache[1], self._cache[2]
         order = np.arange(size, dtype=np.int64)

@@ -50,16 +50,18 @@ from rayrb.core.samplers import make_sampler
 from rayrb.core.schema import RowSpec
 from rayrb.durability.storage import whole
 
-LOCAL_KINDS = ("uniform", "without_replacement")  # samplers whose indices need no shard state
+LOCAL_KINDS = ("uniform", "without_replacement", "slice")  # samplers whose indices need no shard state
 TRUST = 0.005  # seconds a check of an online shard's process and files holds (OnlineReader._current)
 
 
 class Reader:
     """A shard's reads, made here (see the module)."""
 
-    def __init__(self, sampler: str, capacity: int):
-        self._sampler = make_sampler(sampler, max(1, capacity))
+    def __init__(self, sampler: str, capacity: int, options: Mapping[str, Any] | None = None):
+        """``options``: the kind's own (a slice sampler's, ``slice_options``)."""
+        self._sampler = make_sampler(sampler, max(1, capacity), **(options or {}))
         self._epochs = sampler == "without_replacement"
+        self._key = getattr(self._sampler, "key", None)  # slices: the column episodes are found by
 
     def _indices(self, counts: Sequence[int], seeds: Sequence[int], epochs: Sequence[Epoch | None] | None,
                  size: int) -> np.ndarray | None:
@@ -83,12 +85,14 @@ class Reader:
 class OfflineReader(Reader):
     """Rows ``[start, stop)`` of the chunk dataset at ``root``, as the offline shard maps them."""
 
-    def __init__(self, root: str, start: int, stop: int, sampler: str):
+    def __init__(self, root: str, start: int, stop: int, sampler: str, options: Mapping[str, Any] | None = None):
         from rayrb.io.chunks import ChunkDataset
 
-        super().__init__(sampler, stop - start)
+        super().__init__(sampler, stop - start, options)
         self._ds = ChunkDataset.open(root)  # raises where this node cannot see the chunks
         self._start, self._size = int(start), int(stop - start)
+        if self._key is not None:  # immutable rows: the episodes found once, as the shard finds them
+            self._sampler.bind({self._key: self._ds.column(self._key, self._start, stop)}, None)
 
     def read(self, counts, seeds, epochs, written, out):
         idx = self._indices(counts, seeds, epochs, self._size)
@@ -101,10 +105,11 @@ class OfflineReader(Reader):
 class OnlineReader(Reader):
     """An online shard's memory maps in ``directory``, read while its process lives on this node."""
 
-    def __init__(self, directory: str, spec: RowSpec, capacity: int, sampler: str):
+    def __init__(self, directory: str, spec: RowSpec, capacity: int, sampler: str,
+                 options: Mapping[str, Any] | None = None):
         from rayrb.durability.lease import FILE
 
-        super().__init__(sampler, capacity)
+        super().__init__(sampler, capacity, options)
         from rayrb.durability.storage import layout_path
 
         self._dir, self._spec, self._capacity = directory, spec, int(capacity)
@@ -133,6 +138,8 @@ class OnlineReader(Reader):
             return None
         if self._maps is None or identity(self._layout) != self._maps["identity"]:
             self._maps = read_only(self._spec, self._capacity, self._dir)
+            if self._maps is not None and self._key is not None:  # slices: episodes found in these maps
+                self._sampler.bind(self._maps["rows"], self._maps["generation"], self._maps["written"])
         self._checked = now if self._maps is not None else -TRUST
         return self._maps
 
@@ -154,10 +161,19 @@ class OnlineReader(Reader):
             v.take(idx, axis=0, out=out[k])
         if not (gen[idx] == before).all():
             return None  # overwritten during the copy
+        if self._key is not None and not self._sampler.whole((before - 1) * self._capacity + idx, out[self._key]):
+            return None  # the episodes moved under the draw (a write between them and the copy): the shard reads
         now = time.monotonic()
         if now - self._checked >= TRUST and self._current(now) is not maps:
             return None  # the copy outlasted the check: the files may have been made afresh meanwhile
         return {"index": idx, "generation": before}
+
+
+def slice_options(layout: ShardLayout) -> dict[str, Any]:
+    """A slice sampler's options as the shards were given them, from the layout (none without slices)."""
+    if layout.episodes is None:
+        return {}
+    return {"slice_len": layout.slice_len, "slice_key": layout.episodes[0], "slice_ends": layout.episodes[1]}
 
 
 def ordered_stores(machine: str | None = None) -> bool:
@@ -180,6 +196,7 @@ class LocalReads:
 
     def __init__(self, layout: ShardLayout, spec: RowSpec, node: str | None, place: Any):
         self._layout, self._spec, self._node, self._place = layout, spec, node, place
+        self._options = slice_options(layout)
         self._m = len(layout.offline)
         self._readers: dict[int, Reader | None] = {}
         self._all: bool | None = None
@@ -222,8 +239,8 @@ class LocalReads:
             if self._place(j) != self._node:
                 return None if d.side == OFFLINE else self._copy(d)
             if d.side == OFFLINE:
-                return OfflineReader(d.root, d.start, d.stop, d.sampler)
-            return OnlineReader(d.directory, self._spec, d.capacity, d.sampler)
+                return OfflineReader(d.root, d.start, d.stop, d.sampler, self._options)
+            return OnlineReader(d.directory, self._spec, d.capacity, d.sampler, self._options)
         except Exception:  # files this node cannot open, a shard that does not answer: the shard reads
             return None
 
@@ -233,7 +250,7 @@ class LocalReads:
         for copy in d.copies:
             try:
                 if self._place(copy.name) == self._node:
-                    return OnlineReader(copy.directory, self._spec, d.capacity, d.sampler)
+                    return OnlineReader(copy.directory, self._spec, d.capacity, d.sampler, self._options)
             except Exception:  # gone, restarting, or its files not here
                 continue
         return None
