@@ -67,3 +67,39 @@ def test_a_buffer_without_the_key_or_with_a_batch_of_part_slices_is_refused(make
         rb.sample(6)
     steps = np.asarray(rb.sample(2 * L)["step"]).reshape(-1, L)  # "episode" found by TorchRL's default
     assert steps[:, -1].tolist() == (steps[:, 0] + L - 1).tolist()
+
+
+def test_a_writer_killed_mid_episode_leaves_no_slice_over_a_step_it_did_not_land(make_buffer, ray_session):
+    """A collector writes episodes a few steps a call, some without waiting, and is killed mid-episode: every slice
+    drawn after is whole (consecutive steps of one episode, each landed whole), in one shard."""
+    ray = ray_session
+    rb = make_buffer(episodes([8, 8]), online_capacity=256, num_online_shards=2, offline_fraction=0.0,
+                     sampler=SliceSampler(slice_len=L, traj_key="episode"), seed=1)
+
+    @ray.remote(num_cpus=0)
+    class Collector:
+        def run(self, client, first_id, episodes_, steps_per_call):
+            step = 1000 * first_id
+            for e in range(first_id, first_id + episodes_):
+                for _ in range(3):  # an episode over three calls, the last one not waited for
+                    rows = {"episode": np.full(steps_per_call, e, np.int64),
+                            "step": np.arange(step, step + steps_per_call, dtype=np.int64)}
+                    client.extend(rows, wait=e % 2 == 0)
+                    step += steps_per_call
+            return step
+
+    c = Collector.remote()
+    ray.get(c.run.remote(rb.client(max_writes_in_flight=4), 100, 6, 5))
+    c.run.remote(rb.client(max_writes_in_flight=4), 200, 40, 3)  # killed while it writes
+    import time
+
+    time.sleep(1.0)
+    ray.kill(c)
+    time.sleep(1.0)
+    assert rb.write_count >= 6 * 15
+    for _ in range(40):
+        batch, info = rb.sample(16 * L, return_info=True)
+        steps = np.asarray(batch["step"]).reshape(-1, L)
+        ids = np.asarray(batch["episode"]).reshape(-1, L)
+        assert (np.diff(steps, axis=1) == 1).all() and (ids == ids[:, :1]).all()
+        assert (np.asarray(info["shard"]).reshape(-1, L) == np.asarray(info["shard"]).reshape(-1, L)[:, :1]).all()
