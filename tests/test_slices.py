@@ -103,3 +103,22 @@ def test_a_writer_killed_mid_episode_leaves_no_slice_over_a_step_it_did_not_land
         ids = np.asarray(batch["episode"]).reshape(-1, L)
         assert (np.diff(steps, axis=1) == 1).all() and (ids == ids[:, :1]).all()
         assert (np.asarray(info["shard"]).reshape(-1, L) == np.asarray(info["shard"]).reshape(-1, L)[:, :1]).all()
+
+
+def test_slices_after_a_restore_come_from_the_rows_restored(make_buffer, tmp_path):
+    """Checkpoints of other rows at the same count (other episodes): each restored one is sliced by its own."""
+    rb = make_buffer(episodes([8, 8]), online_capacity=64, num_online_shards=1, offline_fraction=0.5,
+                     sampler=SliceSampler(slice_len=L, traj_key="episode"), seed=2)
+    rb.dumps(tmp_path / "empty")
+    rb.extend(episodes([6, 6, 6], first_id=100, first_step=1000))  # 18 rows, 9 slices
+    rb.dumps(tmp_path / "long")
+    rb.loads(tmp_path / "empty")
+    rb.extend(episodes([3] * 6, first_id=300, first_step=3000))  # 18 rows again, no whole slice
+    _, info = rb.sample(8 * L, return_info=True)
+    assert np.asarray(info["offline"]).all()  # no online slice yet: all offline
+    rb.loads(tmp_path / "long")  # the same count, other episodes
+    for _ in range(20):
+        batch, info = rb.sample(8 * L, return_info=True)
+        online = np.asarray(batch["step"])[~np.asarray(info["offline"])].reshape(-1, L)
+        assert len(online) == 4 and (np.diff(online, axis=1) == 1).all()
+        assert set(online.reshape(-1).tolist()) <= set(range(1000, 1018))

@@ -171,6 +171,10 @@ class EpisodeSlices(Sampler):
     def on_write(self, idx: np.ndarray) -> None:
         self._version += 1
 
+    def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
+        """A restore (or a copy taken whole) replaced the rows: their episodes are found again."""
+        self._version += 1
+
     def _slices(self, size: int) -> tuple[np.ndarray, Slices]:
         """The slots of the first ``size`` in write order, and the valid slices over them (cached until a write)."""
         key = (size, self._version, -1 if self._written is None else int(self._written[0]))

@@ -93,6 +93,15 @@ def test_a_write_is_seen_by_the_next_read():
     assert s.mass(8)[0] == 4
 
 
+def test_rows_replaced_whole_by_a_restore_are_found_again():
+    ids = np.array([0, 0, 0, 0, 1, 1, 1, 1])
+    s = shard(ids, capacity=8, generation=np.ones(8, np.int64))
+    assert s.mass(8)[0] == 4
+    ids[:] = np.arange(8)  # a restore wrote other rows over the same slots, at the same count
+    s.load_state_dict({})
+    assert s.mass(8)[0] == 0
+
+
 @pytest.mark.parametrize("kwargs, error, message", [
     ({}, InvalidArgumentError, "one of slice_len and num_slices"),
     ({"slice_len": 4, "num_slices": 2}, InvalidArgumentError, "one of slice_len and num_slices"),
