@@ -122,3 +122,18 @@ def test_slices_after_a_restore_come_from_the_rows_restored(make_buffer, tmp_pat
         online = np.asarray(batch["step"])[~np.asarray(info["offline"])].reshape(-1, L)
         assert len(online) == 4 and (np.diff(online, axis=1) == 1).all()
         assert set(online.reshape(-1).tolist()) <= set(range(1000, 1018))
+
+
+def test_without_replacement_each_offline_slice_comes_once_an_epoch_with_a_short_last_batch(make_buffer):
+    offline = episodes([9, 2, 7, 3, 12, 5, 4, 6])  # 6 + 0 + 4 + 0 + 9 + 2 + 1 + 3 = 25 valid slices of 4
+    rb = make_buffer(offline, online_capacity=16, num_offline_shards=2, offline_fraction=1.0, seed=3,
+                     sampler=SliceSampler(slice_len=L, traj_key="episode", replacement=False))
+    starts = []
+    for expected in (8, 8, 8, 1):  # TorchRL's default at an epoch's end: a short last batch
+        steps = np.asarray(rb.sample(8 * L)["step"]).reshape(-1, L)
+        assert len(steps) == expected and (np.diff(steps, axis=1) == 1).all()
+        starts += steps[:, 0].tolist()
+    ids = offline["episode"]
+    valid = [s for s in range(len(ids) - L + 1) if len(set(ids[s:s + L].tolist())) == 1]
+    assert sorted(starts) == valid  # each valid slice once
+    assert len(rb.sample(8 * L)) == 8 * L  # the next epoch

@@ -249,12 +249,16 @@ class PerSide(Allocator):
         super().__init__(num_shards)
         self.parts = {side: parts[side] for side in SIDES}
         self.uses_masses = any(a.uses_masses for a in self.parts.values())
+        self.unit = self.parts[OFFLINE].unit  # the sides draw items of one size (settings refuse others)
         self.groups_batches = all(a.groups_batches for a in self.parts.values())
         self.epoch_end = next((a.epoch_end for a in self.parts.values() if a.epoch_end is not None), None)
 
     def check(self, need: Mapping[str, int], sizes: Sizes) -> dict[str, bool]:
         return {side: self.parts[side].check({s: need[s] if s == side else 0 for s in SIDES}, sizes)[side]
                 for side in SIDES}
+
+    def drawable(self, side: str, sizes: np.ndarray) -> int:
+        return self.parts[side].drawable(side, sizes)
 
     def begin_epoch(self, side: str, sizes: np.ndarray, rng: np.random.Generator) -> None:
         self.parts[side].begin_epoch(side, sizes, rng)

@@ -161,8 +161,7 @@ class Planner:
         offline, online = totals if totals is not None else (int(sizes[OFFLINE].sum()), int(sizes[ONLINE].sum()))
         fraction = self._fraction(offline, online)
         unit = self.alloc.unit  # planned in items of ``unit`` rows (slices), over the items each side holds
-        need = self._shorten(whole_items(batch_size, unit), fraction,
-                             online if unit == 1 else self.alloc.drawable(ONLINE, sizes[ONLINE]))
+        need = self._shorten(*items(self.alloc, batch_size, sizes, online, fraction))
         need = need if unit == 1 else {side: n * unit for side, n in need.items()}
         decision = self.limiter.decide(need[ONLINE], online)
         if decision == WAIT:
@@ -183,14 +182,14 @@ class Planner:
         return out
 
     def _ends_epoch(self, batch_size: int, sizes: Sizes, online: int) -> bool:
-        """Whether the offline epoch is over after this batch: no rows left, or (dropping or raising at the end)
+        """Whether the offline epoch is over after this batch: no items left, or (dropping or raising at the end)
         fewer than the next batch of this size would need."""
         if self.alloc.epoch_over(OFFLINE):
             return True
         room = self.alloc.room(OFFLINE)
         if room is None or self.alloc.epoch_end == "short":
             return False
-        return room < split_checked(batch_size, self.fraction(sizes), online)[0]
+        return room < split_checked(*items(self.alloc, batch_size, sizes, online, self.fraction(sizes)))[0]
 
     def epoch_ended(self, epoch: int, batch_size: int, sizes: Sizes) -> bool:
         """Whether offline epoch ``epoch`` (its number) has had its last batch drawn, at ``batch_size`` rows."""
@@ -301,3 +300,12 @@ class Planner:
         return checked_state(state, sampler=self.sampler, num_shards=self.num_shards,
                              alloc_options=self._alloc_options, limiter=self.limiter,
                              online_capacity=self._online_capacity)
+
+
+def items(alloc: Any, batch_size: int, sizes: Sizes, online: int, fraction: float) -> tuple[int, float, int]:
+    """``(items, fraction, online items)`` of a batch of ``batch_size`` rows: the items ``alloc`` draws (rows, or a
+    slice sampler's slices of ``alloc.unit`` rows) and those the online side holds (its ``online`` rows, or
+    slices)."""
+    if alloc.unit == 1:
+        return batch_size, fraction, online
+    return whole_items(batch_size, alloc.unit), fraction, alloc.drawable(ONLINE, sizes[ONLINE])

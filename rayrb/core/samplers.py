@@ -49,7 +49,7 @@ from rayrb.core.allocators import (
 )
 from rayrb.core.plans import Epoch
 from rayrb.core.sampler_base import Sampler
-from rayrb.core.slice_sampling import EpisodeSlices
+from rayrb.core.slice_sampling import EpisodeSlices, EpisodeSlicesWithoutReplacement
 from rayrb.core.validation import ALPHA, EPS, positive_int, priority_options
 from rayrb.errors import DrawError, InvalidArgumentError, SavedStateError
 
@@ -329,7 +329,8 @@ def register_sampler(cls: type[Sampler]) -> type[Sampler]:
     return cls
 
 
-for _cls in (UniformSampler, WithoutReplacementSampler, PrioritizedSampler, EpisodeSlices):
+for _cls in (UniformSampler, WithoutReplacementSampler, PrioritizedSampler, EpisodeSlices,
+             EpisodeSlicesWithoutReplacement):
     register_sampler(_cls)
 
 

@@ -19,7 +19,10 @@ A handle on a shard's node reads the shard's files itself for slices as for rows
 finds the episodes in the mapped column and, after its copy, checks that every slice it copied is still whole
 (``whole``), else the shard reads them.
 
-Not built yet: ``strict_length=False`` (short slices), sampling slices without replacement or by priority.
+``replacement=False`` draws the offline side's slices without replacement (``SlicesWithoutReplacementAllocator``,
+``EpisodeSlicesWithoutReplacement``: each valid slice once an epoch), the online side's with replacement.
+
+Not built yet: ``strict_length=False`` (short slices), sampling slices by priority.
 
 Examples:
     >>> s = SliceSampler(slice_len=4, traj_key="episode")
@@ -37,15 +40,16 @@ from typing import Any
 import numpy as np
 
 from rayrb.core.allocation import multinomial_counts
-from rayrb.core.allocators import Allocator
+from rayrb.core.allocators import Allocator, WithoutReplacementAllocator
 from rayrb.core.episodes import Slices, episodes_of, slice_count, steps, whole_slices
-from rayrb.core.plans import SIDES, Epoch
+from rayrb.core.plans import OFFLINE, ONLINE, SIDES, Epoch
 from rayrb.core.sampler_base import Sampler
 from rayrb.core.schema import SEP
 from rayrb.core.validation import positive_int
 from rayrb.errors import DrawError, InvalidArgumentError, SchemaError
 
 NAME = "slice"
+NAME_WITHOUT_REPLACEMENT = "slice_without_replacement"  # the offline side's, with SliceSampler(replacement=False)
 DEFAULT_END_KEY = ("next", "done")  # TorchRL's
 DEFAULT_TRAJ_KEY = "episode"  # TorchRL's, looked for when no end key is stored
 
@@ -67,6 +71,9 @@ class SliceSampler:
         end_key: the key of each step's end flag (an episode ends after a step whose flag is set). Without either,
             ``("next", "done")`` where the rows hold it, else ``"episode"``.
         strict_length: only ``True`` (episodes shorter than a slice are never drawn) is built.
+        replacement: ``False`` draws the offline side's slices without replacement, each valid slice once an
+            epoch (TorchRL's ``SliceSamplerWithoutReplacement`` draws each episode once instead); the online side
+            is drawn with replacement, as TorchRL's offline-to-online buffer draws it.
     """
 
     slice_len: int | None = None
@@ -74,6 +81,7 @@ class SliceSampler:
     traj_key: str | tuple[str, ...] | None = None
     end_key: str | tuple[str, ...] | None = None
     strict_length: bool = True
+    replacement: bool = True
 
     def __post_init__(self) -> None:
         if (self.slice_len is None) == (self.num_slices is None):
@@ -83,9 +91,15 @@ class SliceSampler:
         if self.traj_key is not None and self.end_key is not None:
             raise InvalidArgumentError(f"expected one of traj_key and end_key, got traj_key={self.traj_key!r} and "
                                        f"end_key={self.end_key!r}")
+        if not isinstance(self.replacement, bool):
+            raise InvalidArgumentError(f"expected replacement True or False, got {self.replacement!r}")
         if self.strict_length is not True:
             raise InvalidArgumentError(f"expected strict_length=True (slices shorter than slice_len are not built "
                                        f"yet), got {self.strict_length!r}")
+
+    def kinds(self) -> dict[str, str]:
+        """The sampling kind of each side."""
+        return {OFFLINE: NAME if self.replacement else NAME_WITHOUT_REPLACEMENT, ONLINE: NAME}
 
     def resolve(self, keys: Sequence[str], batch_size: int | None) -> dict[str, Any]:
         """The shards' and the coordinator's options for rows with these (flat) ``keys`` and the buffer's
@@ -195,11 +209,62 @@ class EpisodeSlices(Sampler):
         order, slices = self._slices(size)
         if k and slices.total == 0:
             raise DrawError(f"cannot draw {k} slices of {self._len} steps: no episode here holds that many")
-        items = np.minimum((rng.random(k) * slices.total).astype(np.int64), max(slices.total - 1, 0))
-        starts, lengths = slices.locate(items)
+        starts, lengths = slices.locate(self._items(k, slices.total, rng, epoch))
         return order[steps(starts, lengths)[0]]
+
+    def _items(self, k: int, total: int, rng: np.random.Generator | None, epoch: Epoch | None) -> np.ndarray:
+        """Which of the ``total`` valid slices a read of ``k`` draws: uniformly, with replacement."""
+        return np.minimum((rng.random(k) * total).astype(np.int64), total - 1)
 
     def mass(self, size: int) -> tuple[float, float]:
         """The valid slices this shard holds: what the allocator spreads a side's slices by."""
         return float(self._slices(size)[1].total), 1.0
 
+
+class SlicesWithoutReplacementAllocator(WithoutReplacementAllocator):
+    """Epochs over the valid slices of a side's shards: counts ~ multivariate hypergeometric over the slices each
+    shard has left (its valid slices when the epoch began: its mass), so each slice comes once an epoch; the
+    epoch's end as ``epoch_end`` says, in slices."""
+
+    uses_masses = True
+
+    def __init__(self, num_shards: Mapping[str, int], *, slice_len: int = 1, **options: Any):
+        super().__init__(num_shards, **options)
+        self.unit = positive_int("slice_len", slice_len)
+        self._slices = {side: np.zeros(self.num_shards[side], np.int64) for side in SIDES}
+
+    def set_masses(self, side: str, stats: list[tuple[float, float]], sizes: np.ndarray) -> None:
+        self._slices[side] = np.asarray([int(m) for m, _ in stats], np.int64)
+
+    def drawable(self, side: str, sizes: np.ndarray) -> int:
+        return int(self._slices[side].sum())
+
+    def check(self, need: Mapping[str, int], sizes: Mapping[str, np.ndarray]) -> dict[str, bool]:
+        return super().check({side: need[side] // self.unit for side in SIDES}, self._slices)
+
+    def begin_epoch(self, side: str, sizes: np.ndarray, rng: np.random.Generator) -> None:
+        super().begin_epoch(side, self._slices[side], rng)
+
+
+class EpisodeSlicesWithoutReplacement(EpisodeSlices):
+    """A shard's slices without replacement: one permutation of its valid slices per epoch, rebuilt from the
+    epoch's seed (as rows are, ``rayrb.core.samplers.WithoutReplacementSampler``), read where the epoch says."""
+
+    name = NAME_WITHOUT_REPLACEMENT
+    allocator = SlicesWithoutReplacementAllocator
+
+    def __init__(self, capacity: int = 0, **options: Any):
+        super().__init__(capacity, **options)
+        self._perm, self._perm_of = np.empty(0, np.int64), None
+
+    def _items(self, k: int, total: int, rng: np.random.Generator | None, epoch: Epoch | None) -> np.ndarray:
+        if epoch is None:
+            raise DrawError("expected the epoch a read of slices without replacement belongs to, got none")
+        if self._perm_of != (epoch.number, epoch.seed, epoch.size):
+            self._perm = np.random.default_rng(epoch.seed).permutation(epoch.size).astype(np.int64)
+            self._perm_of = (epoch.number, epoch.seed, epoch.size)
+        items = self._perm[epoch.start:epoch.start + k]
+        if items.size < k or (items.size and int(items.max()) >= total):
+            raise DrawError(f"expected {k} of the epoch's {epoch.size} slices from {epoch.start} on, among the "
+                            f"{total} this shard holds now")
+        return items

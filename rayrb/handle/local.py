@@ -50,7 +50,8 @@ from rayrb.core.samplers import make_sampler
 from rayrb.core.schema import RowSpec
 from rayrb.durability.storage import whole
 
-LOCAL_KINDS = ("uniform", "without_replacement", "slice")  # samplers whose indices need no shard state
+# samplers whose indices need no shard state
+LOCAL_KINDS = ("uniform", "without_replacement", "slice", "slice_without_replacement")
 TRUST = 0.005  # seconds a check of an online shard's process and files holds (OnlineReader._current)
 
 
@@ -60,7 +61,7 @@ class Reader:
     def __init__(self, sampler: str, capacity: int, options: Mapping[str, Any] | None = None):
         """``options``: the kind's own (a slice sampler's, ``slice_options``)."""
         self._sampler = make_sampler(sampler, max(1, capacity), **(options or {}))
-        self._epochs = sampler == "without_replacement"
+        self._epochs = sampler in ("without_replacement", "slice_without_replacement")
         self._key = getattr(self._sampler, "key", None)  # slices: the column episodes are found by
 
     def _indices(self, counts: Sequence[int], seeds: Sequence[int], epochs: Sequence[Epoch | None] | None,

@@ -35,7 +35,7 @@ from rayrb.core.plans import OFFLINE, ONLINE
 from rayrb.core.rate_limiter import make_rate_limiter
 from rayrb.core.samplers import sampler_class
 from rayrb.core.schedules import Schedule, make_schedule
-from rayrb.core.slice_sampling import NAME, SliceSampler
+from rayrb.core.slice_sampling import NAME, NAME_WITHOUT_REPLACEMENT, SliceSampler
 from rayrb.core.validation import (
     ALPHA,
     BETA,
@@ -145,7 +145,7 @@ def checked_settings(offline_dataset: Any, *, online_capacity: Any = None, onlin
             f"constructed. Got batch_size=None for {offline_dataset!r}")
     batch_size = None if batch_size is None else positive_int("batch_size", batch_size)
     slices = sampler if isinstance(sampler, SliceSampler) else torchrl_slices(offline_dataset, sampler, offline_sampler)
-    kinds = sampler_kinds(offline_dataset, NAME if slices else sampler, offline_sampler, online_sampler, slices)
+    kinds = sampler_kinds(offline_dataset, sampler, offline_sampler, online_sampler, slices)
     if drop_last is None and epoch_end is None:  # a TorchRL buffer's SamplerWithoutReplacement(drop_last=...)
         drop_last = getattr(getattr(offline_dataset, "_sampler", None), "drop_last", None)
     epoch_end = epoch_end_option(epoch_end, drop_last)
@@ -268,10 +268,12 @@ def sampler_kinds(dataset: Any, sampler: str | None, offline: str | None, online
                   slices: SliceSampler | None = None) -> dict[str, str]:
     """Each side's sampler: its own option, else ``sampler``, else TorchRL's default for that side. Slices are
     drawn on both sides or neither (the split counts slices), and only with their settings."""
+    if slices is not None and offline is None and online is None:
+        return slices.kinds()
     kinds = {OFFLINE: offline or sampler or default_offline_kind(dataset), ONLINE: online or sampler or "uniform"}
     for kind in kinds.values():
         sampler_class(kind)
-    if (NAME in kinds.values()) != (slices is not None) or slices is not None and set(kinds.values()) != {NAME}:
+    if slices is not None or {NAME, NAME_WITHOUT_REPLACEMENT} & set(kinds.values()):
         raise InvalidArgumentError(f"expected sampler=rayrb.SliceSampler(slice_len=...) for slices, on both sides, "
                                    f"got sampler={sampler!r}, offline_sampler={offline!r}, online_sampler={online!r}")
     return kinds
@@ -280,10 +282,12 @@ def sampler_kinds(dataset: Any, sampler: str | None, offline: str | None, online
 def torchrl_slices(dataset: Any, sampler: Any, offline: Any) -> SliceSampler | None:
     """A TorchRL offline buffer's ``SliceSampler`` as rayrb's (its slice settings kept), unless a sampler is given."""
     own = getattr(dataset, "_sampler", None)
-    if sampler is not None or offline is not None or type(own).__name__ != "SliceSampler":
+    kind = type(own).__name__
+    if sampler is not None or offline is not None or kind not in ("SliceSampler", "SliceSamplerWithoutReplacement"):
         return None
     return SliceSampler(slice_len=own.slice_len, num_slices=own.num_slices, traj_key=own.traj_key,
-                        end_key=None if own.traj_key is not None else own.end_key, strict_length=own.strict_length)
+                        end_key=None if own.traj_key is not None else own.end_key, strict_length=own.strict_length,
+                        replacement=kind == "SliceSampler")
 
 
 def default_offline_kind(dataset: Any) -> str:

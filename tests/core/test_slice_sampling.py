@@ -49,8 +49,8 @@ def test_a_batch_that_is_not_whole_slices_and_too_many_learner_parts_are_refused
     assert [plan.n_offline + plan.n_online for plan, _ in plans] == [8, 8]
 
 
-def shard(ids, capacity=None, generation=None, slice_len=3):
-    s = make_sampler("slice", capacity or len(ids), slice_len=slice_len, slice_key="episode")
+def shard(ids, capacity=None, generation=None, slice_len=3, kind="slice"):
+    s = make_sampler(kind, capacity or len(ids), slice_len=slice_len, slice_key="episode")
     s.bind({"episode": np.asarray(ids), "obs": np.zeros(len(ids))}, generation)
     return s
 
@@ -160,3 +160,35 @@ def test_a_batch_of_slices_is_marked_at_each_slices_edges_as_torchrls_slice_samp
     bare = TensorDict({"obs": torch.zeros(6, 1)}, [6])
     mark_slices(bare, 3)
     assert "done" not in bare["next"].keys() and bare["is_init"].reshape(-1).tolist() == [True, False, False] * 2
+
+
+@pytest.mark.parametrize("epoch_end", ["short", "drop"])
+def test_without_replacement_each_valid_slice_of_each_offline_shard_comes_once_an_epoch(epoch_end):
+    """The planner's epochs over the offline shards' valid slices and each shard's permutation of its own, as
+    the shards and handles run them: every valid slice once an epoch (a short last batch, or the rest dropped)."""
+    from rayrb.core.reads import read_indices
+
+    rng = np.random.default_rng(5)
+    columns = [np.repeat(np.arange(n), rng.integers(1, 9, n)) for n in (30, 45)]
+    shards = [shard(c, kind="slice_without_replacement") for c in columns]
+    sizes = [len(c) for c in columns]
+    totals = [int(s.mass(n)[0]) for s, n in zip(shards, sizes)]
+    p = Planner({OFFLINE: 2, ONLINE: 1}, offline_fraction=1.0, sampler={OFFLINE: "slice_without_replacement",
+                ONLINE: "slice"}, slice_len=3, epoch_end=epoch_end, seed=0)
+    p.alloc.set_masses(OFFLINE, [(t, 1.0) for t in totals], np.array(sizes))
+    p.alloc.set_masses(ONLINE, [(0.0, 1.0)], np.array([0]))
+    seen = [[] for _ in shards]
+    while p.stats()["epochs"][OFFLINE] < 2:
+        ((plan, reads),) = p.draw(7 * 3, sizes={OFFLINE: np.array(sizes), ONLINE: np.array([0])})
+        if p.stats()["epochs"][OFFLINE] == 2:
+            break
+        for part, (seed, kwargs) in zip(plan.parts, reads):
+            s = shards[part.shard]
+            idx = read_indices(s, [part.count], [seed], [kwargs["epoch"]], sizes[part.shard])
+            seen[part.shard] += idx.reshape(-1, 3)[:, 0].tolist()
+    for s, got, n in zip(shards, seen, sizes):
+        expected = s._slices(n)[1].locate(np.arange(s.mass(n)[0], dtype=np.int64))[0].tolist()
+        if epoch_end == "short":
+            assert sorted(got) == sorted(expected)  # each once
+        else:
+            assert len(got) == len(set(got)) and set(got) <= set(expected)  # once at most: the rest dropped
