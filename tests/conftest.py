@@ -91,8 +91,10 @@ RAY_FIXTURES = {"ray_session", "make_buffer"}
 # The longest test files (tens of seconds to over a minute each, most of it Ray starting in processes of their
 # own), longest first: run before the rest, so that `make test`'s two workers (a file at a time each) end together
 # instead of one running the benchmark's smoke run alone at the end.
-LONGEST_FIRST = ("test_benchmark.py", "test_node_loss.py", "test_jobs.py", "test_coordinator_restart.py",
-                 "test_faults.py", "test_torchrl_compat.py", "test_stream_adversarial.py")
+LONGEST_FIRST = ("test_node_loss.py", "test_jobs.py", "test_benchmark.py", "test_coordinator_restart.py",
+                 "test_faults.py", "test_learners.py", "test_restarts.py", "test_direct_writes.py",
+                 "test_rllib_offline.py", "test_torchrl_compat.py", "test_stream_adversarial.py", "test_soak.py",
+                 "test_preprocess.py", "test_slices.py", "test_finetune.py", "test_console.py")
 
 
 def pytest_collection_modifyitems(config, items):
