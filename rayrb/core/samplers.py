@@ -337,7 +337,9 @@ for _cls in (UniformSampler, WithoutReplacementSampler, PrioritizedSampler, Epis
 
 def sampler_class(name: str) -> type[Sampler]:
     if not isinstance(name, str) or name not in SAMPLERS:
-        raise InvalidArgumentError(f"sampler must be one of {tuple(SAMPLERS)}, got {name!r}")
+        by_name = tuple(k for k in SAMPLERS if k not in (EpisodeSlices.name, EpisodeSlicesWithoutReplacement.name))
+        raise InvalidArgumentError(f"sampler must be one of {by_name} or rayrb.SliceSampler(...) (slices of "
+                                   f"episodes), got {name!r}")
     return SAMPLERS[name]
 
 

@@ -83,7 +83,7 @@ def test_timeouts_and_choices():
             timeout(bad)
     assert one_of("sampler", "uniform", SAMPLERS) == "uniform"
     with pytest.raises(ValueError, match=re.escape("sampler must be one of ('uniform', 'without_replacement', "
-                                                   "'prioritized', 'slice', 'slice_without_replacement'), got 'fifo'")):
+                                                   "'prioritized') or rayrb.SliceSampler(...) (slices of episodes), got 'fifo'")):
         sampler_class("fifo")
     assert callable_or_none("transform", None) is None
     with pytest.raises(TypeError, match="transform must be callable, got int"):
