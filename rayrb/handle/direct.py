@@ -79,7 +79,7 @@ class DirectWrites:
         # slices: an episode stays in one shard. Where each write begins and ends an episode (marked as it comes),
         # this handle's running episode (its shard, and its last id, or whether it ended) and the latest choice
         self._episodes = layout.episodes if layout is not None else None
-        self._marks: dict[str, tuple[Any, Any]] = {}
+        self._marks: OrderedDict[str, tuple[Any, Any]] = OrderedDict()
         self._running: tuple[int, Any] | None = None
         self._placing: OrderedDict[str, int] = OrderedDict()  # write id -> its shard, chosen once
         # writes by how they went, and rows placed in shards on this node
@@ -97,6 +97,8 @@ class DirectWrites:
         key, ends = self._episodes
         column = np.asarray(rows[key]).reshape(len(rows[key]), -1)
         self._marks[write_id] = (None, bool(column[-1].any())) if ends else (column[0, 0].item(), column[-1, 0].item())
+        if len(self._marks) > PLACINGS:  # writes that failed before they were placed are not kept for ever
+            self._marks.popitem(last=False)
 
     def _place(self, write_id: str, n: int) -> int:
         """The shard a one-piece write goes to: with slices, the one this handle's running episode is in when the
