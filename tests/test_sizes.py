@@ -19,8 +19,9 @@ LISTED = {
                                                                  "under a rate limiter that admits each write, by "
                                                                  "the shards otherwise) until the limiter admits "
                                                                  "writes it does not place"),
-    ("class", "rayrb/handle/owner.py::OfflineToOnlineReplayBuffer"): (263, "one documented keyword per setting, "
-                                                                          "in its group, with its default value"),
+    ("class", "rayrb/handle/owner.py::OfflineToOnlineReplayBuffer"): (268, "one documented keyword per setting "
+                                                                          "in its group, with its default value; "
+                                                                          "TorchRL's SliceSampler keywords too"),
 }
 
 

@@ -62,7 +62,7 @@ def test_offline_and_online_slices_with_an_exact_share_in_every_batch(make_buffe
 def test_a_buffer_without_the_key_or_with_a_batch_of_part_slices_is_refused(make_buffer):
     with pytest.raises(Exception, match="expected the rows to hold 'traj'"):
         make_buffer(episodes([5, 5]), online_capacity=16, sampler=SliceSampler(slice_len=L, traj_key="traj"))
-    rb = make_buffer(episodes([5, 5]), online_capacity=16, sampler=SliceSampler(slice_len=L))
+    rb = make_buffer(episodes([5, 5]), online_capacity=16, sampler="slice", slice_len=L)  # TorchRL's keywords
     with pytest.raises(Exception, match="multiple of slice_len=4"):
         rb.sample(6)
     steps = np.asarray(rb.sample(2 * L)["step"]).reshape(-1, L)  # "episode" found by TorchRL's default

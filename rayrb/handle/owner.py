@@ -72,7 +72,9 @@ class OfflineToOnlineReplayBuffer(BufferClient):
           ``"prioritized"`` (``p_i = (|priority| + eps)^alpha``, per-shard sum trees, counts ~ Multinomial over
           shard masses; ``info["weight"]`` holds the importance weights ``(p_i / min p)^-beta`` over each side's
           union of shards); by default (TorchRL's) an OpenML id without replacement, else uniformly, online uniformly.
-          ``rayrb.SliceSampler(slice_len=...)``: slices of episodes, both sides (docs/sequences.md; TorchRL's too).
+          ``"slice"`` / ``"slice_without_replacement"`` (offline; online with replacement): slices of episodes on
+          both sides, with TorchRL's ``SliceSampler`` keywords ``slice_len`` or ``num_slices``, ``traj_key`` or
+          ``end_key``, ``strict_length``; or ``sampler=rayrb.SliceSampler(...)`` with them (docs/sequences.md).
         - ``offline_sampler``, ``online_sampler`` (str, default None): one side's sampler.
         - ``alpha`` (0.6), ``beta`` (0.4), ``eps`` (1e-8): prioritized sampling's exponents and floor (TorchRL's).
         - ``epoch_end`` (str, default ``"short"``): without replacement, what a batch does when a side has fewer
@@ -157,7 +159,9 @@ class OfflineToOnlineReplayBuffer(BufferClient):
         transport: str = "object_store", alpha: float = ALPHA, beta: float = BETA, eps: float = EPS,
         max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES, storage_dir: str | os.PathLike | None = DEFAULT_STORAGE,
         rate_limiter: Any = None, prefetch: int = PREFETCH, storage_device: str = "cpu", max_restarts: int = -1,
-        local_reads: bool = True, write_path: str | None = None, **dataset_kwargs: Any,
+        local_reads: bool = True, write_path: str | None = None, slice_len: int | None = None,
+        num_slices: int | None = None, traj_key: Any = None, end_key: Any = None, strict_length: bool = True,
+        **dataset_kwargs: Any,
     ):
         self.rpc, self._owned_dirs, self._copies = None, [], []  # until the actors run, nothing is usable or owned
         s = checked_settings(  # every option checked once, before any actor exists; trusted from here on
@@ -169,7 +173,8 @@ class OfflineToOnlineReplayBuffer(BufferClient):
             transport=transport, alpha=alpha, beta=beta, eps=eps, max_batch_bytes=max_batch_bytes,
             storage_dir=storage_dir, rate_limiter=rate_limiter, prefetch=prefetch, storage_device=storage_device,
             max_restarts=max_restarts, local_reads=local_reads, name=name, write_path=write_path, seed=seed,
-            dataset_root=dataset_root)
+            dataset_root=dataset_root, slice_len=slice_len, num_slices=num_slices, traj_key=traj_key, end_key=end_key,
+            strict_length=strict_length)
         dataset, self._owned_dirs, s = launch.offline_chunks(  # a sampler asked for wins over a TorchRL dataset's
             offline_dataset, s, sampler is not None or offline_sampler is not None, s.dataset_root, dataset_kwargs)
         self._dataset_root, self._offline_rows, self._settings = str(dataset.root), len(dataset), s

@@ -128,8 +128,10 @@ def checked_settings(offline_dataset: Any, *, online_capacity: Any = None, onlin
                      max_batch_bytes: Any = DEFAULT_MAX_BATCH_BYTES, storage_dir: Any = DEFAULT_STORAGE,
                      rate_limiter: Any = None, prefetch: Any = PREFETCH, storage_device: Any = "cpu",
                      max_restarts: Any = -1, local_reads: Any = True, name: Any = None,
-                     write_path: Any = None, seed: Any = None, dataset_root: Any = None) -> BufferSettings:
-    """The buffer's options checked, each once, in ``OfflineToOnlineReplayBuffer``'s order (its defaults too)."""
+                     write_path: Any = None, seed: Any = None, dataset_root: Any = None,
+                     **slice_keywords: Any) -> BufferSettings:
+    """The buffer's options checked, each once, in ``OfflineToOnlineReplayBuffer``'s order (its defaults too);
+    ``slice_keywords``: TorchRL's ``SliceSampler`` keywords, with ``sampler="slice"`` (``slices_option``)."""
     m = positive_int("num_offline_shards", num_offline_shards)
     k = positive_int("num_online_shards", num_online_shards)
     capacity = capacity_option(online_capacity, online_storage, k)
@@ -144,8 +146,8 @@ def checked_settings(offline_dataset: Any, *, online_capacity: Any = None, onlin
             f"batch_size must be provided when offline_dataset is a string, so the dataset can be "
             f"constructed. Got batch_size=None for {offline_dataset!r}")
     batch_size = None if batch_size is None else positive_int("batch_size", batch_size)
-    slices = sampler if isinstance(sampler, SliceSampler) else torchrl_slices(offline_dataset, sampler, offline_sampler)
-    kinds = sampler_kinds(offline_dataset, sampler, offline_sampler, online_sampler, slices)
+    slices = slices_option(offline_dataset, sampler, offline_sampler, **slice_keywords)
+    kinds = sampler_kinds(offline_dataset, None if slices else sampler, offline_sampler, online_sampler, slices)
     if drop_last is None and epoch_end is None:  # a TorchRL buffer's SamplerWithoutReplacement(drop_last=...)
         drop_last = getattr(getattr(offline_dataset, "_sampler", None), "drop_last", None)
     epoch_end = epoch_end_option(epoch_end, drop_last)
@@ -277,6 +279,25 @@ def sampler_kinds(dataset: Any, sampler: str | None, offline: str | None, online
         raise InvalidArgumentError(f"expected sampler=rayrb.SliceSampler(slice_len=...) for slices, on both sides, "
                                    f"got sampler={sampler!r}, offline_sampler={offline!r}, online_sampler={online!r}")
     return kinds
+
+
+SLICE_KEYWORDS = {"slice_len": None, "num_slices": None, "traj_key": None, "end_key": None, "strict_length": True}
+
+
+def slices_option(dataset: Any, sampler: Any, offline: Any, **keywords: Any) -> SliceSampler | None:
+    """How slices are drawn, if they are: ``sampler=SliceSampler(...)``; ``sampler="slice"`` (or
+    ``"slice_without_replacement"``) with TorchRL's ``SliceSampler`` keywords; or a TorchRL dataset's own
+    ``SliceSampler`` when no sampler is asked for. Keywords given without slices, or twice, are refused."""
+    unknown = set(keywords) - set(SLICE_KEYWORDS)
+    if unknown:
+        raise InvalidArgumentError(f"expected options of {sorted(SLICE_KEYWORDS)} for slices, got {sorted(unknown)}")
+    given = {k: v for k, v in keywords.items() if v != SLICE_KEYWORDS[k]}
+    if sampler in (NAME, NAME_WITHOUT_REPLACEMENT):
+        return SliceSampler(**{**SLICE_KEYWORDS, **given}, replacement=sampler == NAME)
+    if given:
+        raise InvalidArgumentError(f"expected sampler='slice' (or 'slice_without_replacement') with "
+                                   f"{sorted(given)}, got sampler={sampler!r}: a SliceSampler takes them itself")
+    return sampler if isinstance(sampler, SliceSampler) else torchrl_slices(dataset, sampler, offline)
 
 
 def torchrl_slices(dataset: Any, sampler: Any, offline: Any) -> SliceSampler | None:

@@ -132,10 +132,19 @@ def test_the_buffer_settings_take_slices_on_both_sides_only_and_keep_a_torchrl_d
     data = {"episode": np.zeros(10, np.int64), "obs": np.zeros(10)}
     s = checked_settings(data, online_capacity=10, sampler=SliceSampler(slice_len=2))
     assert s.samplers == {OFFLINE: "slice", ONLINE: "slice"} and s.slices == SliceSampler(slice_len=2)
-    for bad in ({"sampler": "slice"}, {"sampler": SliceSampler(slice_len=2), "online_sampler": "uniform"},
-                {"offline_sampler": "slice"}):
-        with pytest.raises(InvalidArgumentError, match="SliceSampler"):
+    for bad, message in (({"sampler": "slice"}, "one of slice_len and num_slices"),
+                         ({"sampler": SliceSampler(slice_len=2), "online_sampler": "uniform"}, "SliceSampler"),
+                         ({"offline_sampler": "slice"}, "SliceSampler"),
+                         ({"slice_len": 2}, "expected sampler='slice'"),
+                         ({"sampler": SliceSampler(slice_len=2), "traj_key": "episode"}, "takes them itself")):
+        with pytest.raises(InvalidArgumentError, match=message):
             checked_settings(data, online_capacity=10, **bad)
+    # TorchRL's keywords on the buffer, as its SliceSampler takes them
+    s = checked_settings(data, online_capacity=10, sampler="slice", slice_len=2, traj_key="episode")
+    assert s.slices == SliceSampler(slice_len=2, traj_key="episode") and s.samplers[OFFLINE] == "slice"
+    s = checked_settings(data, online_capacity=10, sampler="slice_without_replacement", num_slices=2, batch_size=8)
+    assert s.slices == SliceSampler(num_slices=2, replacement=False)
+    assert s.samplers == {OFFLINE: "slice_without_replacement", ONLINE: "slice"}
     rb_mod = pytest.importorskip("torchrl.data.replay_buffers")
     torchrl_rb = rb_mod.ReplayBuffer(storage=rb_mod.LazyTensorStorage(10),
                                      sampler=rb_mod.SliceSampler(num_slices=4, traj_key="episode"))
