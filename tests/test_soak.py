@@ -73,7 +73,9 @@ def test_soak_with_killed_shards_loses_and_doubles_nothing(tmp_path, ray_session
         """Each writer's and sampler's share more than ``since``."""
         return [m + (writes if i < writers else batches) for i, m in enumerate(since)]
 
-    rb = OfflineToOnlineReplayBuffer(rows(np.arange(-1000, 0)), online_capacity=200_000, num_offline_shards=2,
+    # room for every row the writers can write meanwhile (a write appended on the shard's node takes well under a
+    # millisecond): a row overwritten would be neither lost nor kept, and the counts below could not tell
+    rb = OfflineToOnlineReplayBuffer(rows(np.arange(-1000, 0)), online_capacity=2_000_000, num_offline_shards=2,
                                      num_online_shards=2, offline_fraction=f, seed=0, timeout=60,
                                      dataset_root=tmp_path / "ds", storage_dir=tmp_path / "state")
     try:
@@ -92,6 +94,7 @@ def test_soak_with_killed_shards_loses_and_doubles_nothing(tmp_path, ray_session
         sampled = ray.get(work[writers:])
         rb.dumps(tmp_path / "end")
         held = held_ids(tmp_path / "end", (2, 3))  # the online shards' files: every row they hold
+        assert len(acked) < 2_000_000, "the writers outran the capacity: raise it"
         assert rb.write_count == len(acked) == len(held)  # nothing lost, nothing written twice
         assert sorted(held) == sorted(acked)
         assert all(not bad for _, bad in sampled), sampled
