@@ -73,8 +73,7 @@ def test_soak_with_killed_shards_loses_and_doubles_nothing(tmp_path, ray_session
         """Each writer's and sampler's share more than ``since``."""
         return [m + (writes if i < writers else batches) for i, m in enumerate(since)]
 
-    # room for every row the writers can write meanwhile (a write appended on the shard's node takes well under a
-    # millisecond): a row overwritten would be neither lost nor kept, and the counts below could not tell
+    # room for every row the writers can write meanwhile: the counts below cannot tell an overwritten row from a lost one
     rb = OfflineToOnlineReplayBuffer(rows(np.arange(-1000, 0)), online_capacity=2_000_000, num_offline_shards=2,
                                      num_online_shards=2, offline_fraction=f, seed=0, timeout=60,
                                      dataset_root=tmp_path / "ds", storage_dir=tmp_path / "state")
