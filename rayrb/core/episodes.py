@@ -198,10 +198,44 @@ def steps(starts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarr
     return pos, init, truncated
 
 
-def whole_slices(rows: np.ndarray, column: np.ndarray, slice_len: int, ends: bool) -> bool:
+def padded_steps(starts: np.ndarray, lengths: np.ndarray, slice_len: int) -> np.ndarray:
+    """The slices' steps one after another, each slice ``slice_len`` rows: a short slice (a whole episode shorter
+    than ``slice_len``, without ``strict_length``) padded with copies of its last step, which ``short_slices``
+    finds and drops again. A read so keeps the rows it was planned (``slice_len`` a slice), wherever it runs.
+
+    >>> padded_steps(np.array([4, 10]), np.array([3, 1]), 3).tolist()
+    [4, 5, 6, 10, 10, 10]
+    """
+    starts, lengths = np.asarray(starts, np.int64), np.asarray(lengths, np.int64)
+    at = np.minimum(np.arange(slice_len, dtype=np.int64)[None, :], lengths[:, None] - 1)
+    return (starts[:, None] + at).reshape(-1)
+
+
+def short_slices(index: np.ndarray, slice_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The rows to keep of a batch of padded slices (``padded_steps``) read from shards, by each row's place in its
+    shard (``index``), and each kept row's marks: ``(keep, first, last)``, ``first`` and ``last`` over the kept
+    rows. A padding row is one at the same place as the row before it in its slice: the steps of a slice are at
+    distinct places, and every slice begins at a multiple of ``slice_len`` (each shard's part is whole slices).
+
+    >>> keep, first, last = short_slices(np.array([4, 5, 6, 10, 10, 10, 6, 7, 8]), 3)
+    >>> keep.astype(int).tolist(), first.astype(int).tolist(), last.astype(int).tolist()
+    ([1, 1, 1, 1, 0, 0, 1, 1, 1], [1, 0, 0, 1, 1, 0, 0], [0, 0, 1, 1, 0, 0, 1])
+    """
+    index = np.asarray(index).reshape(-1)
+    at = np.arange(index.size) % slice_len
+    pad = np.zeros(index.size, bool)
+    pad[1:] = (index[1:] == index[:-1]) & (at[1:] != 0)
+    ends = np.ones(index.size, bool)  # a row followed by a padding row or by the next slice's first row
+    ends[:-1] = pad[1:] | (at[1:] == 0)
+    keep = ~pad
+    return keep, at[keep] == 0, ends[keep]
+
+
+def whole_slices(rows: np.ndarray, column: np.ndarray, slice_len: int, ends: bool, padded: bool = False) -> bool:
     """Whether steps laid out in slices of ``slice_len`` one after another are whole slices: each slice's rows
     (their places in the write stream) consecutive, and of one episode by ``column`` (trajectory ids all equal,
-    or no end flag before the slice's last step).
+    or no end flag before the slice's last step). With ``padded`` (short slices, ``padded_steps``), a slice may
+    end in copies of its last step.
 
     >>> whole_slices(np.array([4, 5, 9, 10]), np.array([1, 1, 2, 2]), 2, ends=False)
     True
@@ -209,13 +243,17 @@ def whole_slices(rows: np.ndarray, column: np.ndarray, slice_len: int, ends: boo
     False
     >>> whole_slices(np.array([4, 5]), np.array([True, False]), 2, ends=True)  # an episode ends inside
     False
+    >>> whole_slices(np.array([7, 8, 8, 8]), np.array([False, True, True, True]), 4, ends=True, padded=True)
+    True
     """
     rows = np.asarray(rows, np.int64).reshape(-1, slice_len)
-    if not (np.diff(rows, axis=1) == 1).all():
+    step = np.diff(rows, axis=1)  # 1 within a slice's steps; padded, 0 from its last step on
+    if not (step == 1).all() and not (padded and (step >= 0).all() and (step <= 1).all()
+                                      and (step[:, 1:] <= step[:, :-1]).all()):
         return False
     column = np.asarray(column).reshape(rows.size, -1)
-    if ends:
-        return not column.any(axis=1).reshape(-1, slice_len)[:, :-1].any()
+    if ends:  # no end flag on a step another step of the slice follows
+        return not (column.any(axis=1).reshape(-1, slice_len)[:, :-1] & (step == 1)).any()
     ids = column[:, 0].reshape(-1, slice_len)
     return bool((ids == ids[:, :1]).all())
 

@@ -95,6 +95,7 @@ class ShardLayout:
     # rows are drawn one by one)
     episodes: tuple[str, bool] | None = None
     slice_len: int | None = None
+    strict_length: bool = True  # False: episodes shorter than a slice are slices too (read padded)
 
     @property
     def offline(self) -> tuple[Shard, ...]:
@@ -112,7 +113,7 @@ class ShardLayout:
               offline_rows: int, num_offline: int, online_capacity: int, num_online: int, samplers: Sequence[str],
               replicas: int = 1, online_nodes: Sequence[str | None] | None = None,
               episodes: tuple[str, bool] | None = None, episode_starts: Sequence[int] | None = None,
-              slice_len: int | None = None) -> ShardLayout:
+              slice_len: int | None = None, strict_length: bool = True) -> ShardLayout:
         """The layout of buffer ``buffer`` (its coordinator's actor name) for these checked settings;
         ``samplers``: the offline side's and the online side's. With slices, ``episodes`` says where episodes are
         found, and ``episode_starts`` (the offline rows that begin one) move each offline shard's first row to an
@@ -133,4 +134,4 @@ class ShardLayout:
                                      for r in range(1, replicas)))
                   for i, c in enumerate(split_evenly(online_capacity, num_online))]
         return cls(buffer, instance, state_directory(storage_dir, instance, "coordinator"), tuple(offline + online),
-                   episodes, slice_len)
+                   episodes, slice_len, strict_length)

@@ -41,7 +41,7 @@ import numpy as np
 
 from rayrb.core.allocation import multinomial_counts
 from rayrb.core.allocators import Allocator, WithoutReplacementAllocator
-from rayrb.core.episodes import Slices, episodes_of, slice_count, steps, whole_slices
+from rayrb.core.episodes import Slices, episodes_of, padded_steps, slice_count, steps, whole_slices
 from rayrb.core.plans import OFFLINE, ONLINE, SIDES, Epoch
 from rayrb.core.sampler_base import Sampler
 from rayrb.core.schema import SEP
@@ -70,7 +70,9 @@ class SliceSampler:
             ``end_key``.
         end_key: the key of each step's end flag (an episode ends after a step whose flag is set). Without either,
             ``("next", "done")`` where the rows hold it, else ``"episode"``.
-        strict_length: only ``True`` (episodes shorter than a slice are never drawn) is built.
+        strict_length: ``True`` (TorchRL's default): episodes shorter than a slice are never drawn. ``False``: each
+            such episode is one more valid slice, drawn whole, so a batch may hold fewer than ``batch_size``
+            steps (see the module).
         replacement: ``False`` draws the offline side's slices without replacement, each valid slice once an
             epoch (TorchRL's ``SliceSamplerWithoutReplacement`` draws each episode once instead); the online side
             is drawn with replacement, as TorchRL's offline-to-online buffer draws it.
@@ -93,9 +95,8 @@ class SliceSampler:
                                        f"end_key={self.end_key!r}")
         if not isinstance(self.replacement, bool):
             raise InvalidArgumentError(f"expected replacement True or False, got {self.replacement!r}")
-        if self.strict_length is not True:
-            raise InvalidArgumentError(f"expected strict_length=True (slices shorter than slice_len are not built "
-                                       f"yet), got {self.strict_length!r}")
+        if not isinstance(self.strict_length, bool):
+            raise InvalidArgumentError(f"expected strict_length True or False, got {self.strict_length!r}")
 
     def kinds(self) -> dict[str, str]:
         """The sampling kind of each side."""
@@ -103,7 +104,8 @@ class SliceSampler:
 
     def resolve(self, keys: Sequence[str], batch_size: int | None) -> dict[str, Any]:
         """The shards' and the coordinator's options for rows with these (flat) ``keys`` and the buffer's
-        ``batch_size``: ``slice_len``, the flat key episodes come from and whether it holds end flags."""
+        ``batch_size``: ``slice_len``, the flat key episodes come from and whether it holds end flags; without
+        ``strict_length``, ``slice_strict=False`` too."""
         if self.num_slices is not None:
             if batch_size is None:
                 raise InvalidArgumentError(f"expected a buffer batch_size with num_slices={self.num_slices} (the "
@@ -121,7 +123,8 @@ class SliceSampler:
         if key not in keys:
             raise SchemaError(f"expected the rows to hold {key!r} to find episodes by (traj_key / end_key), got "
                               f"keys {sorted(keys)}")
-        return {"slice_len": length, "slice_key": key, "slice_ends": ends}
+        strict = {} if self.strict_length else {"slice_strict": False}  # strict: the options as they always were
+        return {"slice_len": length, "slice_key": key, "slice_ends": ends, **strict}
 
 
 class SliceAllocator(Allocator):
@@ -153,8 +156,9 @@ class EpisodeSlices(Sampler):
     allocator = SliceAllocator
 
     def __init__(self, capacity: int = 0, slice_len: int = 1, slice_key: str | None = None,
-                 slice_ends: bool = False, **options: Any):
+                 slice_ends: bool = False, slice_strict: bool = True, **options: Any):
         self._len, self._key, self._ends = positive_int("slice_len", slice_len), slice_key, bool(slice_ends)
+        self._strict = bool(slice_strict)  # False: short episodes are slices too, read padded (``padded_steps``)
         self._capacity = int(capacity)
         self._column: np.ndarray | None = None
         self._generation: np.ndarray | None = None
@@ -180,7 +184,7 @@ class EpisodeSlices(Sampler):
     def whole(self, rows: np.ndarray, column: np.ndarray) -> bool:
         """Whether a read's steps, copied by another process than the shard's while it may write (each step's
         row in the write stream, and its copied episode column), are still whole slices (``whole_slices``)."""
-        return whole_slices(rows, column, self._len, self._ends)
+        return whole_slices(rows, column, self._len, self._ends, padded=not self._strict)
 
     def on_write(self, idx: np.ndarray) -> None:
         self._version += 1
@@ -198,7 +202,7 @@ class EpisodeSlices(Sampler):
         if self._generation is not None and size >= self._capacity > 0:  # wrapped: the oldest row first
             rows = (np.abs(self._generation[:size]) - 1) * self._capacity + order  # the row each slot holds
             order = np.argsort(rows, kind="stable")
-        slices = Slices(episodes_of(self._column[order], self._ends), self._len)
+        slices = Slices(episodes_of(self._column[order], self._ends), self._len, self._strict)
         self._cache = (key, order, slices)
         return order, slices
 
@@ -208,9 +212,10 @@ class EpisodeSlices(Sampler):
         k = count // self._len
         order, slices = self._slices(size)
         if k and slices.total == 0:
-            raise DrawError(f"cannot draw {k} slices of {self._len} steps: no episode here holds that many")
+            raise DrawError(f"cannot draw {k} slices of {self._len} steps: no episode here holds "
+                            f"{'that many' if self._strict else 'a step'}")
         starts, lengths = slices.locate(self._items(k, slices.total, rng, epoch))
-        return order[steps(starts, lengths)[0]]
+        return order[steps(starts, lengths)[0] if self._strict else padded_steps(starts, lengths, self._len)]
 
     def _items(self, k: int, total: int, rng: np.random.Generator | None, epoch: Epoch | None) -> np.ndarray:
         """Which of the ``total`` valid slices a read of ``k`` draws: uniformly, with replacement."""

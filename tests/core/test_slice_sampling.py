@@ -107,7 +107,7 @@ def test_rows_replaced_whole_by_a_restore_are_found_again():
     ({"slice_len": 4, "num_slices": 2}, InvalidArgumentError, "one of slice_len and num_slices"),
     ({"slice_len": 0}, InvalidArgumentError, "slice_len must be a positive integer"),
     ({"slice_len": 4, "traj_key": "a", "end_key": "b"}, InvalidArgumentError, "one of traj_key and end_key"),
-    ({"slice_len": 4, "strict_length": False}, InvalidArgumentError, "strict_length=True"),
+    ({"slice_len": 4, "strict_length": 1}, InvalidArgumentError, "strict_length True or False"),
 ])
 def test_settings_that_cannot_work_are_refused_at_construction(kwargs, error, message):
     with pytest.raises(error, match=message):
