@@ -59,7 +59,8 @@ class BufferClient:
                  read_device: str | None = "cpu", layout: ShardLayout | None = None, local_reads: bool = True,
                  limited: bool = False, max_writes_in_flight: int = MAX_WRITES_IN_FLIGHT, shards_place: bool = False):
         self.rpc = Rpc(coord, shards, num_offline, name=name, timeout=timeout)
-        self.output = Output(spec, batch_size, transform, max_batch_bytes, None if layout is None else layout.slice_len)
+        slices = (None, True) if layout is None else (layout.slice_len, layout.strict_length)
+        self.output = Output(spec, batch_size, transform, max_batch_bytes, *slices)
         self._spec, self._name = spec, name
         self._sampling = Sampling(self.rpc, spec, prefetch=prefetch, layout=layout,  # checked by the owner
                                   local_reads=local_reads, limited=limited, storage_device=storage_device)
@@ -118,7 +119,7 @@ class BufferClient:
         """
         batch_size = self.output.size(batch_size)
         held = self._sampling.loop(batch_size).next(batch_size)
-        return self.output.finish((held.batch, held.info()) if return_info else held.batch, return_info)
+        return self.output.finish_held(held, return_info)
 
     def __iter__(self):
         """Batches of ``batch_size``, as TorchRL's datasets iterate: until the offline side's epoch without
@@ -126,7 +127,7 @@ class BufferClient:
         batch_size = self.output.size(None)
         while True:
             held = self._sampling.loop(batch_size).next(batch_size)
-            yield self.output.finish(held.batch, False)
+            yield self.output.finish_held(held, False)
             if self._sampling.ends_epoch(held):
                 return
 

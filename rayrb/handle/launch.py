@@ -132,4 +132,5 @@ def slicing(settings: BufferSettings, dataset: Any) -> tuple[dict[str, Any], dic
     options = settings.slices.resolve(list(dataset.spec), settings.batch_size)
     key, ends = options["slice_key"], options["slice_ends"]
     return options, {"episodes": (key, ends), "slice_len": options["slice_len"],
+                     "strict_length": options.get("slice_strict", True),
                      "episode_starts": episodes_of(dataset.column(key, 0, len(dataset)), ends).starts}

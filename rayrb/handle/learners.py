@@ -58,6 +58,11 @@ class Learners:
                 postprocess: Any = None, split_info: bool = False) -> list:
         """Plan one batch in ``num_slices`` slices; per slice, its shard reads and a task that assembles them
         (on ``nodes[j]`` when given)."""
+        if self.output.short and (not (return_info or split_info) or postprocess is not None):
+            # short slices come padded: ``to_tensordict`` drops the padding by each row's info
+            raise InvalidArgumentError(f"expected return_info=True and no postprocess with strict_length=False (a "
+                                       f"batch's short slices are found by each row's info), got return_info="
+                                       f"{return_info}, postprocess={postprocess!r}")
         group = self.plan_once(batch_size, num_slices)
         out = []
         for j, (plan, parts) in enumerate(zip(group.plans, reads_by_plan(group))):
@@ -88,6 +93,9 @@ class Learners:
         """Plan one global batch and call ``method`` on each connected learner with its slice's reads."""
         if not self.learners:
             raise InvalidStateError("no learners connected to this handle: call connect_learners(learners) first")
+        if self.output.short:  # a learner's ``receive`` knows no slice length to drop short slices' padding by
+            raise InvalidArgumentError("expected slices of slice_len steps (strict_length=True) to feed learners, got "
+                                       "strict_length=False: use sample_slices(..., return_info=True) instead")
         group = self.plan_once(self.output.size(batch_size), len(self.learners))
         m = len(self.rpc.by_side[OFFLINE])
         refs = []

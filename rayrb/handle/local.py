@@ -174,7 +174,9 @@ def slice_options(layout: ShardLayout) -> dict[str, Any]:
     """A slice sampler's options as the shards were given them, from the layout (none without slices)."""
     if layout.episodes is None:
         return {}
-    return {"slice_len": layout.slice_len, "slice_key": layout.episodes[0], "slice_ends": layout.episodes[1]}
+    strict = {} if layout.strict_length else {"slice_strict": False}  # as SliceSampler.resolve gives them
+    return {"slice_len": layout.slice_len, "slice_key": layout.episodes[0], "slice_ends": layout.episodes[1],
+            **strict}
 
 
 def ordered_stores(machine: str | None = None) -> bool:

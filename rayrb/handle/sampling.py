@@ -151,5 +151,4 @@ class BatchIterator:
         held = s.next()
         if s.direct is not None:  # already a TensorDict on this actor's GPU
             return self._output.finish_tensors(held.batch, self._return_info)
-        out = (held.batch, held.info()) if self._return_info else held.batch
-        return self._output.finish(out, self._return_info, self._device)
+        return self._output.finish_held(held, self._return_info, self._device)

@@ -59,7 +59,8 @@ class SideView:
         rpc = self._rb.rpc
         plan, indices = rpc.get(rpc.coord.plan_side.remote(self.side, self._rb.output.size(batch_size)))
         refs = [rpc.by_side[p.side][p.shard].gather.remote(idx) for p, idx in zip(plan.parts, indices)]
-        return self._rb.output.finish(assemble(plan, rpc.get(refs), return_info), return_info)
+        # uniform rows, not slices: never trimmed as short slices
+        return self._rb.output.finish(assemble(plan, rpc.get(refs), return_info), return_info, sliced=False)
 
     def extend(self, data: Any):
         if self.side == OFFLINE:
