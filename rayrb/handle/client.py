@@ -59,8 +59,7 @@ class BufferClient:
                  read_device: str | None = "cpu", layout: ShardLayout | None = None, local_reads: bool = True,
                  limited: bool = False, max_writes_in_flight: int = MAX_WRITES_IN_FLIGHT, shards_place: bool = False):
         self.rpc = Rpc(coord, shards, num_offline, name=name, timeout=timeout)
-        slices = (None, True) if layout is None else (layout.slice_len, layout.strict_length)
-        self.output = Output(spec, batch_size, transform, max_batch_bytes, *slices)
+        self.output = Output(spec, batch_size, transform, max_batch_bytes, layout)
         self._spec, self._name = spec, name
         self._sampling = Sampling(self.rpc, spec, prefetch=prefetch, layout=layout,  # checked by the owner
                                   local_reads=local_reads, limited=limited, storage_device=storage_device)

@@ -23,10 +23,12 @@ class Output:
     """The batch size and the finishing of a handle's batches (see the module)."""
 
     def __init__(self, spec: RowSpec, batch_size: int | None, transform: Any, max_batch_bytes: int,
-                 slice_len: int | None = None, strict_length: bool = True):
+                 layout: Any = None):
+        """``layout``: the buffer's (``rayrb.core.layout.ShardLayout``), which says whether it draws slices."""
         self.spec, self.batch_size, self.transform, self.max_batch_bytes = spec, batch_size, transform, max_batch_bytes
-        self.slice_len = slice_len  # batches of slices of episodes: their edges are marked (``mark_slices``)
-        self.short = slice_len is not None and not strict_length  # short slices, read padded: dropped here
+        # batches of slices of episodes: their edges are marked (``mark_slices``)
+        self.slice_len = None if layout is None else layout.slice_len
+        self.short = self.slice_len is not None and not layout.strict_length  # short slices read padded: dropped
 
     def size(self, batch_size: int | None) -> int:
         """The batch size to draw (``None``: the buffer's), refused if its rows cannot fit ``max_batch_bytes``."""
