@@ -22,7 +22,14 @@ finds the episodes in the mapped column and, after its copy, checks that every s
 ``replacement=False`` draws the offline side's slices without replacement (``SlicesWithoutReplacementAllocator``,
 ``EpisodeSlicesWithoutReplacement``: each valid slice once an epoch), the online side's with replacement.
 
-Not built yet: ``strict_length=False`` (short slices), sampling slices by priority.
+``strict_length=False`` (TorchRL's): an episode shorter than ``L`` is one more valid slice, drawn whole (the
+shards' mass and the epochs count it once). The plan is unchanged, ``L`` rows a slice: a shard's read pads each
+short slice with copies of its last step (``rayrb.core.episodes.padded_steps``), so every read moves the rows it
+was planned, wherever it runs; the handle drops the copies by each row's place in its shard and marks each slice's
+edges (``rayrb.core.episodes.short_slices``, ``rayrb.handle.output``). A batch of ``B / L`` slices may so hold
+fewer than ``B`` steps, as TorchRL's does.
+
+Not built yet: sampling slices by priority.
 
 Examples:
     >>> s = SliceSampler(slice_len=4, traj_key="episode")
