@@ -41,6 +41,19 @@ def test_settings_take_strict_length_false_and_give_the_shards_its_option():
     assert "slice_strict" not in SliceSampler(slice_len=L).resolve(["episode"], None)  # strict: as always
 
 
+def test_the_buffer_keyword_and_a_torchrl_buffers_slice_sampler_keep_strict_length_false():
+    from rayrb.handle.settings import checked_settings
+
+    data = {"episode": np.zeros(10, np.int64)}
+    s = checked_settings(data, online_capacity=10, sampler="slice", slice_len=L, strict_length=False)
+    assert s.slices == SliceSampler(slice_len=L, strict_length=False)
+    rb_mod = pytest.importorskip("torchrl.data.replay_buffers")
+    torchrl_rb = rb_mod.ReplayBuffer(storage=rb_mod.LazyTensorStorage(10), sampler=rb_mod.SliceSampler(
+        num_slices=4, traj_key="episode", strict_length=False))
+    s = checked_settings(torchrl_rb, online_capacity=10, batch_size=32)
+    assert s.slices == SliceSampler(num_slices=4, traj_key="episode", strict_length=False)
+
+
 def test_a_shard_reads_short_episodes_whole_padded_to_its_planned_rows_and_weighs_itself_by_every_slice():
     ids = np.repeat([0, 1, 2, 3], [6, 2, 1, 4])  # valid slices of 4: 3 + 1 (short) + 1 (short) + 1
     s = shard(ids)
