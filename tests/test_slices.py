@@ -137,3 +137,83 @@ def test_without_replacement_each_offline_slice_comes_once_an_epoch_with_a_short
     valid = [s for s in range(len(ids) - L + 1) if len(set(ids[s:s + L].tolist())) == 1]
     assert sorted(starts) == valid  # each valid slice once
     assert len(rb.sample(8 * L)) == 8 * L  # the next epoch
+
+
+def check_short_slices(batch, info, episode_of, lengths):
+    """Slices cut at ``is_init``: consecutive steps of one episode, ``min(L, its length)`` of them (short episodes
+    whole), from one side and shard, truncated at their last step; the offline ones counted."""
+    steps, init = np.asarray(batch["step"]), np.asarray(batch["is_init"]).reshape(-1)
+    truncated = np.asarray(batch["next", "truncated"]).reshape(-1)
+    assert len(np.asarray(info["index"])) == len(steps) and init[0]
+    cuts = np.append(np.flatnonzero(init), len(steps))
+    assert np.flatnonzero(truncated).tolist() == (cuts[1:] - 1).tolist()
+    offline, short = 0, 0
+    for a, b in zip(cuts[:-1], cuts[1:]):
+        s, e = steps[a:b], episode_of[int(steps[a])]
+        assert np.array_equal(s, np.arange(s[0], s[0] + len(s))) and {episode_of[x] for x in s.tolist()} == {e}
+        assert len(s) == min(L, lengths[e]) and (len(s) == L or episode_of.get(int(s[0]) - 1) != e)
+        for key in ("offline", "shard"):
+            assert len(set(np.asarray(info[key])[a:b].tolist())) == 1
+        offline += int(np.asarray(info["offline"])[a])
+        short += len(s) < L
+    return len(cuts) - 1, offline, short
+
+
+def short_and_long(rb):
+    """Online episodes of 2, 6, 3 (over two extends) and 1 steps; every episode's length by id."""
+    episode_of, lengths = {}, {}
+    step = 10_000
+    for e, n in ((100, 2), (101, 6), (102, 2), (102, 1), (103, 1)):
+        rows = episodes([n], first_id=e, first_step=step)
+        rb.extend(rows)
+        episode_of.update(dict.fromkeys(rows["step"].tolist(), e))
+        lengths[e] = lengths.get(e, 0) + n
+        step += n
+    return episode_of, lengths
+
+
+def test_short_slices_with_an_exact_share_in_every_batch_short_episodes_whole(make_buffer, ray_session):
+    offline = episodes([9, 2, 7, 1, 3, 12, 5])
+    rb = make_buffer(offline, online_capacity=64, num_offline_shards=2, num_online_shards=2, offline_fraction=0.25,
+                     sampler="slice", slice_len=L, traj_key="episode", strict_length=False, seed=0)
+    episode_of = dict(zip(offline["step"].tolist(), offline["episode"].tolist()))
+    lengths = dict(enumerate([9, 2, 7, 1, 3, 12, 5]))
+    online_of, online_lengths = short_and_long(rb)
+    episode_of.update(online_of)
+    lengths.update(online_lengths)
+    short = 0
+    for _ in range(30):
+        batch, info = rb.sample(8 * L, return_info=True)
+        n, n_off, k = check_short_slices(batch, info, episode_of, lengths)
+        assert (n, n_off) == (8, 2)  # floor(0.25 * 8 + 1/2) = 2 offline slices of 8
+        short += k
+    assert short > 0
+    with rb.iter_batches(8 * L, return_info=True, num_batches=3) as it:
+        for batch, info in it:
+            assert check_short_slices(batch, info, episode_of, lengths)[:2] == (8, 2)
+    batch, info = rb.to_tensordict(ray_session.get(rb.sample_async(8 * L, return_info=True)), return_info=True)
+    assert check_short_slices(batch, info, episode_of, lengths)[:2] == (8, 2)
+    with pytest.raises(Exception, match="return_info=True"):
+        rb.sample_async(8 * L)
+    handle = rb.stats()["handle"]  # this process read the shards' files itself, each read whole
+    assert handle["local_reads"] > 0 and handle["fell_back_reads"] == 0, handle
+
+
+def test_short_slices_read_here_are_the_rows_the_shards_read(make_buffer):
+    offline = episodes([9, 2, 7, 1, 3, 12, 5])
+    out = []
+    for local in (True, False):
+        rb = make_buffer(offline, online_capacity=32, num_offline_shards=2, num_online_shards=1, offline_fraction=0.5,
+                         sampler="slice", slice_len=L, traj_key="episode", strict_length=False, seed=4,
+                         local_reads=local)
+        short_and_long(rb)
+        out.append([rb.sample(6 * L, return_info=True) for _ in range(10)])
+        handle = rb.stats()["handle"]
+        assert (handle["local_reads"] > 0) == local and handle["fell_back_reads"] == 0, handle
+        rb.shutdown()
+    assert any(len(a) < 6 * L for a, _ in out[0])  # short slices among them
+    for (a, ia), (b, ib) in zip(*out):
+        for key in ("step", "episode", "is_init", ("next", "truncated")):
+            assert np.asarray(a[key]).tolist() == np.asarray(b[key]).tolist(), key
+        for key in ("offline", "shard", "index", "generation"):
+            assert np.asarray(ia[key]).tolist() == np.asarray(ib[key]).tolist(), key

@@ -78,10 +78,10 @@ class Output:
         td, info = out
         edges = None
         if self.short:
-            keep, *edges = short_slices(info["index"].cpu().numpy(), self.slice_len)
-            at = torch.from_numpy(keep).to(td.device)
-            td, info = td[at], {k: v[at.to(v.device)] for k, v in info.items()}
-            edges = [torch.from_numpy(e).to(td.device) for e in edges]
+            device = info["index"].device  # the rows' (``rayrb.actors.transport.receive`` puts both on one)
+            keep, *edges = (torch.from_numpy(a).to(device) for a in short_slices(info["index"].cpu().numpy(),
+                                                                                  self.slice_len))
+            td, info = td[keep], {k: v[keep] for k, v in info.items()}
         if self.slice_len is not None:
             mark_slices(td, self.slice_len, edges)
         if self.transform is not None:

@@ -140,6 +140,7 @@ def test_the_handle_drops_the_padding_and_marks_each_slices_edges_as_torchrls_sl
     tensordict = pytest.importorskip("tensordict")
     rb_mod = pytest.importorskip("torchrl.data.replay_buffers")
     from rayrb.handle.output import Output
+    from rayrb.io.arrays import from_numpy_dict
 
     ids = np.repeat(np.arange(6), [7, 2, 5, 1, 3, 6])
     n = ids.size
@@ -164,8 +165,10 @@ def test_the_handle_drops_the_padding_and_marks_each_slices_edges_as_torchrls_sl
                 "next/done": done[index]}
         td, _ = out.finish((rows, {"index": index}), True)
         assert td.shape == theirs.shape and td["step"].tolist() == theirs["step"].tolist()
+        direct = out.finish_tensors((from_numpy_dict(rows), {"index": torch.from_numpy(index)}), False)  # tensors
         for key in (("next", "truncated"), ("next", "done"), "is_init"):  # TorchRL's marks, in its info
             assert td[key].reshape(-1).tolist() == info[key].reshape(-1).tolist(), key
+            assert direct[key].reshape(-1).tolist() == info[key].reshape(-1).tolist(), key
 
 
 @pytest.mark.parametrize("epoch_end", ["short", "drop"])
