@@ -195,3 +195,16 @@ def test_without_replacement_each_valid_slice_short_ones_included_comes_once_an_
         expected = set(zip(*(x.tolist() for x in every.locate(np.arange(every.total)))))
         assert any(length < L for _, length in expected)
         assert len(got) == len(set(got)) and (set(got) == expected if epoch_end == "short" else set(got) <= expected)
+
+
+def test_reads_that_cannot_drop_the_padding_are_refused_before_anything_is_planned():
+    from rayrb.errors import InvalidArgumentError
+    from rayrb.handle.learners import Learners
+
+    learners = Learners(None, SimpleNamespace(short=True), "rb", "object_store", "cpu")  # no rpc: nothing planned
+    for kwargs in ({"return_info": False}, {"return_info": True, "postprocess": print}):
+        with pytest.raises(InvalidArgumentError, match="return_info=True and no postprocess"):
+            learners._slices(8, 1, **kwargs)
+    learners.learners = [object()]
+    with pytest.raises(InvalidArgumentError, match="strict_length=True"):
+        learners.feed("update", 8)
