@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
+from collections.abc import Collection
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -150,16 +151,18 @@ class DirectWrites:
         return {i for i, node in enumerate(self._nodes) if node is not None and node == self._node}
 
     # 2. appended here ---------------------------------------------------------------
-    def here(self, rows: Rows, n: int, write_id: str, digest: str | None, look: bool) -> np.ndarray | None:
+    def here(self, rows: Rows, n: int, write_id: str, digest: str | None, look: bool,
+             busy: Collection[int] = ()) -> np.ndarray | None:
         """The write's indices once appended by this process to a shard on its node (step 2), or None where it
-        cannot be: the caller sends it instead."""
+        cannot be, or where its shard is in ``busy`` (writes on their way to it land first): the caller sends it
+        instead."""
         if look or not self._local or not self._online or n > UNDO_ROWS:
             return None
         self._learn()
         if len(cut_write(n, self._capacity.tolist(), min_piece=int(self._capacity.max()))) > 1:
             return None
         shard = self._place(write_id, n)
-        appender = self._appender(shard)
+        appender = None if shard in busy else self._appender(shard)
         if appender is None:
             return None
         done = appender.append(rows, write_id, 0, 0, digest)

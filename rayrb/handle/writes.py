@@ -4,16 +4,18 @@ The handle (:class:`~rayrb.handle.client.BufferClient`) hands its writes to a ``
 against the row spec before anything ships, then goes one of two ways, and returns once every shard holds its
 piece (``docs/durability.md``):
 
-- **the shards place it** (``rayrb.handle.direct``; ``write_path="shards"``, experimental): straight to the least-written shard, which journals and stores it, with one round trip; the
-  coordinator is told the shard's count after, without a wait;
-- **the coordinator places it** (``_placed``; the default): placed, journalled and sent by the
-  coordinator.
+- **the shards place it** (``rayrb.handle.direct``; ``write_path="shards"``, the default without a rate limiter
+  that bounds samples per insert): appended by this process to a shard's files on its node, or sent to the
+  least-written shard, which journals and stores it, in one round trip;
+- **the coordinator places it** (``_placed``; ``write_path="coordinator"``, the default under such a rate
+  limiter, which admits each write): placed, journalled and sent by the coordinator.
 
 A small write travels inside the call (``INLINE_BYTES``): no object-store put. A larger one is put in the object
 store once and each shard fetches its own piece.
 
 ``extend(..., wait=False)`` hands the write to this writer's sender thread and returns a ``PendingWrite`` at once:
-the write's rows are checked and copied first (the caller may reuse its tensors), the sender keeps up to
+the write's rows are checked and copied first (the caller may reuse its tensors); a write that can be appended
+here with nothing of this writer's on its way to that shard is, at once; the sender keeps up to
 ``max_writes_in_flight`` of them on their way, sent in the caller's order (so they land in that
 order), and each resolves to its indices once acknowledged, or to the error a blocking ``extend`` would raise; a
 failed one is asked again under its ``write_id`` exactly as a blocking write is, so it is kept once or changed
@@ -162,27 +164,36 @@ class Writer:
         sent: collections.deque = collections.deque()
         while True:
             if not sent:
-                sent.append(self._submit(*self._queue.get()))
-            while len(sent) < self._depth:
+                self._submit(sent, *self._queue.get())
+            while sent and len(sent) < self._depth:
                 try:
-                    sent.append(self._submit(*self._queue.get_nowait()))
+                    self._submit(sent, *self._queue.get_nowait())
                 except queue.Empty:
                     break
-            self._confirm(*sent.popleft())
+            if sent:
+                self._confirm(*sent.popleft())
 
-    def _submit(self, pending: PendingWrite, write: tuple) -> tuple[PendingWrite, tuple, Any]:
+    def _submit(self, sent: collections.deque, pending: PendingWrite, write: tuple) -> None:
+        """Send ``write`` (onto ``sent``), or append it here where its shard is on this node and no write of this
+        writer is on its way to that shard (so each shard's slots stay in the caller's order): resolved at once."""
         payload, n, write_id, prefill, digest, look = write
         try:
             if self.rpc.closed:
                 ref = None
             elif self._direct is not None:
+                if isinstance(payload, dict):
+                    busy = {shard for _, _, on_way in sent if on_way is not None for shard, _, _ in on_way.pieces}
+                    here = self._direct.here(payload, n, write_id, digest, look, busy=busy)
+                    if here is not None:
+                        pending.set_result(_indices(here))
+                        return
                 ref = self._direct.send(payload, n, write_id, digest, look)
             else:
                 ref = self.rpc.tell("extend", [payload], n, write_id=write_id, prefill=prefill, node=node_id(),
                                     digest=digest)
         except Exception:  # asked again in _confirm, which raises what a blocking write would
             ref = None
-        return pending, write, ref
+        sent.append((pending, write, ref))
 
     def _confirm(self, pending: PendingWrite, write: tuple, ref: Any) -> None:
         """Resolve ``pending`` once its shards acknowledged it; anything else (held back, an actor dead, a

@@ -61,6 +61,22 @@ def test_pending_writes_land_in_order_bounded_and_flushed(buffer):
     assert rb.write_count == 640
 
 
+def test_writes_queued_behind_one_on_its_way_are_appended_here_to_another_shard_in_order(buffer):
+    """A write too large for an undo record goes to its shard's actor; the small writes queued behind it go to the
+    other shard, which is on this node: the sender appends them here (no call), each shard's slots in write order."""
+    rb = buffer()
+    client = rb.client(max_writes_in_flight=4)
+    first = client.extend(rows(0, 4100), wait=False)  # more rows than an undo record holds: sent
+    small = [client.extend(rows(4100 + 16 * i, 16), wait=False) for i in range(10)]
+    client.flush()
+    got = torch.cat([first.result()] + [p.result() for p in small])
+    assert len(set(got.tolist())) == 4260 and rb.write_count == 4260
+    assert client.stats()["handle"]["writes_appended_here"] == 10
+    for shard in (0, 1):
+        mine = got[got // 5000 == shard]
+        assert mine.tolist() == list(range(shard * 5000, shard * 5000 + len(mine)))
+
+
 def test_a_retry_of_a_pending_write_by_its_id_lands_once(buffer):
     rb = buffer()
     first = rb.extend(rows(0, 16), wait=False)
