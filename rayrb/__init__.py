@@ -33,6 +33,7 @@ _EXPORTS = {
     "to_ray_dataset": "rayrb.io.raydata",
     "write_ray_dataset": "rayrb.io.raydata",
     "write_dataset": "rayrb.io.chunks",
+    "write_batches": "rayrb.io.streaming",
     "RowSpec": "rayrb.core.schema",
     "SliceSampler": "rayrb.core.slice_sampling",
     "SchemaError": "rayrb.errors",

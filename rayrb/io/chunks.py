@@ -157,8 +157,9 @@ def write_dataset(
     """Write rows (a TensorDict or a flat/nested dict of arrays) as a chunk dataset under ``root``.
 
     ``root`` must be absent or empty unless ``overwrite=True``. The manifest is
-    written after every chunk, so an interrupted call leaves no dataset. ``pbar``
-    shows a progress bar over chunks.
+    written after the last chunk, so an interrupted call leaves no dataset. ``pbar``
+    shows a progress bar over chunks. Rows that do not fit in memory: ``write_batches``
+    (``rayrb.io.streaming``) writes the same chunks from a stream of batches, resumably.
     """
     if isinstance(data, Mapping) and all(isinstance(v, np.ndarray) for v in data.values()):
         arrays = dict(data)

@@ -41,8 +41,9 @@ def write_manifest(
     *,
     source: Any = None,
     recipe: Any = None,
+    name: str = MANIFEST,
 ) -> Path:
-    """Write ``manifest.json`` atomically: a reader sees the old state or the whole new one."""
+    """Write ``manifest.json`` (or ``name``) atomically: a reader sees the old state or the whole new one."""
     root = Path(root)
     manifest = {
         "format": FORMAT,
@@ -53,13 +54,13 @@ def write_manifest(
         "source": source,
         "recipe": recipe,
     }
-    return replace_file(root / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True), sync=True)
+    return replace_file(root / name, json.dumps(manifest, indent=1, sort_keys=True), sync=True)
 
 
-def read_manifest(root: str | os.PathLike) -> dict[str, Any]:
-    path = Path(root) / MANIFEST
+def read_manifest(root: str | os.PathLike, name: str = MANIFEST) -> dict[str, Any]:
+    path = Path(root) / name
     if not path.is_file():
-        raise ChunkError(f"expected a chunk dataset with {MANIFEST} at {Path(root)}, found none (absent or incomplete)")
+        raise ChunkError(f"expected a chunk dataset with {name} at {Path(root)}, found none (absent or incomplete)")
     try:
         with open(path) as f:
             manifest = json.load(f)
