@@ -159,8 +159,10 @@ class ColdReads:
     (repeats, destinations that could not be read into directly). Nothing of a failed batch is returned: ``run``
     raises ``ChunkError`` naming the chunk and key."""
 
-    def __init__(self, threads: int = READ_THREADS, max_gap: int = MAX_GAP):
+    def __init__(self, threads: int = READ_THREADS, max_gap: int = MAX_GAP, max_bytes: int = MAX_REQUEST,
+                 max_segments: int = MAX_SEGMENTS):
         self.threads, self.max_gap = max(1, int(threads)), max_gap
+        self.max_bytes, self.max_segments = max_bytes, max_segments
         self._jobs: list[tuple[ColumnFile, Plan, memoryview]] = []
         self._after: list = []
 
@@ -173,7 +175,7 @@ class ColdReads:
         dest = out if direct else np.empty((rows.size, *column.shape[1:]), column.dtype)
         at = positions if direct and positions is not None else np.arange(rows.size)
         flat = dest.reshape(-1).view(np.uint8)
-        pl = plan(rows, at, column.row_bytes, self.max_gap)
+        pl = plan(rows, at, column.row_bytes, self.max_gap, self.max_bytes, self.max_segments)
         self._jobs.append((column, pl, memoryview(flat)))
         rb = column.row_bytes
         if pl.dup_to.size:
