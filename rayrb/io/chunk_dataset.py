@@ -6,6 +6,7 @@ the maps and reads the others from the files with many requests in flight (``ray
 """
 from __future__ import annotations
 
+import bisect
 import math
 import os
 import shutil
@@ -73,9 +74,10 @@ class ChunkDataset:
         self.spec = RowSpec.from_json(manifest["spec"])
         self.chunks = [ChunkInfo(**c) for c in manifest["chunks"]]
         self.offsets = np.cumsum([0] + [c.rows for c in self.chunks])
+        self._starts = self.offsets.tolist()
         self._maps: dict[tuple[int, str], dict[str, np.memmap]] = {}
         self._files: dict[int, dict[str, ColumnFile]] = {}  # each gathered chunk's files, open and mapped
-        self.reads, self.read_threads = "auto", READ_THREADS
+        self.reads, self.read_threads, self._last_cached = "auto", READ_THREADS, False
 
     @classmethod
     def open(cls, root: str | os.PathLike, *, verify: bool = False) -> "ChunkDataset":
@@ -211,15 +213,19 @@ class ChunkDataset:
 
     def _cold(self, indices: np.ndarray, cols: dict[int, dict[str, ColumnFile]]) -> bool:
         """Whether to read this batch from the files: ``reads`` says so, or (``"auto"``) one of ``SAMPLE`` rows
-        spread over the batch has a page outside the page cache."""
+        spread over the batch has a page outside the page cache. After a cached batch one row is looked up, not
+        ``SAMPLE``: on every batch's path, the lookups (about a microsecond each) cost a cached batch's copy most."""
         if self.reads != "auto" or indices.size == 0:
             return self.reads == "read" and indices.size > 0
-        picked = indices[np.linspace(0, indices.size - 1, min(SAMPLE, indices.size)).astype(np.int64)]
-        chunk_of = np.searchsorted(self.offsets, picked, side="right") - 1
-        for c in np.unique(chunk_of).tolist():
-            local = picked[chunk_of == c] - self.offsets[c]
-            if not all(col.resident(local) for col in cols[c].values()):
-                return True
+        sample = 1 if self._last_cached else SAMPLE
+        for row in indices[::max(1, indices.size // sample)][:sample].tolist():
+            c = bisect.bisect_right(self._starts, row) - 1 if len(cols) > 1 else next(iter(cols))
+            local = [row - self._starts[c]]
+            for col in cols[c].values():
+                if not col.resident(local):
+                    self._last_cached = False
+                    return True
+        self._last_cached = True
         return False
 
     @property

@@ -41,7 +41,7 @@ READ_THREADS = 32  # requests in flight: this machine's disk serves 4 KiB random
 MAX_GAP = 16 << 10  # two rows at most this far apart are read by one request (a request costs more than 16 KiB)
 MAX_REQUEST = 1 << 20  # bytes a request covers at most, so that a long run is read by several threads
 MAX_SEGMENTS = 500  # segments a request holds at most: with the gaps' buffers, within IOV_MAX (1024 on Linux)
-SAMPLE = 8  # rows of a batch whose pages are looked up to tell a cached batch from a cold one
+SAMPLE = 4  # rows of a batch whose pages are looked up to tell a cached batch from a cold one
 MODES = ("auto", "map", "read")
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -81,6 +81,7 @@ class ColumnFile:
             raise
         self.array = np.frombuffer(self.map, self.dtype).reshape(shape)
         self._address = self.array.ctypes.data  # page-aligned: the map starts at offset 0
+        self._vec = ctypes.create_string_buffer(self.row_bytes // PAGE + 2)  # mincore's answer: a byte a page
         weakref.finalize(self, os.close, self.fd)
 
     def close(self) -> None:
@@ -92,18 +93,19 @@ class ColumnFile:
         """The file's size now (one ``fstat``): shorter than ``nbytes`` once cut short under its map."""
         return os.fstat(self.fd).st_size if self.fd >= 0 else self.nbytes
 
-    def resident(self, rows: np.ndarray) -> bool:
-        """True when every page of each of ``rows`` is in the page cache (one ``mincore`` call a row)."""
+    def resident(self, rows: list[int]) -> bool:
+        """True when every page of each of ``rows`` is in the page cache (one ``mincore`` call a row, about a
+        microsecond: this is on every batch's path)."""
         if self.fd < 0:
             return True
-        vec = (ctypes.c_ubyte * (self.row_bytes // PAGE + 2))()
-        for r in rows.tolist():
-            start = r * self.row_bytes
+        vec, rb, address = self._vec, self.row_bytes, self._address
+        for r in rows:
+            start = r * rb
             first = start - start % PAGE
-            pages = -(-(start + self.row_bytes - first) // PAGE)
-            if _mincore(self._address + first, start + self.row_bytes - first, vec) != 0:
+            if _mincore(address + first, start + rb - first, vec) != 0:
                 return False  # the range is not mapped: let the reads report what is wrong
-            if not all(vec[i] & 1 for i in range(pages)):
+            if not vec[0][0] & 1 or (start + rb - first > PAGE
+                                     and not all(b & 1 for b in vec.raw[:-(-(start + rb - first) // PAGE)])):
                 return False
         return True
 

@@ -178,7 +178,7 @@ def test_after_the_page_cache_is_dropped_the_same_rows_come(tmp_path):
     os.sync()
     with open("/proc/sys/vm/drop_caches", "w") as f:
         f.write("1")
-    assert not ds._columns(0)["q"].resident(np.arange(64)), "expected the page cache dropped"
+    assert not ds._columns(0)["q"].resident(list(range(64))), "expected the page cache dropped"
     cold = ds.gather(idx)
     for k in data:
         np.testing.assert_array_equal(cold[k], warm[k])
