@@ -6,11 +6,11 @@ the maps and reads the others from the files with many requests in flight (``ray
 """
 from __future__ import annotations
 
-import bisect
 import math
 import os
 import shutil
 import stat
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -19,7 +19,7 @@ import numpy as np
 
 from rayrb.core.schema import SEP, RowSpec
 from rayrb.errors import ChunkError, InvalidArgumentError, ReadOnlyError, RowIndexError
-from rayrb.io.gather import MODES, READ_THREADS, SAMPLE, ColdReads, ColumnFile, open_columns
+from rayrb.io.gather import READ_THREADS, ColdReads, ColumnFile, ReadPolicy, open_columns
 from rayrb.io.hashing import hash_algorithm, hash_arrays
 from rayrb.io.manifest import MANIFEST, ChunkInfo, read_manifest
 
@@ -77,7 +77,7 @@ class ChunkDataset:
         self._starts = self.offsets.tolist()
         self._maps: dict[tuple[int, str], dict[str, np.memmap]] = {}
         self._files: dict[int, dict[str, ColumnFile]] = {}  # each gathered chunk's files, open and mapped
-        self.reads, self.read_threads, self._last_cached = "auto", READ_THREADS, False
+        self._policy, self.read_threads = ReadPolicy(), READ_THREADS
 
     @classmethod
     def open(cls, root: str | os.PathLike, *, verify: bool = False) -> "ChunkDataset":
@@ -183,7 +183,14 @@ class ChunkDataset:
                 f"expected row indices in [0, {len(self)}), got range [{indices.min()}, {indices.max()}]")
         if out is None:
             out = {k: np.empty((indices.size, *f.shape), dtype=f.dtype) for k, f in self.spec.items()}
-        if len(self.chunks) == 1:  # the common case: no chunk lookups, no selection masks
+        if len(self.chunks) == 1:  # the common case: no chunk lookups, no selection masks, no groups
+            cols = self._columns(0)
+            if not self._policy.cold(indices, {0: cols}, self._starts):
+                t0 = time.perf_counter()
+                for k in out:
+                    cols[k].array.take(indices, axis=0, out=out[k])
+                self._policy.copied(indices.size, time.perf_counter() - t0)
+                return out
             groups = [(0, indices, None)]
         else:
             chunk_of = np.searchsorted(self.offsets, indices, side="right") - 1
@@ -196,49 +203,32 @@ class ChunkDataset:
                     sel = np.nonzero(chunk_of == c)[0]
                     groups.append((int(c), indices[sel] - self.offsets[c], sel))
         cols = {c: self._columns(c) for c, _, _ in groups}  # each file's size checked before any row is read
-        if self._cold(indices, cols):
+        if self._policy.cold(indices, cols, self._starts):
             reads = ColdReads(self.read_threads)
             for c, local, sel in groups:
                 for k in out:
                     reads.add(cols[c][k], local, out[k], sel)
             reads.run()
             return out
+        t0 = time.perf_counter()
         for c, local, sel in groups:
             for k in out:
                 if sel is None:
                     np.take(cols[c][k].array, local, axis=0, out=out[k])
                 else:
                     out[k][sel] = cols[c][k].array[local]
+        self._policy.copied(indices.size, time.perf_counter() - t0)
         return out
-
-    def _cold(self, indices: np.ndarray, cols: dict[int, dict[str, ColumnFile]]) -> bool:
-        """Whether to read this batch from the files: ``reads`` says so, or (``"auto"``) one of ``SAMPLE`` rows
-        spread over the batch has a page outside the page cache. After a cached batch one row is looked up, not
-        ``SAMPLE``: on every batch's path, the lookups (about a microsecond each) cost a cached batch's copy most."""
-        if self.reads != "auto" or indices.size == 0:
-            return self.reads == "read" and indices.size > 0
-        sample = 1 if self._last_cached else SAMPLE
-        for row in indices[::max(1, indices.size // sample)][:sample].tolist():
-            c = bisect.bisect_right(self._starts, row) - 1 if len(cols) > 1 else next(iter(cols))
-            local = [row - self._starts[c]]
-            for col in cols[c].values():
-                if not col.resident(local):
-                    self._last_cached = False
-                    return True
-        self._last_cached = True
-        return False
 
     @property
     def reads(self) -> str:
         """How gathers reach rows: ``"auto"`` (cached batches out of the maps, others read from the files),
         ``"map"`` (always out of the maps) or ``"read"`` (always read)."""
-        return self._reads
+        return self._policy.mode
 
     @reads.setter
     def reads(self, mode: str) -> None:
-        if mode not in MODES:
-            raise InvalidArgumentError(f"reads must be one of {MODES}, got {mode!r}")
-        self._reads = mode
+        self._policy.set_mode(mode)
 
     def _columns(self, i: int) -> dict[str, ColumnFile]:
         """Chunk ``i``'s files, each open and mapped once, after checking that none of them has become shorter

@@ -22,6 +22,7 @@ SIGBUS: a read past the end returns fewer bytes, which is refused.
 """
 from __future__ import annotations
 
+import bisect
 import ctypes
 import mmap
 import os
@@ -34,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from rayrb.errors import ChunkError
+from rayrb.errors import ChunkError, InvalidArgumentError
 
 PAGE = mmap.PAGESIZE
 READ_THREADS = 32  # requests in flight: this machine's disk serves 4 KiB random reads fastest at depth 8 to 64
@@ -43,6 +44,10 @@ MAX_REQUEST = 1 << 20  # bytes a request covers at most, so that a long run is r
 MAX_SEGMENTS = 500  # segments a request holds at most: with the gaps' buffers, within IOV_MAX (1024 on Linux)
 SAMPLE = 4  # rows of a batch whose pages are looked up to tell a cached batch from a cold one
 MODES = ("auto", "map", "read")
+TRUST = 7  # batches copied out of the maps unlooked-up after a fast copy: a turn to cold is seen within 8 batches
+# A copy slower than this a row took page faults (one costs 25 us or more at any queue depth here); cached rows copy
+# far faster (0.1 us for 256 B rows, under 17 us for 28 KiB rows with the batch's allocation, docs/benchmarks.md).
+FAULT_S = 20e-6
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _mincore = _libc.mincore
@@ -91,7 +96,7 @@ class ColumnFile:
 
     def size_now(self) -> int:
         """The file's size now (one ``fstat``): shorter than ``nbytes`` once cut short under its map."""
-        return os.fstat(self.fd).st_size if self.fd >= 0 else self.nbytes
+        return self.map.size() if self.map is not None else self.nbytes  # the map's own descriptor: this file
 
     def resident(self, rows: list[int]) -> bool:
         """True when every page of each of ``rows`` is in the page cache (one ``mincore`` call a row, about a
@@ -108,6 +113,51 @@ class ColumnFile:
                                      and not all(b & 1 for b in vec.raw[:-(-(start + rb - first) // PAGE)])):
                 return False
         return True
+
+
+class ReadPolicy:
+    """Whether a batch is read from the files or copied out of the maps: ``mode`` ``"read"`` or ``"map"`` always,
+    ``"auto"`` by the page cache. One of ``SAMPLE`` rows spread over the batch with a page outside the page cache
+    makes it read. After a cached batch one row is looked up, not ``SAMPLE``, and after a fast copy none for
+    ``TRUST`` batches: the lookups (about a microsecond each) would cost a small cached batch's copy several per
+    cent. A copy that took page faults' time (``FAULT_S`` a row) has the next batch looked up again."""
+
+    def __init__(self, mode: str = "auto"):
+        self.mode, self._last_cached, self._trusted, self._looked_up = "auto", False, 0, False
+        self.set_mode(mode)
+
+    def set_mode(self, mode: str) -> None:
+        if mode not in MODES:
+            raise InvalidArgumentError(f"reads must be one of {MODES}, got {mode!r}")
+        self.mode = mode  # a plain attribute: read on every batch's path
+
+    def cold(self, indices: np.ndarray, cols: dict[int, dict[str, ColumnFile]], starts: list[int]) -> bool:
+        """Whether to read the batch at global ``indices``, whose chunks' files are ``cols`` (by chunk), chunk
+        ``c`` starting at global row ``starts[c]``."""
+        if self.mode != "auto" or indices.size == 0:
+            return self.mode == "read" and indices.size > 0
+        self._looked_up = self._trusted <= 0
+        if not self._looked_up:  # recent batches were cached and copied fast: this one is not looked up
+            self._trusted -= 1
+            return False
+        picked = [int(indices[0])] if self._last_cached else indices[::max(1, indices.size // SAMPLE)][:SAMPLE].tolist()
+        one = next(iter(cols)) if len(cols) == 1 else None
+        for row in picked:
+            c = bisect.bisect_right(starts, row) - 1 if one is None else one
+            local = [row - starts[c]]
+            for col in cols[c].values():
+                if not col.resident(local):
+                    self._last_cached, self._trusted = False, 0
+                    return True
+        self._last_cached = True
+        return False
+
+    def copied(self, rows: int, seconds: float) -> None:
+        """After a batch of ``rows`` copied out of the maps in ``seconds``: trust is granted only after a lookup."""
+        if seconds > rows * FAULT_S:
+            self._last_cached, self._trusted = False, 0
+        elif self._looked_up and self.mode == "auto":
+            self._trusted = TRUST
 
 
 @dataclass

@@ -163,6 +163,12 @@ def test_auto_reads_a_cold_batch_and_copies_a_cached_one(tmp_path, monkeypatch):
     assert made == [len(data)], "a batch out of the page cache is read, each key's file once"
     again = ds.gather(idx)  # its pages now cached: out of the maps
     assert made == [len(data)]
+    # the page cache dropped (its pages are mapped here now: out of an eviction's reach, so the lookup says so):
+    # seen within TRUST + 1 batches, sooner if a copy was slow
+    monkeypatch.setattr(gather.ColumnFile, "resident", lambda self, rows: False)
+    for _ in range(gather.TRUST + 1):
+        ds.gather(idx)
+    assert len(made) == 2, made
     for k, v in data.items():
         np.testing.assert_array_equal(got[k], v[idx])
         np.testing.assert_array_equal(again[k], v[idx])
