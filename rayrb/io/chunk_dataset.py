@@ -183,39 +183,28 @@ class ChunkDataset:
                 f"expected row indices in [0, {len(self)}), got range [{indices.min()}, {indices.max()}]")
         if out is None:
             out = {k: np.empty((indices.size, *f.shape), dtype=f.dtype) for k, f in self.spec.items()}
-        if len(self.chunks) == 1:  # the common case: no chunk lookups, no selection masks, no groups
-            cols = self._columns(0)
-            if not self._policy.cold(indices, {0: cols}, self._starts):
-                t0 = time.perf_counter()
-                for k in out:
-                    cols[k].array.take(indices, axis=0, out=out[k])
-                self._policy.copied(indices.size, time.perf_counter() - t0)
-                return out
-            groups = [(0, indices, None)]
+        if len(self.chunks) == 1:  # the common case: no chunk lookups, no selection masks
+            cols, chunk_of, chunks = {0: self._columns(0)}, None, [0]
         else:
             chunk_of = np.searchsorted(self.offsets, indices, side="right") - 1
-            chunks = np.unique(chunk_of)
-            if chunks.size == 1:
-                groups = [(int(chunks[0]), indices - self.offsets[chunks[0]], None)]
-            else:
-                groups = []
-                for c in chunks:
-                    sel = np.nonzero(chunk_of == c)[0]
-                    groups.append((int(c), indices[sel] - self.offsets[c], sel))
-        cols = {c: self._columns(c) for c, _, _ in groups}  # each file's size checked before any row is read
+            chunks = np.unique(chunk_of).tolist()
+            cols = {c: self._columns(c) for c in chunks}  # each file's size checked before any row is read
         if self._policy.cold(indices, cols, self._starts):
             reads = ColdReads(self.read_threads)
-            for c, local, sel in groups:
-                for k in out:
-                    reads.add(cols[c][k], local, out[k], sel)
+            for k in out:  # one plan a key over all its chunks: the batch's rows in offset order
+                reads.add({c: cols[c][k] for c in chunks}, indices, out[k], starts=self._starts)
             reads.run()
             return out
         t0 = time.perf_counter()
-        for c, local, sel in groups:
+        if len(chunks) == 1:
+            local = indices - self._starts[chunks[0]] if chunks[0] else indices
             for k in out:
-                if sel is None:
-                    np.take(cols[c][k].array, local, axis=0, out=out[k])
-                else:
+                cols[chunks[0]][k].array.take(local, axis=0, out=out[k])
+        else:
+            for c in chunks:
+                sel = np.nonzero(chunk_of == c)[0]
+                local = indices[sel] - self._starts[c]
+                for k in out:
                     out[k][sel] = cols[c][k].array[local]
         self._policy.copied(indices.size, time.perf_counter() - t0)
         return out

@@ -29,6 +29,7 @@ import os
 import stat
 import threading
 import weakref
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,7 +66,7 @@ class ColumnFile:
     def __init__(self, path: str | os.PathLike, shape: tuple[int, ...], dtype: np.dtype, label: str):
         self.label, self.shape, self.dtype = label, tuple(shape), np.dtype(dtype)
         self.nbytes = int(np.prod(shape, dtype=np.int64)) * self.dtype.itemsize
-        self.row_bytes = self.nbytes // shape[0] if shape[0] else 0
+        self.row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * self.dtype.itemsize
         self.fd, self.map = -1, None
         if self.nbytes == 0:  # nothing to map (a zero-width key may have no file)
             self.array = np.zeros(shape, self.dtype)
@@ -164,7 +165,8 @@ class ReadPolicy:
 class Plan:
     """A column's reads for one batch: segment ``s`` is ``lens[s]`` rows from row ``rows[s]`` into the batch's
     positions ``pos[s]...``; request ``q`` reads segments ``starts[q]`` to ``starts[q + 1]`` (exclusive) in one
-    call. After the reads, position ``dup_to[i]`` is copied from position ``dup_from[i]`` (a repeated row)."""
+    call, in file ``files[q]``. After the reads, position ``dup_to[i]`` is copied from position ``dup_from[i]``
+    (a repeated row)."""
 
     rows: list[int]
     pos: list[int]
@@ -172,15 +174,20 @@ class Plan:
     starts: list[int]
     dup_to: np.ndarray
     dup_from: np.ndarray
+    files: list[int]
 
 
 def plan(rows: np.ndarray, positions: np.ndarray, row_bytes: int, max_gap: int = MAX_GAP,
-         max_bytes: int = MAX_REQUEST, max_segments: int = MAX_SEGMENTS) -> Plan:
+         max_bytes: int = MAX_REQUEST, max_segments: int = MAX_SEGMENTS, bounds: np.ndarray | None = None) -> Plan:
     """The reads that put row ``rows[i]`` at batch position ``positions[i]`` for every ``i`` (see ``Plan``).
+    With ``bounds`` (each file's first row, ascending), rows are counted over the files one after another and no
+    segment or request crosses from one file to the next; ``Plan.files`` names each request's file.
 
     >>> p = plan(np.array([7, 3, 4, 3]), np.arange(4), row_bytes=8, max_gap=16)
     >>> p.rows, p.pos, p.lens, p.starts, p.dup_to.tolist(), p.dup_from.tolist()
     ([3, 7], [1, 0], [2, 1], [0, 2], [3], [1])
+    >>> plan(np.array([4, 5, 6]), np.arange(3), row_bytes=8, bounds=np.array([0, 5])).files
+    [0, 1]
     """
     rows, positions = np.asarray(rows, np.int64), np.asarray(positions, np.int64)
     order = np.argsort(rows, kind="stable")
@@ -191,17 +198,19 @@ def plan(rows: np.ndarray, positions: np.ndarray, row_bytes: int, max_gap: int =
     dup_to, dup_from = p[~first], p[head[~first]]
     r, p = r[first], p[first]
     window = r * row_bytes // max_bytes
+    file = np.zeros(r.size, np.int64) if bounds is None else np.searchsorted(bounds, r, side="right") - 1
     seg = np.ones(r.size, bool)
-    seg[1:] = (r[1:] != r[:-1] + 1) | (p[1:] != p[:-1] + 1) | (window[1:] != window[:-1])
+    seg[1:] = (r[1:] != r[:-1] + 1) | (p[1:] != p[:-1] + 1) | (window[1:] != window[:-1]) | (file[1:] != file[:-1])
     s = np.flatnonzero(seg)
     lens = np.diff(np.append(s, r.size))
     gap = (r[s[1:]] - r[s[:-1]] - lens[:-1]) * row_bytes
     req = np.ones(s.size, bool)
-    req[1:] = (gap > max_gap) | (window[s[1:]] != window[s[:-1]])
+    req[1:] = (gap > max_gap) | (window[s[1:]] != window[s[:-1]]) | (file[s[1:]] != file[s[:-1]])
     q = np.flatnonzero(req)
     k = np.arange(s.size) - np.repeat(q, np.diff(np.append(q, s.size)))  # a segment's place in its request
     starts = np.flatnonzero(req | (k % max_segments == 0)) if s.size else q
-    return Plan(r[s].tolist(), p[s].tolist(), lens.tolist(), [*starts.tolist(), int(s.size)], dup_to, dup_from)
+    return Plan(r[s].tolist(), p[s].tolist(), lens.tolist(), [*starts.tolist(), int(s.size)], dup_to, dup_from,
+                file[s[starts]].tolist())
 
 
 class ColdReads:
@@ -215,43 +224,46 @@ class ColdReads:
                  max_segments: int = MAX_SEGMENTS):
         self.threads, self.max_gap = max(1, int(threads)), max_gap
         self.max_bytes, self.max_segments = max_bytes, max_segments
-        self._jobs: list[tuple[ColumnFile, Plan, memoryview]] = []
+        self._jobs: list[tuple[Mapping[int, ColumnFile], list[int], Plan, memoryview]] = []
         self._after: list = []
 
-    def add(self, column: ColumnFile, rows: np.ndarray, out: np.ndarray, positions: np.ndarray | None = None) -> None:
-        """Plan reading ``column``'s ``rows`` into ``out[positions]`` (``out[:len(rows)]`` without positions)."""
-        if column.fd < 0 or rows.size == 0:  # no file (a zero-width key) or no rows: nothing to read
-            out[slice(None) if positions is None else positions] = column.array[rows]
+    def add(self, columns: ColumnFile | Mapping[int, ColumnFile], rows: np.ndarray, out: np.ndarray,
+            positions: np.ndarray | None = None, starts: Sequence[int] | None = None) -> None:
+        """Plan reading ``rows`` into ``out[positions]`` (``out[:len(rows)]`` without positions): from one column,
+        or from one key's columns by chunk, chunk ``c`` holding rows from ``starts[c]`` (one plan for them all)."""
+        columns = {0: columns} if isinstance(columns, ColumnFile) else columns
+        one = next(iter(columns.values()))
+        if one.row_bytes == 0 or rows.size == 0:  # a zero-width key or no rows: nothing to read
             return
-        direct = out.dtype == column.dtype and out.flags.c_contiguous and out.shape[1:] == column.shape[1:]
-        dest = out if direct else np.empty((rows.size, *column.shape[1:]), column.dtype)
+        direct = out.dtype == one.dtype and out.flags.c_contiguous and out.shape[1:] == one.shape[1:]
+        dest = out if direct else np.empty((rows.size, *one.shape[1:]), one.dtype)
         at = positions if direct and positions is not None else np.arange(rows.size)
         flat = dest.reshape(-1).view(np.uint8)
-        pl = plan(rows, at, column.row_bytes, self.max_gap, self.max_bytes, self.max_segments)
-        self._jobs.append((column, pl, memoryview(flat)))
-        rb = column.row_bytes
+        bounds = None if starts is None else np.asarray(starts, np.int64)
+        pl = plan(rows, at, one.row_bytes, self.max_gap, self.max_bytes, self.max_segments, bounds)
+        self._jobs.append((columns, [0] * len(columns) if starts is None else list(starts), pl, memoryview(flat)))
         if pl.dup_to.size:
-            bytes2d = flat.reshape(-1, rb)
+            bytes2d = flat.reshape(-1, one.row_bytes)
             self._after.append(lambda b=bytes2d, t=pl.dup_to, f=pl.dup_from: b.__setitem__(t, b[f]))
         if not direct:
             self._after.append(lambda: out.__setitem__(slice(None) if positions is None else positions, dest))
 
     def run(self) -> None:
         """Make every planned request (at most ``threads`` in flight), then the copies."""
-        work = [(j, q) for j, (_, pl, _) in enumerate(self._jobs) for q in range(len(pl.starts) - 1)]
+        work = [(j, q) for j, (_, _, pl, _) in enumerate(self._jobs) for q in range(len(pl.starts) - 1)]
         if work:
             parts = np.array_split(np.arange(len(work)), min(self.threads, len(work)))
             pool = _threads(self.threads)
             futures = [pool.submit(self._read, [work[i] for i in part]) for part in parts[1:]]
-            errors = []
+            errors: list[BaseException] = []
             try:
                 self._read([work[i] for i in parts[0]])  # the caller reads a share too
-            except ChunkError as e:
+            except BaseException as e:  # noqa: BLE001  (raised below, once no thread writes into the batch)
                 errors.append(e)
             for f in futures:
                 try:
                     f.result()
-                except ChunkError as e:
+                except BaseException as e:  # noqa: BLE001
                     errors.append(e)
             if errors:
                 raise errors[0]
@@ -262,13 +274,14 @@ class ColdReads:
     def _read(self, work: list[tuple[int, int]]) -> None:
         scratch = memoryview(bytearray(self.max_gap))  # the gaps between rows of one request: read, not kept
         for j, q in work:
-            column, pl, dest = self._jobs[j]
-            rb = column.row_bytes
+            columns, starts, pl, dest = self._jobs[j]
+            column = columns[pl.files[q]]
+            rb, first = column.row_bytes, starts[pl.files[q]]
             a, b = pl.starts[q], pl.starts[q + 1]
-            offset = end = pl.rows[a] * rb
+            offset = end = (pl.rows[a] - first) * rb
             bufs = []
             for s in range(a, b):
-                at = pl.rows[s] * rb
+                at = (pl.rows[s] - first) * rb
                 if at > end:
                     bufs.append(scratch[:at - end])
                 n = pl.lens[s] * rb

@@ -87,7 +87,9 @@ def test_reads_into_a_callers_buffers_of_another_layout_and_with_small_requests(
 def test_the_plan_reads_each_row_once_within_its_limits():
     rng = np.random.default_rng(5)
     rows = np.concatenate([rng.integers(0, 20000, 3000), np.arange(500, 700)])  # scattered, and a run
-    p = gather.plan(rows, np.arange(rows.size), row_bytes=12, max_gap=48, max_bytes=256, max_segments=4)
+    bounds = np.array([0, 333, 600, 601, 7000])  # five files, one of a single row
+    p = gather.plan(rows, np.arange(rows.size), row_bytes=12, max_gap=48, max_bytes=256, max_segments=4,
+                    bounds=bounds)
     got = np.full(rows.size, -1)
     for r, at, n in zip(p.rows, p.pos, p.lens):
         got[at:at + n] = np.arange(r, r + n)
@@ -95,8 +97,10 @@ def test_the_plan_reads_each_row_once_within_its_limits():
     np.testing.assert_array_equal(got, rows)
     assert sum(p.lens) == np.unique(rows).size  # each distinct row is read once
     assert 1 < len(p.starts) - 1 < len(p.lens)  # some requests hold several segments
-    for a, b in zip(p.starts[:-1], p.starts[1:]):
+    for q, (a, b) in enumerate(zip(p.starts[:-1], p.starts[1:])):
         assert 1 <= b - a <= 4
+        file = np.searchsorted(bounds, [p.rows[a], p.rows[b - 1] + p.lens[b - 1] - 1], side="right") - 1
+        assert file.tolist() == [p.files[q]] * 2  # a request reads one file
         assert (p.rows[b - 1] + p.lens[b - 1] - p.rows[a]) * 12 <= 256 + 12  # one window and its last row
         assert all((p.rows[s + 1] - p.rows[s] - p.lens[s]) * 12 <= 48 for s in range(a, b - 1))
 
