@@ -6,16 +6,16 @@ faults one at a time: a batch of ``B`` cold rows waits ``B`` disk latencies in t
 batch's cold rows are instead read with ``preadv`` from a small thread pool (the GIL is released in the call), so
 up to ``threads`` requests are in flight and the disk works at its random-read limit.
 
-The reads of one column are planned (``plan``) before any is made: the rows are sorted by offset and read once
+The reads of one key are planned (``plan``) before any is made, over all the chunks' files a batch touches: the rows are sorted by offset and read once
 each (a repeat is copied from its first copy afterwards); rows that follow each other on disk and in the batch
 form one segment (one buffer); segments at most ``max_gap`` bytes apart share a request, the gap read into a
 scratch buffer, so that near rows cost one request, not several. A request covers at most about ``max_bytes``, so
 that a long run of rows is spread over the threads. The rows land straight in the batch's buffer.
 
-Whether a batch is read or copied out of the maps is decided per batch: ``resident`` asks ``mincore`` whether a
-few of its rows are in the page cache (one call a row, about a microsecond); if all are, the batch is copied out
-of the maps as before (a read per row would cost more than the copy), else every row is read (a cached row read
-costs a system call and a copy, far less than a fault's wait).
+Whether a batch is read or copied out of the maps is decided per batch (``ReadPolicy``): ``resident`` asks
+``mincore`` whether a few of its rows are in the page cache (one call a row, about a microsecond); if all are, the
+batch is copied out of the maps as before (a read per row would cost more than the copy), else every row is read
+(a cached row read costs a system call and a copy, far less than a fault's wait).
 
 A file cut short under its readers gives ``ChunkError`` naming its chunk and key, never a wrong row and never
 SIGBUS: a read past the end returns fewer bytes, which is refused.
@@ -40,7 +40,9 @@ from rayrb.errors import ChunkError, InvalidArgumentError
 
 PAGE = mmap.PAGESIZE
 READ_THREADS = 32  # requests in flight: this machine's disk serves 4 KiB random reads fastest at depth 8 to 64
-MAX_GAP = 16 << 10  # two rows at most this far apart are read by one request (a request costs more than 16 KiB)
+# Two rows at most this far apart are read by one request: at 42K random reads/s and 1.4 GiB/s in order (this
+# machine's disk, docs/benchmarks.md) a request costs as much time as reading some 35 KiB.
+MAX_GAP = 16 << 10
 MAX_REQUEST = 1 << 20  # bytes a request covers at most, so that a long run is read by several threads
 MAX_SEGMENTS = 500  # segments a request holds at most: with the gaps' buffers, within IOV_MAX (1024 on Linux)
 SAMPLE = 4  # rows of a batch whose pages are looked up to tell a cached batch from a cold one
