@@ -44,6 +44,7 @@ import ray  # noqa: E402
 import torch  # noqa: E402
 from bench.call_cost import bench_call_cost  # noqa: E402
 from bench.cluster import bench_cluster  # noqa: E402
+from bench.cold import COLD, COLD_SMOKE, bench_cold  # noqa: E402
 from bench.consumers import bench_consumers  # noqa: E402
 from bench.draw_path import bench_draw_path  # noqa: E402
 from bench.gpu import bench_gpu  # noqa: E402
@@ -108,6 +109,7 @@ def config(args: argparse.Namespace) -> dict:
     """The mode's sizes with the command line's overrides: stored in results.json as ``config``."""
     cfg = dict(SIZES["smoke" if args.smoke else "full"])
     cfg["gpu"] = dict(GPU_SMOKE if args.smoke else GPU)
+    cfg["cold"] = dict(COLD_SMOKE if args.smoke else COLD)
     if args.gpu_config:
         unknown = set(args.gpu_config) - set(cfg["gpu"])
         if unknown:
@@ -169,6 +171,7 @@ def run_sections(args: argparse.Namespace, cfg: dict, sections: set[str], out_di
             "writing": ("writing", lambda: bench_writing(cfg, root, results)),
             "preprocess": ("preprocess", lambda: bench_preprocess(cfg, offline, root, results)),
             "slices": ("slices", lambda: bench_slices(cfg, root, results)),
+            "cold": ("cold reads", lambda: bench_cold(cfg, root, results)),
             "gpu": ("gpu", lambda: bench_gpu(cfg, root, out_dir, results))})
         ray.shutdown()
         run_steps(sections, {"cluster": ("cluster", lambda: bench_cluster(cfg, results, args.baseline)),

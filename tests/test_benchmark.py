@@ -75,6 +75,19 @@ def test_benchmark_smoke_of_the_other_sections(tmp_path):
     assert "Two-node Cluster" in render(tmp_path)
 
 
+@pytest.mark.bench
+def test_benchmark_smoke_of_cold_reads(tmp_path):
+    """The cold section at its smoke size (a few MiB, only its own file evicted, no root needed)."""
+    cold = smoke(tmp_path, "cold")["cold"]
+    assert cold["limits"]["random_4k"]["reads_per_s"] > 0 and cold["limits"]["sequential"]["mib_per_s"] > 0
+    for regime in ("cold", "warm"):
+        for key in ("256/256", "28672/256"):
+            row = cold[regime][key]
+            for peer in ("rayrb", "take", "torchrl_1_threads", "torchrl_2_threads"):
+                assert row[peer]["rows_per_s"] > 0 and row[peer]["private_mib_after"]["private"] > 0, (regime, peer)
+    assert cold["cold"]["256/256"]["rayrb_vs_disk_random_reads"] > 0
+
+
 def test_ray_settings_are_refused_for_a_cluster_the_benchmark_joins(tmp_path):
     """``--ray-config`` sets up an instance the benchmark starts; joining a running one, it fails before any work."""
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "RAY_ADDRESS": "127.0.0.1:1"}

@@ -1,15 +1,16 @@
 """Reading a chunk dataset: ``ChunkDataset`` maps each chunk's files read-only and gathers rows out of the maps.
 
-Reading needs only numpy: chunks are mapped with ``np.memmap(mode="r")``, so shard actors can map a dataset
-without importing torch, nothing is copied into RAM until rows are gathered, and writes raise.
+Reading needs only numpy: chunks are mapped read-only, so shard actors can map a dataset without importing torch,
+nothing is copied into RAM until rows are gathered, and writes raise. A gather copies rows in the page cache out of
+the maps and reads the others from the files with many requests in flight (``rayrb.io.gather``).
 """
 from __future__ import annotations
 
 import math
-import mmap
 import os
 import shutil
 import stat
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ import numpy as np
 
 from rayrb.core.schema import SEP, RowSpec
 from rayrb.errors import ChunkError, InvalidArgumentError, ReadOnlyError, RowIndexError
+from rayrb.io.gather import READ_THREADS, ColdReads, ColumnFile, ReadPolicy, open_columns
 from rayrb.io.hashing import hash_algorithm, hash_arrays
 from rayrb.io.manifest import MANIFEST, ChunkInfo, read_manifest
 
@@ -72,8 +74,10 @@ class ChunkDataset:
         self.spec = RowSpec.from_json(manifest["spec"])
         self.chunks = [ChunkInfo(**c) for c in manifest["chunks"]]
         self.offsets = np.cumsum([0] + [c.rows for c in self.chunks])
+        self._starts = self.offsets.tolist()
         self._maps: dict[tuple[int, str], dict[str, np.memmap]] = {}
-        self._mapped: dict[int, list[tuple[str, mmap.mmap, int]]] = {}  # each gathered chunk's files, as mapped
+        self._files: dict[int, dict[str, ColumnFile]] = {}  # each gathered chunk's files, open and mapped
+        self._policy, self.read_threads = ReadPolicy(), READ_THREADS
 
     @classmethod
     def open(cls, root: str | os.PathLike, *, verify: bool = False) -> "ChunkDataset":
@@ -169,7 +173,10 @@ class ChunkDataset:
     def gather(self, indices: np.ndarray, out: Mapping[str, np.ndarray] | None = None, *,
                checked: bool = True) -> dict[str, np.ndarray]:
         """Rows at global ``indices`` (any order, repeats allowed) as fresh arrays, or into ``out``'s.
-        ``checked=False``: the caller drew the indices within the rows itself."""
+        ``checked=False``: the caller drew the indices within the rows itself.
+
+        Rows in the page cache are copied out of the maps; a batch whose rows are not is read from the files with
+        many requests in flight (``rayrb.io.gather``; ``reads`` picks: ``"auto"``, ``"map"`` or ``"read"``)."""
         indices = np.asarray(indices, dtype=np.int64)
         if checked and indices.size and (indices.min() < 0 or indices.max() >= len(self)):
             raise RowIndexError(
@@ -177,44 +184,58 @@ class ChunkDataset:
         if out is None:
             out = {k: np.empty((indices.size, *f.shape), dtype=f.dtype) for k, f in self.spec.items()}
         if len(self.chunks) == 1:  # the common case: no chunk lookups, no selection masks
-            maps = self._plain(0)
-            for k in out:
-                maps[k].take(indices, axis=0, out=out[k])
+            cols, chunk_of, chunks = {0: self._columns(0)}, None, [0]
+        else:
+            chunk_of = np.searchsorted(self.offsets, indices, side="right") - 1
+            chunks = np.unique(chunk_of).tolist()
+            cols = {c: self._columns(c) for c in chunks}  # each file's size checked before any row is read
+        if self._policy.cold(indices, cols, self._starts):
+            reads = ColdReads(self.read_threads)
+            for k in out:  # one plan a key over all its chunks: the batch's rows in offset order
+                reads.add({c: cols[c][k] for c in chunks}, indices, out[k], starts=self._starts)
+            reads.run()
             return out
-        chunk_of = np.searchsorted(self.offsets, indices, side="right") - 1
-        chunks = np.unique(chunk_of)
-        if chunks.size == 1:
-            local = indices - self.offsets[chunks[0]]
-            maps = self._plain(int(chunks[0]))
+        t0 = time.perf_counter()
+        if len(chunks) == 1:
+            local = indices - self._starts[chunks[0]] if chunks[0] else indices
             for k in out:
-                np.take(maps[k], local, axis=0, out=out[k])
-            return out
-        for c in chunks:
-            sel = np.nonzero(chunk_of == c)[0]
-            local = indices[sel] - self.offsets[c]
-            maps = self._plain(int(c))
-            for k in out:
-                out[k][sel] = maps[k][local]
+                cols[chunks[0]][k].array.take(local, axis=0, out=out[k])
+        else:
+            for c in chunks:
+                sel = np.nonzero(chunk_of == c)[0]
+                local = indices[sel] - self._starts[c]
+                for k in out:
+                    out[k][sel] = cols[c][k].array[local]
+        self._policy.copied(indices.size, time.perf_counter() - t0)
         return out
 
-    def _plain(self, i: int) -> dict[str, np.ndarray]:
-        """Chunk ``i``'s read-only maps as plain arrays (``np.memmap``'s own indexing costs more than small reads),
-        after checking that none of its files has become shorter than mapped since it was opened."""
-        key = (i, "plain")
-        if key not in self._maps:
-            maps = self.chunk_arrays(i)
-            # a map's base is its mmap, whose size() is its file's now (one fstat of the mapped file, ~1 us)
-            self._mapped[i] = [(k, v.base, v.nbytes) for k, v in maps.items() if isinstance(v.base, mmap.mmap)]
-            self._maps[key] = {k: np.asarray(v) for k, v in maps.items()}
-        for k, mapped, nbytes in self._mapped[i]:
+    @property
+    def reads(self) -> str:
+        """How gathers reach rows: ``"auto"`` (cached batches out of the maps, others read from the files),
+        ``"map"`` (always out of the maps) or ``"read"`` (always read)."""
+        return self._policy.mode
+
+    @reads.setter
+    def reads(self, mode: str) -> None:
+        self._policy.set_mode(mode)
+
+    def _columns(self, i: int) -> dict[str, ColumnFile]:
+        """Chunk ``i``'s files, each open and mapped once, after checking that none of them has become shorter
+        than mapped since it was opened."""
+        if i not in self._files:
+            c = self.chunks[i]
+            self._files[i] = open_columns(_chunk_files(self.root / c.path, self.spec, c.rows), c.path)
+        for k, col in self._files[i].items():
             # Reading a page past the end of a file truncated under its maps kills the process (SIGBUS): the
             # dataset is immutable, so a file cut short is refused before any read, naming it. A cut between this
-            # check and the copy still kills the reader: no check can close that window.
-            if mapped.size() < nbytes:
-                raise ChunkError(f"chunk {self.chunks[i].path}: key {k!r} expected {nbytes} bytes, its file holds "
-                                 f"{mapped.size()}: the dataset was changed under its readers (it is immutable); "
+            # check and a copy out of the maps still kills the reader: no check can close that window (reads from
+            # the files refuse a short read instead).
+            size = col.size_now()
+            if size < col.nbytes:
+                raise ChunkError(f"chunk {self.chunks[i].path}: key {k!r} expected {col.nbytes} bytes, its file holds "
+                                 f"{size}: the dataset was changed under its readers (it is immutable); "
                                  "prepare it again")
-        return self._maps[key]
+        return self._files[i]
 
     def __getitem__(self, index: Any):
         """Rows by integer, slice or index array, copied into a TensorDict (no batch dim for an integer)."""
@@ -247,7 +268,7 @@ class ChunkDataset:
         naming the first one that differs."""
         for i, c in enumerate(self.chunks):
             self._maps.pop((i, "r"), None)
-            self._maps.pop((i, "plain"), None)
+            self._files.pop(i, None)
             got = hash_arrays(self.chunk_arrays(i), self.spec, hash_algorithm(c.hash))
             if got != c.hash:
                 raise ChunkError(f"chunk {c.path}: content hash {got} does not match the manifest's {c.hash}")
@@ -255,6 +276,7 @@ class ChunkDataset:
     def delete(self) -> None:
         """Remove the dataset from disk (manifest first, so a partial delete is never a dataset)."""
         self._maps.clear()
+        self._files.clear()
         (self.root / MANIFEST).unlink(missing_ok=True)
         shutil.rmtree(self.root, ignore_errors=True)
 
