@@ -3,6 +3,7 @@ by side on one simulated cluster (``ray.cluster_utils.Cluster``: a head and thre
 this machine), and the bytes each row takes.
 
     python pipelines/bench_replicas.py                 # 4 writers x 50 writes x 1,000 rows of 54 float32, 3 repeats
+    python pipelines/bench_replicas.py --pipelined     # the same with writes that do not wait (then flush())
     python pipelines/bench_replicas.py --smoke         # tiny sizes (run by the tests)
 
 Prints one ``RAYRB_RESULT {json}`` line; ``pipelines/benchmark.py --sections replicas`` runs it and keeps it.
@@ -32,13 +33,14 @@ WORKER = {"num_cpus": 0.01}  # every actor asks for a little, so all of them run
 class Writer:
     """``batches`` writes of ``rows`` rows each, made before the clock starts."""
 
-    def write(self, rb, batches: int, rows: int, dim: int, seed: int) -> float:
+    def write(self, rb, batches: int, rows: int, dim: int, seed: int, pipelined: bool = False) -> float:
         rng = np.random.default_rng(seed)
         data = [{"X": rng.standard_normal((rows, dim), dtype=np.float32), "y": np.zeros(rows, np.int64)}
                 for _ in range(batches)]
         t0 = time.perf_counter()
         for d in data:
-            rb.extend(d)
+            rb.extend(d, wait=not pipelined)
+        rb.flush()
         return time.perf_counter() - t0
 
 
@@ -62,7 +64,7 @@ def one(replicas: int, args, writers: list, root: str) -> dict:
                                      storage_dir=state, actor_options=WORKER,
                                      dataset_root=Path(tempfile.mkdtemp(dir=root)) / "ds")
     t0 = time.perf_counter()
-    ray.get([w.write.remote(rb, args.batches, args.rows, args.dim, i) for i, w in enumerate(writers)])
+    ray.get([w.write.remote(rb, args.batches, args.rows, args.dim, i, args.pipelined) for i, w in enumerate(writers)])
     write_rate = capacity / (time.perf_counter() - t0)
     assert rb.write_count == capacity
     copies = [r for s in rb.stats()["shards"] for r in s.get("replicas", [])]
@@ -88,6 +90,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--batch", type=int, default=4096)
     p.add_argument("--seconds", type=float, default=3.0)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--pipelined", action="store_true", help="writes with extend(..., wait=False), then flush()")
     p.add_argument("--smoke", action="store_true")
     args = p.parse_args(argv)
     if args.smoke:
