@@ -15,10 +15,6 @@ LISTED = {
                                                                  "with TorchRL's"),
     ("function", "tests/integrations/test_torchrl_compat.py::TestOfflineToOnlineTrainer."
                  "test_train_grows_online_and_anneals"): (103, "TorchRL's own test, as TorchRL wrote it"),
-    ("class", "rayrb/actors/coordinator.py::Coordinator"): (307, "two write paths (placed by the coordinator "
-                                                                 "under a rate limiter that admits each write, by "
-                                                                 "the shards otherwise) until the limiter admits "
-                                                                 "writes it does not place"),
     ("class", "rayrb/handle/owner.py::OfflineToOnlineReplayBuffer"): (268, "one documented keyword per setting "
                                                                           "in its group, with its default value; "
                                                                           "TorchRL's SliceSampler keywords too"),

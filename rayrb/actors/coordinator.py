@@ -17,7 +17,6 @@ nothing; the handle asks again. ``docs/architecture.md`` draws the whole picture
 """
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,6 +26,8 @@ from rayrb.actors.drawing import Drawing
 from rayrb.actors.lifecycle import begin
 from rayrb.actors.metrics import ActorMetrics
 from rayrb.actors.publishing import Target, Targets
+from rayrb.actors.restoring import Restoring, saved
+from rayrb.actors.steering import Steering
 from rayrb.actors.version import Version
 from rayrb.actors.writing import Writing, failed
 from rayrb.core.ahead import GiveBack
@@ -37,25 +38,10 @@ from rayrb.durability.coordinator_state import CoordinatorState
 from rayrb.durability.mirror import GcsMirror
 from rayrb.durability.replies import saved_answers
 from rayrb.durability.writelog import WriteLog
-from rayrb.errors import HeldBack, InvalidStateError, SavedStateError
+from rayrb.errors import HeldBack, InvalidStateError
 
 
-def saved(method):
-    """Mark a call after which the coordinator saves its state: one that changes the stream, the settings, the
-    version or the write log (getters and ``served`` do not). Like every call that reads the state, it first takes
-    the counts appends published since the last call (``Coordinator._poll``): a write is counted before any call
-    that came after it, as if it had passed through here."""
-    @functools.wraps(method)
-    def wrapper(self, *args, **kwargs):
-        self._poll()
-        out = method(self, *args, **kwargs)
-        self._save()
-        return out
-
-    return wrapper
-
-
-class Coordinator:
+class Coordinator(Restoring, Steering):
     def __init__(self, offline_shards: Sequence[Any], offline_sizes: Sequence[int], online_shards: Sequence[Any],
                  online_capacities: Sequence[int], *, name: str = "rayrb", seed: int | None = None,
                  state_dir: str | None = None, replicated: bool = False, shards_place: bool = False,
@@ -172,36 +158,6 @@ class Coordinator:
         sizes = self._sizes()
         return {OFFLINE: sizes[OFFLINE].tolist(), ONLINE: sizes[ONLINE].tolist(), **self._writing.sizes_report()}
 
-    def offline_fraction(self) -> float:
-        return self._planner.fraction(self._sizes())
-
-    @saved
-    def set_offline_fraction(self, value: Any) -> float:
-        self._changed(settings=True)
-        self._planner.set_fraction(value)
-        return self.offline_fraction()
-
-    @saved
-    def anneal(self, step: int, total_steps: int) -> float:
-        """TorchRL's ``anneal``: linear from the base fraction to 0 over ``total_steps``."""
-        self._changed(settings=True)
-        return self._planner.anneal(step, total_steps, self._sizes())
-
-    @saved
-    def set_step(self, step: int) -> None:
-        self._changed(settings=True)
-        self._planner.set_step(step)
-
-    def base_fraction(self) -> float:
-        """The fraction ``anneal`` decays from."""
-        return self._planner.base_fraction(self._sizes())
-
-    @saved
-    def set_base_fraction(self, value: float) -> float:
-        self._changed(settings=True)
-        self._planner.set_base_fraction(value)
-        return self.base_fraction()
-
     @saved
     def plan(self, batch_size: int, num_batches: int = 1, *, stream: str | None = None, served: int | None = None,
              call: str | None = None, slices: int = 1, waited: float = 0.0, owing: int | None = None
@@ -299,55 +255,6 @@ class Coordinator:
         n, acks = self._drawing.update_priority((offline, shard, index, generation, priority), self._sizes())
         self._changed()
         return n, acks
-
-    @saved
-    def resync(self) -> dict[str, list[int]]:
-        """Take the online shards' own write counts (after a failed write or a restore)."""
-        self._changed()
-        self._writing.resync()
-        for side in SIDES:
-            self._drawing.requery_masses(side, range(len(self._shards[side])))
-        return self.sizes()
-
-    def shard_states(self, side: str) -> list[Any]:
-        """Refs to each shard's state arrays, behind every write sent so far."""
-        self._poll()
-        return [s.state.remote() for s in self._shards[side]]
-
-    @saved
-    def load_shard_states(self, side: str, states: Sequence[dict]) -> list[Any]:
-        """Give each shard of ``side`` its state once every shard checked its own (a refused call changes nothing);
-        the acks, then ``resync``, complete it."""
-        import ray
-
-        if len(states) != len(self._shards[side]):
-            raise SavedStateError(f"expected {len(self._shards[side])} {side} shard states, got {len(states)}")
-        ray.get([s.check_state.remote(st) for s, st in zip(self._shards[side], states)])
-        self._changed()
-        return [s.load_state.remote(st) for s, st in zip(self._shards[side], states)]
-
-    def state_dict(self) -> dict[str, Any]:
-        """The sampling state, draws ahead given back, with the draws the buffer owes (``Drawing.state_dict``)."""
-        self._poll()
-        return self._drawing.state_dict()
-
-    def check_state_dict(self, state: dict[str, Any]) -> None:
-        """Raise, naming what is wrong, unless ``load_state_dict`` would take ``state``; change nothing."""
-        self._poll()
-        self._drawing.check_state_dict(state, self._sizes())
-
-    @saved
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the sampling state and the draws it owes (``Drawing.load_state_dict``), or change nothing."""
-        self._drawing.load_state_dict(state)
-        self._changed()
-
-    def checkpoint(self, path: str | None) -> dict[str, Any]:
-        """Every shard's dump into ``path`` (its state as an object where None) and this state, at one cut."""
-        self._poll()
-        acks = [s.dump.remote(f"{path}/shard-{j}.npz") if path is not None else s.state.remote()
-                for j, s in enumerate(self._shards[OFFLINE] + self._shards[ONLINE])]
-        return {"acks": acks, "state": self.state_dict(), "sizes": self.sizes()}
 
     def stats(self, include_shards: bool = True) -> dict[str, Any]:
         import ray
