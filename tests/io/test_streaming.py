@@ -178,3 +178,13 @@ def test_a_root_in_use_and_an_empty_stream_are_refused(tmp_path):
         write_batches(iter([rows(0, 0)]), tmp_path / "empty")
     with pytest.raises(InvalidArgumentError, match="chunk_rows"):
         write_batches(stream()(), tmp_path / "bad", chunk_rows=0)
+
+
+def test_a_whole_dataset_wins_over_a_record_left_beside_it(tmp_path):
+    """Killed between the manifest and removing the record: the manifest names the whole dataset, and a resume
+    opens it as it is, whatever the record says."""
+    root = tmp_path / "ds"
+    whole = write_batches(stream()(), root, chunk_rows=100)
+    (root / PARTIAL).write_text((root / MANIFEST).read_text().replace('"rows": 1004', '"rows": 100'))
+    again = write_batches(stream([5]), root, chunk_rows=100, resume=True)
+    assert again.chunks == whole.chunks and everything(again)["id"].tolist() == list(range(sum(SIZES)))
