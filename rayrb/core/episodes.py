@@ -74,6 +74,17 @@ class Episodes:
         return Episodes(a[keep], b[keep])
 
 
+def per_step(column: np.ndarray) -> np.ndarray:
+    """``column`` as ``[steps, values]``: a flag or id of shape ``[steps, 1]`` (TorchRL's done keys) is one value
+    a step. No steps is ``[0, values]`` (``reshape(0, -1)`` cannot tell ``-1``).
+
+    >>> per_step(np.zeros((0, 1), bool)).shape, per_step(np.array([[1], [2]])).tolist()
+    ((0, 1), [[1], [2]])
+    """
+    column = np.asarray(column)
+    return column.reshape(len(column), int(np.prod(column.shape[1:], dtype=np.int64)))
+
+
 def from_ids(ids: np.ndarray, first: int = 0) -> Episodes:
     """Episodes of steps ``first, first + 1, ...`` with trajectory ids ``ids`` (a run ends where the id changes)."""
     ids = np.asarray(ids)
@@ -91,7 +102,7 @@ def from_ends(ends: np.ndarray, first: int = 0) -> Episodes:
     steps after the last set flag are an episode still being written)."""
     ends = np.asarray(ends, bool)
     if ends.ndim > 1:  # a flag per step of shape [steps, 1] (TorchRL's done keys)
-        ends = ends.reshape(len(ends), -1).any(axis=1)
+        ends = per_step(ends).any(axis=1)
     stops = np.flatnonzero(ends).astype(np.int64) + 1
     if ends.size and (stops.size == 0 or stops[-1] != ends.size):
         stops = np.concatenate([stops, [ends.size]]).astype(np.int64)
@@ -105,7 +116,7 @@ def episodes_of(column: np.ndarray, ends: bool, first: int = 0) -> Episodes:
     column = np.asarray(column)
     if ends:
         return from_ends(column, first)
-    return from_ids(column.reshape(len(column), -1)[:, 0] if column.ndim > 1 else column, first)
+    return from_ids(per_step(column)[:, 0] if column.ndim > 1 else column, first)
 
 
 @dataclass(frozen=True)
@@ -251,7 +262,7 @@ def whole_slices(rows: np.ndarray, column: np.ndarray, slice_len: int, ends: boo
     if not (step == 1).all() and not (padded and (step >= 0).all() and (step <= 1).all()
                                       and (step[:, 1:] <= step[:, :-1]).all()):
         return False
-    column = np.asarray(column).reshape(rows.size, -1)
+    column = per_step(column)
     if ends:  # no end flag on a step another step of the slice follows
         return not (column.any(axis=1).reshape(-1, slice_len)[:, :-1] & (step == 1)).any()
     ids = column[:, 0].reshape(-1, slice_len)

@@ -42,6 +42,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from rayrb.core.allocation import assign_pieces, cut_write
+from rayrb.core.episodes import per_step
 from rayrb.core.layout import ShardLayout
 from rayrb.core.plans import ONLINE
 from rayrb.durability.appends import UNDO_ROWS, positions
@@ -96,7 +97,7 @@ class DirectWrites:
         if self._episodes is None:
             return
         key, ends = self._episodes
-        column = np.asarray(rows[key]).reshape(len(rows[key]), -1)
+        column = per_step(rows[key])
         self._marks[write_id] = (None, bool(column[-1].any())) if ends else (column[0, 0].item(), column[-1, 0].item())
         if len(self._marks) > PLACINGS:  # writes that failed before they were placed are not kept for ever
             self._marks.popitem(last=False)

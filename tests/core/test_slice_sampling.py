@@ -66,6 +66,19 @@ def test_a_shard_draws_whole_slices_of_one_episode_and_weighs_itself_by_them():
         s.sample(4, len(ids), np.random.default_rng(0))
 
 
+@pytest.mark.parametrize("ends", [True, False])
+def test_an_empty_shard_of_flags_or_ids_shaped_steps_by_one_holds_no_slice(ends):
+    """TorchRL's done keys (and ids stored so) are ``[steps, 1]``: an online shard with none written yet holds no
+    slice, and says so, rather than failing to find episodes in zero steps."""
+    s = make_sampler("slice", 8, slice_len=2, slice_key="k", slice_ends=ends)
+    column = np.zeros((8, 1), bool if ends else np.int64)
+    s.bind({"k": column}, np.zeros(8, np.int64))
+    assert s.mass(0) == (0.0, 1.0)
+    column[:4] = np.array([[False], [True], [False], [True]]) if ends else np.array([[3], [3], [4], [4]])
+    s.on_write(np.arange(4))
+    assert s.mass(4) == (2.0, 1.0)
+
+
 def test_a_wrapped_online_shard_draws_in_write_order_and_never_over_an_overwritten_step():
     """Capacity 8, 12 rows written: slots 0-3 hold rows 8-11 (generation 2), slots 4-7 rows 4-7. Episode 1 runs
     over rows 4-9 (slots 4-7 then 0-1): its slices cross the wrap in write order; episode 0's rows 0-3 are gone."""

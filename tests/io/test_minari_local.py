@@ -1,5 +1,5 @@
 """``minari:`` ids: a dataset recorded here with Minari's DataCollector loads from Minari's local datasets, with
-TorchRL's Minari rows; other ids go to TorchRL's MinariExperienceReplay. No Ray, no network."""
+TorchRL's Minari rows; other ids go to TorchRL's MinariExperienceReplay. No network; Ray in the last test only."""
 from __future__ import annotations
 
 import numpy as np
@@ -146,3 +146,32 @@ def test_a_download_that_cannot_start_says_the_id_was_not_local(minari_home, rec
     with pytest.raises(ImportError, match="huggingface_hub") as e:
         load_dataset("minari:D4RL/door/human-v2", batch_size=4)
     assert any("'D4RL/door/human-v2' is not among Minari's local datasets" in n for n in e.value.__notes__)
+
+
+def test_slices_of_a_local_minari_dataset_stay_in_its_episodes(recorded, torchrl_not_called, ray_session, tmp_path):
+    """``SliceSampler()`` with TorchRL's default keys finds a Minari dataset's episodes (its ``("next", "done")``
+    flags) through a buffer built from the id: every slice is consecutive steps of one episode, and the slices
+    drawn are every valid slice of the recorded episodes, none other."""
+    from rayrb import OfflineToOnlineReplayBuffer, SliceSampler
+
+    slice_len = 4
+    rb = OfflineToOnlineReplayBuffer(f"minari:{DATASET_ID}", online_capacity=64, offline_fraction=1.0, batch_size=16,
+                                     sampler=SliceSampler(slice_len=slice_len), seed=0,
+                                     dataset_root=tmp_path / "ds", storage_dir=tmp_path / "state")
+    try:
+        firsts, valid, at = set(), set(), 0
+        for ep in recorded:  # the steps of each episode, in id order: starts of the slices it holds
+            steps = len(ep["action"])
+            valid |= set(range(at, at + steps - slice_len + 1))
+            at += steps
+        for _ in range(200):
+            batch, info = rb.sample(return_info=True)
+            steps, index = batch.reshape(-1, slice_len), info["index"].reshape(-1, slice_len)
+            assert (steps["episode"] == steps["episode"][:, :1]).all()  # one episode a slice
+            assert torch.equal(index - index[:, :1], torch.arange(slice_len).expand_as(index))  # consecutive steps
+            assert torch.equal(steps["next", "observation"][:, :-1], steps["observation"][:, 1:])
+            assert not steps["next", "done"][:, :-1].any()  # an episode's end only at a slice's last step
+            firsts |= set(index[:, 0].tolist())
+        assert firsts == valid
+    finally:
+        rb.shutdown()
