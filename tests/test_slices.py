@@ -217,3 +217,14 @@ def test_short_slices_read_here_are_the_rows_the_shards_read(make_buffer):
             assert np.asarray(a[key]).tolist() == np.asarray(b[key]).tolist(), key
         for key in ("offline", "shard", "index", "generation"):
             assert np.asarray(ia[key]).tolist() == np.asarray(ib[key]).tolist(), key
+
+
+def test_trajectory_ids_of_two_values_a_step_are_refused_before_any_actor_starts(make_buffer, ray_session):
+    from rayrb import SchemaError
+
+    ids = np.stack([np.arange(40) // 20, np.arange(40) // 10 % 2], 1)  # (environment, episode): 4 episodes
+    rows = {"obs": np.arange(40, dtype=np.float32)[:, None], "traj": ids}
+    before = ray_session.util.list_named_actors(all_namespaces=True)
+    with pytest.raises(SchemaError, match=r"one trajectory id a step in 'traj'"):
+        make_buffer(rows, online_capacity=64, batch_size=8, sampler=SliceSampler(slice_len=4, traj_key="traj"))
+    assert ray_session.util.list_named_actors(all_namespaces=True) == before

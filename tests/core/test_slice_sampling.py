@@ -66,6 +66,16 @@ def test_a_shard_draws_whole_slices_of_one_episode_and_weighs_itself_by_them():
         s.sample(4, len(ids), np.random.default_rng(0))
 
 
+def test_trajectory_ids_of_several_values_a_step_are_refused_and_end_flags_of_several_are_not():
+    """``[steps, 2]`` ids (say, environment and episode) would be cut by their first value only: refused by name.
+    End flags of several values a step (one per agent) end an episode where any is set: taken."""
+    shapes = {"traj": (2,), "episode": (1,), "next/done": (3,)}
+    with pytest.raises(SchemaError, match=r"one trajectory id a step in 'traj' \(shape \[\] or \[1\]\), got shape \[2\]"):
+        SliceSampler(slice_len=2, traj_key="traj").resolve(list(shapes), None, shapes)
+    assert SliceSampler(slice_len=2, traj_key="episode").resolve(list(shapes), None, shapes)["slice_key"] == "episode"
+    assert SliceSampler(slice_len=2).resolve(list(shapes), None, shapes)["slice_ends"] is True
+
+
 @pytest.mark.parametrize("ends", [True, False])
 def test_an_empty_shard_of_flags_or_ids_shaped_steps_by_one_holds_no_slice(ends):
     """TorchRL's done keys (and ids stored so) are ``[steps, 1]``: an online shard with none written yet holds no
