@@ -52,6 +52,9 @@ def to_numpy_dict(data: Any) -> dict[str, np.ndarray]:
 
     Tensors are moved to CPU; CPU tensors become views, not copies.
     """
+    if not isinstance(data, (TensorDictBase, Mapping)):  # a bare array would become a key named ''
+        raise InvalidArgumentTypeError(f"expected rows as a TensorDict or a dict of tensors or arrays, got "
+                                       f"{type(data).__name__}")
     out: dict[str, np.ndarray] = {}
 
     def visit(prefix: str, value: Any) -> None:

@@ -130,6 +130,9 @@ def write_chunk(arrays: Mapping[str, np.ndarray], directory: str | os.PathLike, 
 def new_dataset_root(root: str | os.PathLike, overwrite: bool = False) -> Path:
     """Make ``root`` ready for a new dataset: it must be absent or empty, unless ``overwrite`` clears it."""
     root = Path(root)
+    if root.exists() and not root.is_dir():  # never removed, even with overwrite: it is not a dataset
+        raise DirectoryNotEmptyError(f"expected an absent or empty directory for a new chunk dataset, got a file at "
+                                     f"{root}")
     if root.exists() and any(root.iterdir()):
         if not overwrite:
             raise DirectoryNotEmptyError(

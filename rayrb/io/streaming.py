@@ -132,11 +132,15 @@ def _from(batches: Iterable[Any] | Callable[[int], Iterable[Any]], start: int) -
 
 
 def _arrays(batch: Any) -> Arrays:
+    """A batch as flat arrays, each with a row dimension (``RowSpec.from_arrays``' rule, as ``write_dataset``)."""
     if isinstance(batch, Mapping) and all(isinstance(v, np.ndarray) for v in batch.values()):
-        return dict(batch)
-    from rayrb.io.arrays import to_numpy_dict
+        arrays = dict(batch)
+    else:
+        from rayrb.io.arrays import to_numpy_dict
 
-    return to_numpy_dict(batch)
+        arrays = to_numpy_dict(batch)
+    RowSpec.from_arrays(arrays)  # a scalar or no key at all: refused here, before its rows are counted
+    return arrays
 
 
 def _rows(arrays: Arrays) -> int:

@@ -15,7 +15,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from rayrb.errors import ChunkError, DirectoryNotEmptyError, InvalidArgumentError, SchemaError
+from rayrb.errors import ChunkError, DirectoryNotEmptyError, InvalidArgumentError, InvalidArgumentTypeError, SchemaError
 from rayrb.io.chunks import ChunkDataset, write_dataset
 from rayrb.io.manifest import MANIFEST
 from rayrb.io.streaming import PARTIAL, write_batches
@@ -149,6 +149,37 @@ def test_a_batch_of_another_schema_is_refused_naming_it(tmp_path):
     with pytest.raises(SchemaError, match="batch 1"):
         write_batches(batches(), tmp_path / "ds", chunk_rows=4)
     assert not (tmp_path / "ds" / MANIFEST).exists()
+
+
+@pytest.mark.parametrize("bad", [{"obs": np.float32(1), "id": np.int64(1), "next/reward": 1.0},
+                                 {"obs": np.zeros(2, np.float32), "id": 5, "next/reward": np.zeros(1)}],
+                         ids=["scalars", "one-scalar"])
+def test_a_batch_of_scalars_is_refused_as_write_dataset_refuses_it(tmp_path, bad):
+    """A batch holding a key with no row dimension: the same SchemaError as ``write_dataset``'s, not a TypeError
+    from counting its rows; chunks before it stay recorded, no dataset is made."""
+    with pytest.raises(SchemaError, match="expected an array with a row dimension, got a scalar"):
+        write_batches(iter([rows(0, 10), bad]), tmp_path / "ds", chunk_rows=4)
+    with pytest.raises(SchemaError, match="expected an array with a row dimension, got a scalar"):
+        write_dataset(bad, tmp_path / "whole")
+    assert not (tmp_path / "ds" / MANIFEST).exists() and (tmp_path / "ds" / PARTIAL).exists()
+
+
+@pytest.mark.parametrize("bad", [[1, 2, 3], None, np.zeros(4)], ids=["list", "none", "array"])
+def test_a_batch_that_is_not_rows_by_key_is_refused_by_type(tmp_path, bad):
+    with pytest.raises(InvalidArgumentTypeError, match="expected rows as a TensorDict or a dict of tensors or arrays"):
+        write_batches(iter([rows(0, 10), bad]), tmp_path / "ds", chunk_rows=4)
+    with pytest.raises(InvalidArgumentTypeError, match=f"got {type(bad).__name__}"):
+        write_dataset(bad, tmp_path / "whole")
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_file_where_the_dataset_goes_is_refused_and_kept(tmp_path, overwrite):
+    (tmp_path / "ds").write_text("mine")
+    for write in (lambda: write_batches(stream()(), tmp_path / "ds", overwrite=overwrite),
+                  lambda: write_dataset(rows(0, 5), tmp_path / "ds", overwrite=overwrite)):
+        with pytest.raises(DirectoryNotEmptyError, match="got a file at"):
+            write()
+    assert (tmp_path / "ds").read_text() == "mine"
 
 
 def test_a_resume_that_cannot_be_the_same_write_is_refused(tmp_path):
