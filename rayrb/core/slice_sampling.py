@@ -97,10 +97,19 @@ class SliceSampler:
         if (self.slice_len is None) == (self.num_slices is None):
             raise InvalidArgumentError(f"expected one of slice_len and num_slices, got slice_len={self.slice_len} "
                                        f"and num_slices={self.num_slices}")
-        positive_int("slice_len" if self.num_slices is None else "num_slices", self.slice_len or self.num_slices)
+        if self.num_slices is None:
+            positive_int("slice_len", self.slice_len)
+        else:
+            positive_int("num_slices", self.num_slices)
         if self.traj_key is not None and self.end_key is not None:
             raise InvalidArgumentError(f"expected one of traj_key and end_key, got traj_key={self.traj_key!r} and "
                                        f"end_key={self.end_key!r}")
+        for name, key in (("traj_key", self.traj_key), ("end_key", self.end_key)):
+            names = [key] if isinstance(key, str) else key
+            if key is not None and not (isinstance(names, (tuple, list)) and names
+                                        and all(isinstance(n, str) and n for n in names)):
+                raise InvalidArgumentError(f"expected {name} a key name or a tuple of names (none empty), got "
+                                           f"{key!r}")
         if not isinstance(self.replacement, bool):
             raise InvalidArgumentError(f"expected replacement True or False, got {self.replacement!r}")
         if not isinstance(self.strict_length, bool):

@@ -128,7 +128,12 @@ def test_rows_replaced_whole_by_a_restore_are_found_again():
 @pytest.mark.parametrize("kwargs, error, message", [
     ({}, InvalidArgumentError, "one of slice_len and num_slices"),
     ({"slice_len": 4, "num_slices": 2}, InvalidArgumentError, "one of slice_len and num_slices"),
-    ({"slice_len": 0}, InvalidArgumentError, "slice_len must be a positive integer"),
+    ({"slice_len": 0}, InvalidArgumentError, "slice_len must be a positive integer, got 0"),
+    ({"num_slices": -2}, InvalidArgumentError, "num_slices must be a positive integer, got -2"),
+    ({"slice_len": 4, "traj_key": ""}, InvalidArgumentError, "expected traj_key a key name .*, got ''"),
+    ({"slice_len": 4, "traj_key": ()}, InvalidArgumentError, r"expected traj_key a key name .*, got \(\)"),
+    ({"slice_len": 4, "end_key": ("next", "")}, InvalidArgumentError, "expected end_key a key name"),
+    ({"slice_len": 4, "traj_key": 3}, InvalidArgumentError, "expected traj_key a key name .*, got 3"),
     ({"slice_len": 4, "traj_key": "a", "end_key": "b"}, InvalidArgumentError, "one of traj_key and end_key"),
     ({"slice_len": 4, "strict_length": 1}, InvalidArgumentError, "strict_length True or False"),
 ])
