@@ -142,6 +142,16 @@ def new_dataset_root(root: str | os.PathLike, overwrite: bool = False) -> Path:
     return root
 
 
+def flat_arrays(data: Any) -> dict[str, np.ndarray]:
+    """Rows as ``{flat key: array}``: a dict of arrays as it is (no torch imported), anything else through
+    ``rayrb.io.arrays.to_numpy_dict``."""
+    if isinstance(data, Mapping) and all(isinstance(v, np.ndarray) for v in data.values()):
+        return dict(data)
+    from rayrb.io.arrays import to_numpy_dict
+
+    return to_numpy_dict(data)
+
+
 def iter_row_blocks(arrays: Mapping[str, np.ndarray], rows: int, chunk_rows: int) -> Iterator[dict[str, np.ndarray]]:
     for start in range(0, rows, chunk_rows):
         yield {k: v[start:start + chunk_rows] for k, v in arrays.items()}
@@ -164,12 +174,7 @@ def write_dataset(
     shows a progress bar over chunks. Rows that do not fit in memory: ``write_batches``
     (``rayrb.io.streaming``) writes the same chunks from a stream of batches, resumably.
     """
-    if isinstance(data, Mapping) and all(isinstance(v, np.ndarray) for v in data.values()):
-        arrays = dict(data)
-    else:
-        from rayrb.io.arrays import to_numpy_dict
-
-        arrays = to_numpy_dict(data)
+    arrays = flat_arrays(data)
     spec = RowSpec.from_arrays(arrays)
     rows = spec.validate(arrays)
     if rows == 0:

@@ -25,7 +25,7 @@ Example:
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +35,7 @@ from rayrb.core.schema import RowSpec
 from rayrb.core.validation import positive_int
 from rayrb.errors import InvalidArgumentError, SchemaError
 from rayrb.io.chunk_dataset import ChunkDataset
-from rayrb.io.chunks import default_chunk_rows, new_dataset_root, write_chunk
+from rayrb.io.chunks import default_chunk_rows, flat_arrays, new_dataset_root, write_chunk
 from rayrb.io.manifest import MANIFEST, ChunkInfo, chunk_name, read_manifest, write_manifest
 from rayrb.io.progress import progress
 
@@ -133,12 +133,7 @@ def _from(batches: Iterable[Any] | Callable[[int], Iterable[Any]], start: int) -
 
 def _arrays(batch: Any) -> Arrays:
     """A batch as flat arrays, each with a row dimension (``RowSpec.from_arrays``' rule, as ``write_dataset``)."""
-    if isinstance(batch, Mapping) and all(isinstance(v, np.ndarray) for v in batch.values()):
-        arrays = dict(batch)
-    else:
-        from rayrb.io.arrays import to_numpy_dict
-
-        arrays = to_numpy_dict(batch)
+    arrays = flat_arrays(batch)
     RowSpec.from_arrays(arrays)  # a scalar or no key at all: refused here, before its rows are counted
     return arrays
 
