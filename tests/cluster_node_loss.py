@@ -1,11 +1,17 @@
 """Run in a subprocess: a ray.cluster_utils.Cluster loses nodes without grace while writers retry by write id and a
-sampler samples. ``argv``: a scratch directory and the number of copies of each online shard (1 or 2).
+sampler samples. ``argv``: a scratch directory, then the scenarios to run in one cluster, one after the other:
+``2`` and ``1`` (the copies of each online shard), ``stream`` (the seeded stream); none named: all three.
 
 Each loss removes a node (``allow_graceful=False``) and, since the simulated nodes share this machine's disk, the
 state directories of the actors that ran on it (that node's local disk); a fresh node joins after it, as an
 autoscaler would replace it. With 2 copies: the node of online shard 0's serving copy, then the coordinator's node,
 then the node shard 0 was moved to. With 1 copy: shard 0's node only. Prints one marked JSON line: what was
-acknowledged, what the shards hold at the end, every batch's split, and how long the buffer took to answer again.
+acknowledged, what the shards hold at the end, every batch's split, and how long the buffer took to answer again,
+by scenario (a scenario that raised gives its traceback, and the next one runs).
+
+One cluster for every scenario: a node lost in one is replaced by a fresh one before the next starts, so each
+starts on three live worker nodes, as it would on a cluster of its own. The head holds the twin of ``stream``
+only: every other actor asks for a ``worker`` resource, which the head has none of.
 """
 import os
 import shutil
@@ -13,6 +19,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 
 import numpy as np
 import ray
@@ -22,6 +29,7 @@ FAST_HEALTH_CHECKS = {"health_check_initial_delay_ms": 0, "health_check_period_m
                       "health_check_timeout_ms": 500, "health_check_failure_threshold": 3}
 ROWS, OFFLINE_ROWS, BATCH = 16, 1000, 64
 WORKER_RESOURCES = {"worker": 10}
+ON_A_WORKER = {"num_cpus": 0.01, "resources": {"worker": 0.01}}  # never on the head, which is not lost
 
 
 def where(actor) -> tuple[str, str, int]:
@@ -163,53 +171,51 @@ def tally(rb, load: Load, lost: int, first_loss: float) -> dict:
             "odd": [(n, k, t - first_loss) for n, k, t in load.odd][:10]}
 
 
-def main(tmp: str, replicas: int) -> None:
+def losses(cluster, nodes: dict, tmp: str, replicas: int) -> dict:
+    """Writers and a sampler through the losses of the scenario with ``replicas`` copies (the module's docstring)."""
     from rayrb import OfflineToOnlineReplayBuffer
 
-    # The head has no CPU, so every actor (each asks for a little) runs on a worker node that can be lost.
-    with local_cluster(workers=3, system_config=FAST_HEALTH_CHECKS, head_cpus=0) as (cluster, workers):
-        nodes = {w.node_id: w for w in workers}
-        # one copy: each online shard on a node of its own, so that one can be lost without the coordinator
-        placed = {"online_replicas": 2} if replicas > 1 else {"online_nodes": list(nodes)[:2]}
-        rb = OfflineToOnlineReplayBuffer({"x": -1 - np.arange(OFFLINE_ROWS, dtype=np.int64)},
-                                         online_capacity=100_000, num_online_shards=2, offline_fraction=0.5,
-                                         seed=0, timeout=120, **placed,
-                                         storage_dir=os.path.join(tmp, "state"), dataset_root=os.path.join(tmp, "ds"),
-                                         actor_options={"num_cpus": 0.01})
-        load = Load(rb)
-        time.sleep(3)
-        online = rb.rpc.shards[1:]
-        coordinator_node = where(rb.rpc.coord)[0]
-        lost = next((i for i, s in enumerate(online) if where(s)[0] != coordinator_node), 0)
-        copies = [ray.get_actor(f"{rb._name}/on-{i}.r{r}") for i in range(2) for r in range(1, replicas)]
-        losses = [("shard", lambda: where(online[lost])[0])]
+    # one copy: each online shard on a node of its own, so that one can be lost without the coordinator
+    placed = {"online_replicas": 2} if replicas > 1 else {"online_nodes": list(nodes)[:2]}
+    rb = OfflineToOnlineReplayBuffer({"x": -1 - np.arange(OFFLINE_ROWS, dtype=np.int64)},
+                                     online_capacity=100_000, num_online_shards=2, offline_fraction=0.5,
+                                     seed=0, timeout=120, **placed,
+                                     storage_dir=os.path.join(tmp, "state"), dataset_root=os.path.join(tmp, "ds"),
+                                     actor_options=ON_A_WORKER)
+    load = Load(rb)
+    time.sleep(3)
+    online = rb.rpc.shards[1:]
+    coordinator_node = where(rb.rpc.coord)[0]
+    lost = next((i for i, s in enumerate(online) if where(s)[0] != coordinator_node), 0)
+    copies = [ray.get_actor(f"{rb._name}/on-{i}.r{r}") for i in range(2) for r in range(1, replicas)]
+    plan = [("shard", lambda: where(online[lost])[0])]
+    if replicas > 1:
+        plan += [("coordinator", lambda: where(rb.rpc.coord)[0]),
+                   ("shard again", lambda: where(online[lost])[0])]
+    result = {"replicas": replicas, "losses": []}
+    for what, node_of in plan:
+        node = node_of()
+        actors = [rb.rpc.coord, *rb.rpc.shards, *copies]
+        here = [(d, pid) for n, d, pid in (where(a) for a in actors) if n == node]
+        acked_before = len(load.acked)
+        t0 = time.monotonic()
+        if not result["losses"]:
+            first_loss = t0
+        lose(cluster, nodes, node, [d for d, _ in here if d], [pid for _, pid in here])
+        entry = {"what": what, "node": node, "dirs": len(here), "acked_before": acked_before,
+                 "recovery_s": recover(load, t0)}
         if replicas > 1:
-            losses += [("coordinator", lambda: where(rb.rpc.coord)[0]),
-                       ("shard again", lambda: where(online[lost])[0])]
-        result = {"replicas": replicas, "losses": []}
-        for what, node_of in losses:
-            node = node_of()
-            actors = [rb.rpc.coord, *rb.rpc.shards, *copies]
-            here = [(d, pid) for n, d, pid in (where(a) for a in actors) if n == node]
-            acked_before = len(load.acked)
-            t0 = time.monotonic()
-            if not result["losses"]:
-                first_loss = t0
-            lose(cluster, nodes, node, [d for d, _ in here if d], [pid for _, pid in here])
-            entry = {"what": what, "node": node, "dirs": len(here), "acked_before": acked_before,
-                     "recovery_s": recover(load, t0)}
-            if replicas > 1:
-                entry["rebuilt_s"] = replicated(rb)
-            result["losses"].append(entry)
-            time.sleep(2)
-        load.close()
-        result.update(tally(rb, load, lost, first_loss))
-        result["coordinator_lost"] = coordinator_node == result["losses"][0]["node"]
-        rb.shutdown()
-        report(result)
+            entry["rebuilt_s"] = replicated(rb)
+        result["losses"].append(entry)
+        time.sleep(2)
+    load.close()
+    result.update(tally(rb, load, lost, first_loss))
+    result["coordinator_lost"] = coordinator_node == result["losses"][0]["node"]
+    rb.shutdown()
+    return result
 
 
-def stream(tmp: str) -> None:
+def stream(cluster, nodes: dict, tmp: str) -> dict:
     """The seeded stream through the loss of the coordinator's node: a buffer with two copies (on worker nodes) and a
     twin with one (on the head, never lost), the same rows written to both, sample the same batches before and after
     the node of the first one's coordinator is removed with its files."""
@@ -217,38 +223,35 @@ def stream(tmp: str) -> None:
 
     from rayrb import OfflineToOnlineReplayBuffer
 
-    with local_cluster(workers=3, system_config=FAST_HEALTH_CHECKS, head_cpus=1,
-                       worker_resources=WORKER_RESOURCES) as (cluster, workers):
-        nodes = {w.node_id: w for w in workers}
-        head = ray.get_runtime_context().get_node_id()
-        # prefetch=0: draws a handle holds ahead are dropped at any restart (docs/durability.md), here as in place
-        common = dict(online_capacity=10_000, num_online_shards=2, offline_fraction=0.5, seed=7, timeout=120,
-                      prefetch=0)
-        offline = {"x": -1 - np.arange(OFFLINE_ROWS, dtype=np.int64)}
-        rb = OfflineToOnlineReplayBuffer(offline, **common, online_replicas=2, storage_dir=os.path.join(tmp, "a"),
-                                         dataset_root=os.path.join(tmp, "ds-a"),
-                                         actor_options={"num_cpus": 0.01, "resources": {"worker": 0.01}})
-        twin = OfflineToOnlineReplayBuffer(offline, **common, storage_dir=os.path.join(tmp, "b"),
-                                           dataset_root=os.path.join(tmp, "ds-b"), actor_options={
-                                               "scheduling_strategy": NodeAffinitySchedulingStrategy(head, False)})
-        for k in range(20):
-            for b in (rb, twin):
-                b.extend({"x": np.arange(k * ROWS, (k + 1) * ROWS, dtype=np.int64)})
-        before = [[b.sample(BATCH)["x"].tolist() for _ in range(30)] for b in (rb, twin)]
-        node, directory, pid = where(rb.rpc.coord)
-        t0 = time.monotonic()
-        lose(cluster, nodes, node, [directory], [pid])
-        rb.sample(BATCH)  # waits out the restart
-        recovery = time.monotonic() - t0
-        twin.sample(BATCH)
-        after = [[b.sample(BATCH)["x"].tolist() for _ in range(30)] for b in (rb, twin)]
-        moved = where(rb.rpc.coord)[0] != node
-        replica_reads = read_beside_a_replica(rb, twin)
-        rb.shutdown()
-        twin.shutdown()
-        first_diff = next((i for i, (a, b) in enumerate(zip(*after)) if a != b), None)
-        report({"same_before": before[0] == before[1], "same_after": after[0] == after[1], "moved": moved,
-                "recovery_s": recovery, "first_different_batch": first_diff, **replica_reads})
+    head = ray.get_runtime_context().get_node_id()
+    # prefetch=0: draws a handle holds ahead are dropped at any restart (docs/durability.md), here as in place
+    common = dict(online_capacity=10_000, num_online_shards=2, offline_fraction=0.5, seed=7, timeout=120,
+                  prefetch=0)
+    offline = {"x": -1 - np.arange(OFFLINE_ROWS, dtype=np.int64)}
+    rb = OfflineToOnlineReplayBuffer(offline, **common, online_replicas=2, storage_dir=os.path.join(tmp, "a"),
+                                     dataset_root=os.path.join(tmp, "ds-a"),
+                                     actor_options=ON_A_WORKER)
+    twin = OfflineToOnlineReplayBuffer(offline, **common, storage_dir=os.path.join(tmp, "b"),
+                                       dataset_root=os.path.join(tmp, "ds-b"), actor_options={
+                                           "scheduling_strategy": NodeAffinitySchedulingStrategy(head, False)})
+    for k in range(20):
+        for b in (rb, twin):
+            b.extend({"x": np.arange(k * ROWS, (k + 1) * ROWS, dtype=np.int64)})
+    before = [[b.sample(BATCH)["x"].tolist() for _ in range(30)] for b in (rb, twin)]
+    node, directory, pid = where(rb.rpc.coord)
+    t0 = time.monotonic()
+    lose(cluster, nodes, node, [directory], [pid])
+    rb.sample(BATCH)  # waits out the restart
+    recovery = time.monotonic() - t0
+    twin.sample(BATCH)
+    after = [[b.sample(BATCH)["x"].tolist() for _ in range(30)] for b in (rb, twin)]
+    moved = where(rb.rpc.coord)[0] != node
+    replica_reads = read_beside_a_replica(rb, twin)
+    rb.shutdown()
+    twin.shutdown()
+    first_diff = next((i for i, (a, b) in enumerate(zip(*after)) if a != b), None)
+    return {"same_before": before[0] == before[1], "same_after": after[0] == after[1], "moved": moved,
+            "recovery_s": recovery, "first_different_batch": first_diff, **replica_reads}
 
 
 @ray.remote(num_cpus=0)
@@ -282,8 +285,22 @@ def read_beside_a_replica(rb, twin) -> dict:
             "replica_dirs_read": sum(d.rstrip("/").endswith(".r1") for d in got["rb"][1])}
 
 
+def main(tmp: str, scenarios: list[str]) -> None:
+    with local_cluster(workers=3, system_config=FAST_HEALTH_CHECKS, head_cpus=1,
+                       worker_resources=WORKER_RESOURCES) as (cluster, workers):
+        nodes = {w.node_id: w for w in workers}
+        result = {}
+        for name in scenarios:
+            scratch = os.path.join(tmp, name)
+            try:
+                if name == "stream":
+                    result[name] = stream(cluster, nodes, scratch)
+                else:
+                    result[name] = losses(cluster, nodes, scratch, int(name))
+            except Exception:
+                result[name] = {"error": traceback.format_exc()[-3000:]}
+        report(result)
+
+
 if __name__ == "__main__":
-    if sys.argv[2] == "stream":
-        stream(sys.argv[1])
-    else:
-        main(sys.argv[1], int(sys.argv[2]))
+    main(sys.argv[1], sys.argv[2:] or ["2", "1", "stream"])

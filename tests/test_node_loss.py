@@ -1,7 +1,7 @@
 """A node lost without grace (ray.cluster_utils.Cluster, in a subprocess): with two copies of each online shard
 nothing acknowledged is lost or doubled through the loss of a shard's node, of the coordinator's node and of the
 node the shard moved to; with one copy the rows of the shards on the lost node are lost, as docs/durability.md
-says, and nothing else."""
+says, and nothing else. The three run one after the other in one cluster (``tests/cluster_node_loss.py``)."""
 from __future__ import annotations
 
 import pytest
@@ -10,8 +10,20 @@ from conftest import run_marked
 pytestmark = pytest.mark.cluster
 
 
-def test_two_copies_lose_nothing_acknowledged_through_three_node_losses(tmp_path):
-    result = run_marked("cluster_node_loss.py", str(tmp_path), "2", timeout=600)
+@pytest.fixture(scope="module")
+def scenarios(tmp_path_factory) -> dict:
+    """Each scenario's result by name ("2", "1", "stream"), from one run of the script."""
+    return run_marked("cluster_node_loss.py", str(tmp_path_factory.mktemp("node-loss")), timeout=900)
+
+
+def result_of(scenarios: dict, name: str) -> dict:
+    result = scenarios[name]
+    assert "error" not in result, result["error"]
+    return result
+
+
+def test_two_copies_lose_nothing_acknowledged_through_three_node_losses(scenarios):
+    result = result_of(scenarios, "2")
     print("\nnode loss, 2 copies:", result)
     assert [loss["what"] for loss in result["losses"]] == ["shard", "coordinator", "shard again"]
     assert result["acked"] > 0 and result["lost"] == 0, result
@@ -23,8 +35,8 @@ def test_two_copies_lose_nothing_acknowledged_through_three_node_losses(tmp_path
         assert loss["recovery_s"] < 60 and loss["rebuilt_s"] < 120
 
 
-def test_one_copy_loses_the_rows_of_the_shard_on_the_lost_node_and_goes_on(tmp_path):
-    result = run_marked("cluster_node_loss.py", str(tmp_path), "1", timeout=600)
+def test_one_copy_loses_the_rows_of_the_shard_on_the_lost_node_and_goes_on(scenarios):
+    result = result_of(scenarios, "1")
     print("\nnode loss, 1 copy:", result)
     assert not result["coordinator_lost"], result  # the shard's node only: the coordinator takes its count again
     # what that shard held, less the writes in flight at the loss (sent again, they landed), and nothing else
@@ -35,8 +47,8 @@ def test_one_copy_loses_the_rows_of_the_shard_on_the_lost_node_and_goes_on(tmp_p
     assert result["losses"][0]["recovery_s"] < 60
 
 
-def test_the_seeded_stream_goes_on_through_the_loss_of_the_coordinators_node(tmp_path):
-    result = run_marked("cluster_node_loss.py", str(tmp_path), "stream", timeout=600)
+def test_the_seeded_stream_goes_on_through_the_loss_of_the_coordinators_node(scenarios):
+    result = result_of(scenarios, "stream")
     print("\nnode loss, stream:", result)
     assert result["moved"] and result["same_before"], result
     assert result["same_after"], result  # the same batches as the twin that lost nothing
