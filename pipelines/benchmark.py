@@ -51,6 +51,7 @@ from bench.gpu import bench_gpu  # noqa: E402
 from bench.harness import COVERTYPE_ROWS, synthetic_table  # noqa: E402
 from bench.headline import bench_headline  # noqa: E402
 from bench.preprocess import bench_preprocess  # noqa: E402
+from bench.read_ahead import AHEAD, AHEAD_SMOKE, bench_read_ahead  # noqa: E402
 from bench.real import bench_real  # noqa: E402
 from bench.replicas import bench_replicas  # noqa: E402
 from bench.report import headline_plot, plots, ratios  # noqa: E402
@@ -91,8 +92,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sections", default="headline,sampling,draw_path,consumers,real,writing,preprocess,cluster",
                    help="comma-separated; 'call_cost' (Ray's cost per plan call by its shape), 'slices' (a slice sampler "
                         "against TorchRL's), 'replicas' (a second copy "
-                        "of each online shard, on a cluster of its own) and 'gpu' (needs CUDA, "
-                        "writes results_gpu.json) are not in the default")
+                        "of each online shard, on a cluster of its own), 'cold' and 'ahead' (an offline dataset "
+                        "outside the page cache; 'ahead': a learner's loop with and without read-ahead) and 'gpu' "
+                        "(needs CUDA, writes results_gpu.json) are not in the default")
     p.add_argument("--batch-sizes", default=None, help="comma-separated, overrides the mode's")
     p.add_argument("--repeats", type=int, default=None, help="overrides the mode's")
     p.add_argument("--ray-config", default=None, type=json.loads,
@@ -110,6 +112,7 @@ def config(args: argparse.Namespace) -> dict:
     cfg = dict(SIZES["smoke" if args.smoke else "full"])
     cfg["gpu"] = dict(GPU_SMOKE if args.smoke else GPU)
     cfg["cold"] = dict(COLD_SMOKE if args.smoke else COLD)
+    cfg["ahead"] = dict(AHEAD_SMOKE if args.smoke else AHEAD)
     if args.gpu_config:
         unknown = set(args.gpu_config) - set(cfg["gpu"])
         if unknown:
@@ -172,6 +175,7 @@ def run_sections(args: argparse.Namespace, cfg: dict, sections: set[str], out_di
             "preprocess": ("preprocess", lambda: bench_preprocess(cfg, offline, root, results)),
             "slices": ("slices", lambda: bench_slices(cfg, root, results)),
             "cold": ("cold reads", lambda: bench_cold(cfg, root, results)),
+            "ahead": ("read ahead", lambda: bench_read_ahead(cfg, root, results)),
             "gpu": ("gpu", lambda: bench_gpu(cfg, root, out_dir, results))})
         ray.shutdown()
         run_steps(sections, {"cluster": ("cluster", lambda: bench_cluster(cfg, results, args.baseline)),

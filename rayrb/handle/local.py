@@ -79,6 +79,14 @@ class Reader:
         generation), or None if they cannot be read here (see the module)."""
         raise NotImplementedError
 
+    ahead_wanted = False  # rows named ahead of their read (``read_ahead``): an offline dataset read cold
+
+    def read_ahead(self, counts: Sequence[int], seeds: Sequence[int], epochs: Sequence[Epoch | None] | None,
+                   written: int | None) -> bool | None:
+        """Name the rows these arguments will read to the kernel ahead of the read (``rayrb.io.read_ahead``): True
+        if queued, False if dropped (ask again later), None if there is nothing to do (rows in memory, or cached)."""
+        return None
+
     def close(self) -> None:
         """Let go of what this reader holds open (its maps go with the last reference to them)."""
 
@@ -94,6 +102,16 @@ class OfflineReader(Reader):
         self._start, self._size = int(start), int(stop - start)
         if self._key is not None:  # immutable rows: the episodes found once, as the shard finds them
             self._sampler.bind({self._key: self._ds.column(self._key, self._start, stop)}, None)
+
+    @property
+    def ahead_wanted(self) -> bool:
+        return self._ds.ahead_wanted
+
+    def read_ahead(self, counts, seeds, epochs, written):
+        if not self._ds.ahead_wanted:  # the dataset's batches are cached: no indices drawn for nothing
+            return None
+        idx = self._indices(counts, seeds, epochs, self._size)
+        return None if idx is None else self._ds.read_ahead(idx + self._start)
 
     def read(self, counts, seeds, epochs, written, out):
         idx = self._indices(counts, seeds, epochs, self._size)
@@ -257,6 +275,16 @@ class LocalReads:
             except Exception:  # gone, restarting, or its files not here
                 continue
         return None
+
+    def ahead_wanted(self) -> bool:
+        """Whether a reader made here wants the rows it reads next named ahead (``Reader.ahead_wanted``)."""
+        return any(reader is not None and reader.ahead_wanted for reader in self._readers.values())
+
+    def read_ahead(self, side: str, shard: int, args: tuple) -> bool | None:
+        """``args`` (counts, seeds, epochs, written) named to the kernel ahead of their read here
+        (``Reader.read_ahead``); None where this process does not read that shard."""
+        reader = self._readers.get(shard if side == OFFLINE else self._m + shard)
+        return None if reader is None else reader.read_ahead(*args)
 
     def read_into(self, side: str, shard: int, args: tuple, out: Mapping[str, np.ndarray]) -> dict | None:
         """``args`` (counts, seeds, epochs, written) read here into ``out`` (arrays of the rows' length); their

@@ -3,6 +3,7 @@ process from a shard's files (``rayrb.handle.local``) or read by their shards, o
 consecutive batches, copied into the batch's own arrays."""
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -43,12 +44,13 @@ class Planned:
     """A batch planned and not handed over: its plan, version, number, group, and per part its read
     ``(side, shard, args)`` and, once submitted, the shard read carrying it ``(Remote, offset)``."""
 
-    __slots__ = ("plan", "version", "number", "group", "reads", "sources", "remote")
+    __slots__ = ("plan", "version", "number", "group", "reads", "sources", "remote", "hinted")
 
     def __init__(self, plan: Any, version: int, number: int, group: int, reads: list):
         self.plan, self.version, self.number, self.group, self.reads = plan, version, number, group, reads
         self.sources: list[Any] | None = None
         self.remote = False  # a shard read carries one of its parts
+        self.hinted = False  # its parts read here were named to the kernel ahead (Reads.hint)
 
 
 def planned(group: GroupPlan, number: int) -> list[Planned]:
@@ -105,6 +107,24 @@ class Reads:
                 offset += b.reads[i][2][0][0]
             self._stats["reads"] += 1
         return sum(b.remote for b in batches)
+
+    def hints_wanted(self) -> bool:
+        """Whether a dataset this process reads itself wants the rows it reads next named ahead (``hint``)."""
+        return self._local is not None and self._local.ahead_wanted()
+
+    def hint(self, batches: Iterable[Planned]) -> None:
+        """Name the rows of ``batches`` (planned next, in order) that this process will read itself to the kernel
+        ahead of their reads (``rayrb.io.read_ahead``: cold datasets only); stops at a hint dropped because the disk
+        is behind, to try that batch again after the next one served."""
+        if self._local is None:
+            return
+        for b in batches:
+            if b.hinted:
+                continue
+            for side, shard, args in b.reads:
+                if self._local.read_ahead(side, shard, args) is False:
+                    return
+            b.hinted = True
 
     def all_local(self) -> bool:
         """Whether every part is read here: no shard read to submit ahead."""

@@ -13,8 +13,10 @@ go at different depths:
   that of single calls with the same seed.
 * **Read shallow.** Rows a handle can read itself (``rayrb.handle.local``: the shard's
   files on this node) are gathered in this process when the batch is served, with no
-  call at all. The other parts are read by their shards, one call per shard for a run
-  of consecutive batches, submitted at most ``prefetch`` batches ahead (and, for the
+  call at all; once a dataset's batch was found outside the page cache, the rows of
+  the batches planned next are named to the kernel as each batch is served
+  (``rayrb.io.read_ahead``), so the disk reads them while the caller works. The other
+  parts are read by their shards, one call per shard for a run of consecutive batches, submitted at most ``prefetch`` batches ahead (and, for the
   ``sample()`` loop, ``max_bytes`` of rows): ``prefetch`` bounds the rows held ahead,
   never the plans.
 
@@ -39,6 +41,7 @@ the last draw served, sent once, with the stream's next plan call or by ``report
 """
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 import uuid
@@ -56,6 +59,8 @@ LOST_RETRIES = 3  # plans made again after a read finds its rows lost with a nod
 PLAN_ROWS = 1 << 20  # rows one plan call covers: its cost a small share of the batches' own
 MAX_PLAN = 240  # batches one plan call covers: with half of them left when the next is asked for, a stream has at
 # most 360 planned, within what the coordinator can give back (rayrb.core.ahead.MAX_AHEAD)
+HINT_ROWS = 16384  # rows planned next a stream names to the kernel ahead of reading them here (a cold dataset's
+# rows: ~0.4 s of this machine's disk at its random-read limit, docs/benchmarks.md), at most prefetch batches
 FIRST_PLAN = 16  # batches a stream's first plan call covers, doubling per call up to plan_size: a stream closed
 # early (an iterator per training step, a loop that writes soon) gives back little the coordinator drew for nothing
 
@@ -93,6 +98,16 @@ class PlanCalls(deque):
             raise
         self.popleft()
         return decode_group(group) if isinstance(group, str) else group  # plan_packed answers the group's text
+
+
+def hint_batches(batch_size: int, depth: int) -> int:
+    """Batches planned next whose rows a stream names to the kernel ahead (``HINT_ROWS`` rows, 1 to ``depth``
+    batches, at least 1: a stream without ``prefetch`` still plans its next batch).
+
+    >>> hint_batches(256, 32), hint_batches(4096, 32), hint_batches(65536, 32), hint_batches(256, 0)
+    (32, 4, 1, 1)
+    """
+    return max(1, min(depth, HINT_ROWS // max(1, batch_size)))
 
 
 def plan_size(batch_size: int) -> int:
@@ -198,6 +213,11 @@ class Stream:
             if not self._asked and want > 0 and self.ahead <= target // 2:
                 self._ask(want, 0.0)
         self._read_ahead()
+        if self._reads.hints_wanted():  # rows read here when served, named to the kernel now (cold datasets only)
+            n = hint_batches(self.batch_size, self.depth)
+            if self._asked and len(self._planned) < n:
+                self._resolve_answered()  # the next plans' batches too: a group's first batch is hinted ahead
+            self._reads.hint(itertools.islice(self._planned, n))
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
 
     def _read_ahead(self) -> None:

@@ -22,6 +22,7 @@ from rayrb.errors import ChunkError, InvalidArgumentError, ReadOnlyError, RowInd
 from rayrb.io.gather import READ_THREADS, ColdReads, ColumnFile, ReadPolicy, open_columns
 from rayrb.io.hashing import hash_algorithm, hash_arrays
 from rayrb.io.manifest import MANIFEST, ChunkInfo, read_manifest
+from rayrb.io.read_ahead import Ahead
 
 
 def map_chunk(directory: str | os.PathLike, spec: RowSpec, rows: int, mode: str = "r") -> dict[str, np.memmap]:
@@ -78,6 +79,7 @@ class ChunkDataset:
         self._maps: dict[tuple[int, str], dict[str, np.memmap]] = {}
         self._files: dict[int, dict[str, ColumnFile]] = {}  # each gathered chunk's files, open and mapped
         self._policy, self.read_threads = ReadPolicy(), READ_THREADS
+        self._ahead = Ahead()  # hints of rows planned next, wanted once a batch was found cold
 
     @classmethod
     def open(cls, root: str | os.PathLike, *, verify: bool = False) -> "ChunkDataset":
@@ -189,7 +191,7 @@ class ChunkDataset:
             chunk_of = np.searchsorted(self.offsets, indices, side="right") - 1
             chunks = np.unique(chunk_of).tolist()
             cols = {c: self._columns(c) for c in chunks}  # each file's size checked before any row is read
-        if self._policy.cold(indices, cols, self._starts):
+        if self._ahead.reads(self._policy, cols, indices, self._starts):
             reads = ColdReads(self.read_threads)
             for k in out:  # one plan a key over all its chunks: the batch's rows in offset order
                 reads.add({c: cols[c][k] for c in chunks}, indices, out[k], starts=self._starts)
@@ -208,6 +210,28 @@ class ChunkDataset:
                     out[k][sel] = cols[c][k].array[local]
         self._policy.copied(indices.size, time.perf_counter() - t0)
         return out
+
+    @property
+    def ahead_wanted(self) -> bool:
+        """Whether hints of rows to gather next are wanted (``read_ahead``): a batch was found cold lately."""
+        return self._ahead.wanted and self._policy.mode != "map"
+
+    def read_ahead(self, indices: np.ndarray) -> bool | None:
+        """Start reading the rows at global ``indices`` into the page cache without waiting for them
+        (``rayrb.io.read_ahead``), if hints are wanted (``ahead_wanted``). True: queued; False: dropped, too many
+        wait (ask again later); None: not wanted, or not possible here (the gather of these rows will say why)."""
+        if not self.ahead_wanted:
+            return None
+        indices = np.asarray(indices, dtype=np.int64)
+        if indices.size == 0 or indices.min() < 0 or indices.max() >= len(self):
+            return None
+        chunks = [0] if len(self.chunks) == 1 else np.unique(
+            np.searchsorted(self.offsets, indices, side="right") - 1).tolist()
+        try:
+            cols = {c: self._columns(c) for c in chunks}
+        except ChunkError:
+            return None
+        return self._ahead.hint(cols, indices, self._starts)
 
     @property
     def reads(self) -> str:

@@ -307,6 +307,16 @@ def test_the_stream_is_the_same_with_local_reads_on_and_off(make_buffer, sampler
         assert torch.equal(a["id"], b["id"]) and torch.equal(ia["generation"], ib["generation"])
     assert on.stats()["handle"]["local_reads"] > 0 and off.stats()["handle"].get("local_reads", 0) == 0
     assert on.stats()["handle"]["reads"] == 0  # every part was read here: no shard read at all
+    # Offline rows read from the files here (as when found outside the page cache): the rows planned next are named
+    # to the kernel ahead (rayrb.io.read_ahead), and the stream does not change
+    datasets = [r._ds for r in on.local_reads._readers.values() if isinstance(r, OfflineReader)]
+    assert len(datasets) == KW["num_offline_shards"]
+    for ds in datasets:
+        ds.reads = "read"
+    for step in range(40):
+        (a, ia), (b, ib) = (rb.sample(return_info=True) for rb in (on, off))
+        assert torch.equal(a["id"], b["id"]) and torch.equal(ia["index"], ib["index"]), step
+    assert sum(ds._ahead.stats["hints"] + ds._ahead.stats["cached"] for ds in datasets) > 0
 
 
 @pytest.mark.usefixtures("ray_session")
