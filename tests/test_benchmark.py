@@ -77,8 +77,15 @@ def test_benchmark_smoke_of_the_other_sections(tmp_path):
 
 @pytest.mark.bench
 def test_benchmark_smoke_of_cold_reads(tmp_path):
-    """The cold section at its smoke size (a few MiB, only its own file evicted, no root needed)."""
-    cold = smoke(tmp_path, "cold")["cold"]
+    """The cold and ahead sections at their smoke sizes (a few MiB, only their own files evicted, no root needed)."""
+    results = smoke(tmp_path, "cold,ahead")
+    ahead = results["ahead"]
+    assert ahead["disk_random_4k"]["reads_per_s"] > 0 and ahead["disk_sequential"]["mib_per_s"] > 0
+    for key, row in ahead["loops"].items():
+        for hints in ("off", "on"):
+            assert row[hints]["rows_per_s"] > 0 and row[hints]["local_reads"]["local"] > 0, (key, hints)
+        assert row["on_vs_off"] > 0
+    cold = results["cold"]
     assert cold["limits"]["random_4k"]["reads_per_s"] > 0 and cold["limits"]["sequential"]["mib_per_s"] > 0
     for regime in ("cold", "warm"):
         for key in ("256/256", "28672/256"):

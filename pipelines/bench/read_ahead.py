@@ -6,8 +6,8 @@ offline, gathered here from the shard's files, as a learner on the shard's node 
 ``compute_ms`` (a sleep: a GPU step leaves the CPU free), for ``seconds``. The page cache is dropped before each
 measurement and each uses its own seed, so its rows are cold. Hints off: ``rayrb.io.read_ahead.MAX_PENDING = 0``
 in this process (every hint dropped, the loop otherwise unchanged). Reported per row size, batch size and
-compute time: rows/s, the learner's wait in ``sample()`` per batch (p50), and the disk's random-read limit of the
-same run (``bench.cold``), against which ``compute_ms = 0`` is the bound.
+compute time: rows/s, the learner's wait in ``sample()`` per batch (p50), and the disk's limits measured in the same
+run (``bench.cold``: 4 KiB random reads from 32 threads, 1 MiB reads in order).
 """
 from __future__ import annotations
 
@@ -63,8 +63,10 @@ def bench_read_ahead(cfg: dict, root: str, results: dict) -> None:
     built_s = time.perf_counter() - t0
     file = str(roots[c["row_bytes"][0]] / "chunk-00000" / "obs.memmap")
     limit = run_probe(dict(c, peer="disk_random", file=file))
+    sequential = run_probe(dict(c, peer="disk_sequential", file=file))
     print(f"  built {os.path.getsize(file) / 2**30:.1f} GiB in {built_s:.0f} s; disk: "
-          f"{limit['reads_per_s']:,.0f} random 4 KiB reads/s", flush=True)
+          f"{limit['reads_per_s']:,.0f} random 4 KiB reads/s, {sequential['mib_per_s']:,.0f} MiB/s in order",
+          flush=True)
     out, seed = {}, 0
     for rb_bytes, ds_root in roots.items():
         for batch in c["batches"]:
@@ -75,12 +77,15 @@ def bench_read_ahead(cfg: dict, root: str, results: dict) -> None:
                     row["on" if hints else "off"] = loop(ds_root, batch, compute_ms, c["seconds"], seed, hints, c)
                 row["on_vs_off"] = row["on"]["rows_per_s"] / row["off"]["rows_per_s"]
                 row["on_vs_disk_random_reads"] = row["on"]["rows_per_s"] / limit["reads_per_s"]
+                row["on_vs_disk_sequential_bytes"] = row["on"]["rows_per_s"] * rb_bytes / 2**20 / sequential[
+                    "mib_per_s"]
                 print(f"  {rb_bytes} B rows, B={batch}, compute {compute_ms} ms: off {row['off']['rows_per_s']:,.0f} "
                       f"rows/s (wait p50 {row['off']['wait_p50_ms']:.1f} ms), on {row['on']['rows_per_s']:,.0f} "
                       f"(wait p50 {row['on']['wait_p50_ms']:.1f} ms): {row['on_vs_off']:.2f}x", flush=True)
                 out[f"{rb_bytes}/{batch}/{compute_ms}"] = row
     results["ahead"] = {
-        "dataset_bytes": os.path.getsize(file), "build_s": built_s, "disk_random_4k": limit, "loops": out,
+        "dataset_bytes": os.path.getsize(file), "build_s": built_s, "disk_random_4k": limit,
+        "disk_sequential": sequential, "loops": out,
         "page_cache_dropped": bool(c["drop_caches"] and os.geteuid() == 0),
         "data": f"one chunk of synthetic uniform float32 rows (NOT real data) viewed as rows of {c['row_bytes']} "
                 "bytes; a buffer over it with offline_fraction=1.0, sampled by this driver (local reads)"}
