@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import errno
 import mmap
 import os
 import stat
@@ -37,6 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from rayrb.errors import ChunkError, InvalidArgumentError
+from rayrb.io import descriptors
 
 PAGE = mmap.PAGESIZE
 READ_THREADS = 32  # requests in flight: this machine's disk serves 4 KiB random reads fastest at depth 8 to 64
@@ -74,6 +76,7 @@ class ColumnFile:
             self.array = np.zeros(shape, self.dtype)
             return
         try:
+            descriptors.make_room(2)
             self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
             info = os.fstat(self.fd)
             if not stat.S_ISREG(info.st_mode) or info.st_size < self.nbytes:
@@ -83,6 +86,8 @@ class ColumnFile:
             os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead for this descriptor's reads
         except OSError as e:
             self.close()
+            if e.errno == errno.EMFILE:
+                raise ChunkError(descriptors.too_many(label)) from None
             raise ChunkError(f"{label}: expected a readable file at {path}, got {e}") from None
         except ChunkError:
             self.close()
@@ -90,7 +95,8 @@ class ColumnFile:
         self.array = np.frombuffer(self.map, self.dtype).reshape(shape)
         self._address = self.array.ctypes.data  # page-aligned: the map starts at offset 0
         self._vec = ctypes.create_string_buffer(self.row_bytes // PAGE + 2)  # mincore's answer: a byte a page
-        weakref.finalize(self, os.close, self.fd)
+        descriptors.held(2)  # this descriptor and the map's own
+        weakref.finalize(self, _closed, self.fd)
 
     def close(self) -> None:
         if self.fd >= 0 and self.map is None:  # opened, never mapped: no finalizer closes it
@@ -313,6 +319,13 @@ def read_fully(column: ColumnFile, bufs: list[memoryview], offset: int) -> None:
             bufs = bufs[1:]
         if bufs and n:
             bufs = [bufs[0][n:], *bufs[1:]]
+
+
+def _closed(fd: int) -> None:
+    """A mapped ``ColumnFile`` gone: its descriptor closed, and its two no longer counted (the map's closes with
+    the map, at the latest when its last view goes)."""
+    os.close(fd)
+    descriptors.held(-2)
 
 
 def _threads(n: int) -> ThreadPoolExecutor:

@@ -2,6 +2,7 @@
 shards' reads, or a read sent to the shard; never a row torn, stale or from files made afresh."""
 from __future__ import annotations
 
+import itertools
 import multiprocessing
 import os
 import shutil
@@ -302,21 +303,18 @@ def test_the_stream_is_the_same_with_local_reads_on_and_off(make_buffer, sampler
             for rb in (on, off):
                 rb.extend(ids(2000 + 100 * step, 100))
     its = [rb.iter_batches(prefetch=3, return_info=True) for rb in (on, off)]
-    for _ in range(30):
-        (a, ia), (b, ib) = (next(it) for it in its)
+    for (a, ia), (b, ib) in itertools.islice(zip(*its), 30):
         assert torch.equal(a["id"], b["id"]) and torch.equal(ia["generation"], ib["generation"])
     assert on.stats()["handle"]["local_reads"] > 0 and off.stats()["handle"].get("local_reads", 0) == 0
     assert on.stats()["handle"]["reads"] == 0  # every part was read here: no shard read at all
-    # Offline rows read from the files here (as when found outside the page cache): the rows planned next are named
-    # to the kernel ahead (rayrb.io.read_ahead), and the stream does not change
+    # Offline rows read from the files (as if cold): the rows planned next named ahead (rayrb.io.read_ahead), same stream
     datasets = [r._ds for r in on.local_reads._readers.values() if isinstance(r, OfflineReader)]
-    assert len(datasets) == KW["num_offline_shards"]
     for ds in datasets:
         ds.reads = "read"
     for step in range(40):
         (a, ia), (b, ib) = (rb.sample(return_info=True) for rb in (on, off))
         assert torch.equal(a["id"], b["id"]) and torch.equal(ia["index"], ib["index"]), step
-    assert sum(ds._ahead.stats["hints"] + ds._ahead.stats["cached"] for ds in datasets) > 0
+    assert len(datasets) == 2 and sum(ds._ahead.stats["hints"] + ds._ahead.stats["cached"] for ds in datasets) > 0
 
 
 @pytest.mark.usefixtures("ray_session")
@@ -382,8 +380,7 @@ def test_after_a_restore_a_handle_beside_a_replica_never_reads_its_rows_from_bef
                 "the primary counts 64 rows): rows from before the restore")
         assert info is not None  # the replica holds the restored rows: read here again
     finally:
-        for actor in (primary, replica):
-            ray.kill(actor, no_restart=True)
+        [ray.kill(actor, no_restart=True) for actor in (primary, replica)]
 
 
 @pytest.mark.usefixtures("ray_session")
@@ -392,8 +389,7 @@ def test_a_handle_that_cannot_open_the_chunks_reads_from_the_shards(make_buffer)
     rb.extend(ids(1000, 50))
     twin = rb.client(local_reads=False)
     handle = rb.client(prefetch=0)
-    for _ in range(6):  # the shards map their chunks now: a process holds its maps when the path goes
-        twin.sample()
+    [twin.sample() for _ in range(6)]  # the shards map their chunks now: a process holds its maps when the path goes
     os.rename(rb.dataset_root, rb.dataset_root + ".moved")  # the shards keep their maps; this path is gone here
     try:
         batch, info = handle.sample(return_info=True)
