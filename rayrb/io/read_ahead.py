@@ -79,6 +79,9 @@ class Ahead:
         self._lock = threading.Lock()
         self.stats = {"hints": 0, "requests": 0, "dropped": 0, "cached": 0, "failed": 0}
 
+    def __reduce__(self):
+        return Ahead, ()  # a dataset sent elsewhere starts its hints afresh there (a lock does not travel)
+
     def found_cold(self) -> None:
         """A gather found a batch outside the page cache: hint the batches after it."""
         self._warm_in_a_row, self.wanted = 0, True

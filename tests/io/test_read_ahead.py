@@ -170,3 +170,13 @@ def test_a_local_reader_hints_exactly_the_rows_its_read_then_gathers(tmp_path, s
     assert reader.read(*args, out=out) is not None
     np.testing.assert_array_equal(hinted[0], out["x"])  # row i holds x == i: the hint named the rows read
     assert ((out["x"] >= 100) & (out["x"] < 300)).all()
+
+
+def test_a_dataset_not_read_yet_still_pickles_and_its_copy_hints_afresh(tmp_path):
+    import pickle
+
+    ds, data = dataset(tmp_path, None)
+    ds._ahead.found_cold()
+    copy = pickle.loads(pickle.dumps(ds))
+    assert not copy.ahead_wanted
+    np.testing.assert_array_equal(copy.gather(np.arange(ROWS))["obs"], data["obs"])
