@@ -119,14 +119,14 @@ class SliceSampler:
         """The sampling kind of each side."""
         return {OFFLINE: NAME if self.replacement else NAME_WITHOUT_REPLACEMENT, ONLINE: NAME}
 
-    def resolve(self, keys: Sequence[str], batch_size: int | None,
-                shapes: Mapping[str, Sequence[int]] | None = None) -> dict[str, Any]:
+    def resolve(self, keys: Sequence[str] | Mapping[str, Sequence[int]], batch_size: int | None) -> dict[str, Any]:
         """The shards' and the coordinator's options for rows with these (flat) ``keys`` and the buffer's
         ``batch_size``: ``slice_len``, the flat key episodes come from and whether it holds end flags; without
-        ``strict_length``, ``slice_strict=False`` too. With ``shapes`` (each key's trailing shape), a trajectory id
-        must be one value a step: ids of several values (``[steps, 2]``) would be cut by their first only.
+        ``strict_length``, ``slice_strict=False`` too. Given as a mapping, ``keys`` names each key's trailing shape,
+        and a trajectory id must be one value a step: ids of several values (``[steps, 2]``) would be cut by
+        their first only.
 
-        >>> SliceSampler(slice_len=2, traj_key="traj").resolve(["traj"], None, {"traj": (2,)})
+        >>> SliceSampler(slice_len=2, traj_key="traj").resolve({"traj": (2,)}, None)
         Traceback (most recent call last):
         rayrb.errors.SchemaError: expected one trajectory id a step in 'traj' (shape [] or [1]), got shape [2]...
         """
@@ -147,7 +147,7 @@ class SliceSampler:
         if key not in keys:
             raise SchemaError(f"expected the rows to hold {key!r} to find episodes by (traj_key / end_key), got "
                               f"keys {sorted(keys)}")
-        shape = None if shapes is None or ends else tuple(shapes.get(key, ()))
+        shape = None if not isinstance(keys, Mapping) or ends else tuple(keys[key])
         if shape is not None and math.prod(shape) != 1:
             raise SchemaError(f"expected one trajectory id a step in {key!r} (shape [] or [1]), got shape "
                               f"{list(shape)}: give an end_key, or ids of one value a step")

@@ -129,8 +129,7 @@ def slicing(settings: BufferSettings, dataset: Any) -> tuple[dict[str, Any], dic
 
     if settings.slices is None:
         return {}, {}
-    options = settings.slices.resolve(list(dataset.spec), settings.batch_size,
-                                      {k: f.shape for k, f in dataset.spec.items()})
+    options = settings.slices.resolve({k: f.shape for k, f in dataset.spec.items()}, settings.batch_size)
     key, ends = options["slice_key"], options["slice_ends"]
     return options, {"episodes": (key, ends), "slice_len": options["slice_len"],
                      "strict_length": options.get("slice_strict", True),

@@ -71,9 +71,9 @@ def test_trajectory_ids_of_several_values_a_step_are_refused_and_end_flags_of_se
     End flags of several values a step (one per agent) end an episode where any is set: taken."""
     shapes = {"traj": (2,), "episode": (1,), "next/done": (3,)}
     with pytest.raises(SchemaError, match=r"one trajectory id a step in 'traj' \(shape \[\] or \[1\]\), got shape \[2\]"):
-        SliceSampler(slice_len=2, traj_key="traj").resolve(list(shapes), None, shapes)
-    assert SliceSampler(slice_len=2, traj_key="episode").resolve(list(shapes), None, shapes)["slice_key"] == "episode"
-    assert SliceSampler(slice_len=2).resolve(list(shapes), None, shapes)["slice_ends"] is True
+        SliceSampler(slice_len=2, traj_key="traj").resolve(shapes, None)
+    assert SliceSampler(slice_len=2, traj_key="episode").resolve(shapes, None)["slice_key"] == "episode"
+    assert SliceSampler(slice_len=2).resolve(shapes, None)["slice_ends"] is True
 
 
 @pytest.mark.parametrize("ends", [True, False])
