@@ -204,10 +204,11 @@ def measure(c: dict, roots: dict[int, Path], cold: bool) -> dict:
     return out
 
 
-def bench_cold(cfg: dict, root: str, results: dict) -> None:
-    c = cfg["cold"]
+def built_with_limits(c: dict, root: Path) -> tuple[dict[int, Path], str, float, dict[str, dict]]:
+    """A section's dataset built under ``root`` (``build``: its views by row size), its file, the seconds the build
+    took, and the disk's limits measured on that file: ``random_4k`` (reads/s) and ``sequential`` (MiB/s)."""
     t0 = time.perf_counter()
-    roots = build(Path(root) / "cold", c["gib"], c["row_bytes"])
+    roots = build(root, c["gib"], c["row_bytes"])
     built_s = time.perf_counter() - t0
     file = str(roots[c["row_bytes"][0]] / "chunk-00000" / "obs.memmap")
     print(f"  built {os.path.getsize(file) / 2**30:.1f} GiB in {built_s:.0f} s", flush=True)
@@ -216,6 +217,12 @@ def bench_cold(cfg: dict, root: str, results: dict) -> None:
               "sequential": run_probe(dict(base, peer="disk_sequential"))}
     print(f"  disk: {limits['random_4k']['reads_per_s']:,.0f} random 4 KiB reads/s, "
           f"{limits['sequential']['mib_per_s']:,.0f} MiB/s in order", flush=True)
+    return roots, file, built_s, limits
+
+
+def bench_cold(cfg: dict, root: str, results: dict) -> None:
+    c = cfg["cold"]
+    roots, file, built_s, limits = built_with_limits(c, Path(root) / "cold")
     cold = measure(c, roots, cold=True)
     warm_up(file, c["warm_mib"] << 20)
     warm = measure(c, roots, cold=False)

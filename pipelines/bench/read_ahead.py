@@ -55,18 +55,11 @@ def loop(root: Path, batch: int, compute_ms: float, seconds: float, seed: int, h
 
 
 def bench_read_ahead(cfg: dict, root: str, results: dict) -> None:
-    from bench.cold import build, run_probe
+    from bench.cold import built_with_limits
 
     c = cfg["ahead"]
-    t0 = time.perf_counter()
-    roots = build(Path(root) / "ahead", c["gib"], c["row_bytes"])
-    built_s = time.perf_counter() - t0
-    file = str(roots[c["row_bytes"][0]] / "chunk-00000" / "obs.memmap")
-    limit = run_probe(dict(c, peer="disk_random", file=file))
-    sequential = run_probe(dict(c, peer="disk_sequential", file=file))
-    print(f"  built {os.path.getsize(file) / 2**30:.1f} GiB in {built_s:.0f} s; disk: "
-          f"{limit['reads_per_s']:,.0f} random 4 KiB reads/s, {sequential['mib_per_s']:,.0f} MiB/s in order",
-          flush=True)
+    roots, file, built_s, limits = built_with_limits(c, Path(root) / "ahead")
+    limit, sequential = limits["random_4k"], limits["sequential"]
     out, seed = {}, 0
     for rb_bytes, ds_root in roots.items():
         for batch in c["batches"]:
