@@ -16,9 +16,9 @@ go at different depths:
   call at all; once a dataset's batch was found outside the page cache, the rows of
   the batches planned next are named to the kernel as each batch is served
   (``rayrb.io.read_ahead``), so the disk reads them while the caller works. The other
-  parts are read by their shards, one call per shard for a run of consecutive batches, submitted at most ``prefetch`` batches ahead (and, for the
-  ``sample()`` loop, ``max_bytes`` of rows): ``prefetch`` bounds the rows held ahead,
-  never the plans.
+  parts are read by their shards, one call per shard for a run of consecutive batches,
+  submitted at most ``prefetch`` batches ahead (and, for the ``sample()`` loop,
+  ``max_bytes`` of rows): ``prefetch`` bounds the rows held ahead, never the plans.
 
 **Giving back.** Batches planned and not handed over are given back
 (``Stream.give_back``) before anything that must see the stream where the caller
@@ -101,8 +101,8 @@ class PlanCalls(deque):
 
 
 def hint_batches(batch_size: int, depth: int) -> int:
-    """Batches planned next whose rows a stream names to the kernel ahead (``HINT_ROWS`` rows, 1 to ``depth``
-    batches, at least 1: a stream without ``prefetch`` still plans its next batch).
+    """Batches planned next whose rows a stream names to the kernel ahead: ``HINT_ROWS`` rows, at most ``depth``
+    batches, at least one (a stream with ``depth`` 0 plans nothing ahead, so it has none to name).
 
     >>> hint_batches(256, 32), hint_batches(4096, 32), hint_batches(65536, 32), hint_batches(256, 0)
     (32, 4, 1, 1)
