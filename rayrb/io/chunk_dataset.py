@@ -185,12 +185,7 @@ class ChunkDataset:
                 f"expected row indices in [0, {len(self)}), got range [{indices.min()}, {indices.max()}]")
         if out is None:
             out = {k: np.empty((indices.size, *f.shape), dtype=f.dtype) for k, f in self.spec.items()}
-        if len(self.chunks) == 1:  # the common case: no chunk lookups, no selection masks
-            cols, chunk_of, chunks = {0: self._columns(0)}, None, [0]
-        else:
-            chunk_of = np.searchsorted(self.offsets, indices, side="right") - 1
-            chunks = np.unique(chunk_of).tolist()
-            cols = {c: self._columns(c) for c in chunks}  # each file's size checked before any row is read
+        cols, chunk_of, chunks = self._columns_of(indices)
         if self._ahead.reads(self._policy, cols, indices, self._starts):
             reads = ColdReads(self.read_threads)
             for k in out:  # one plan a key over all its chunks: the batch's rows in offset order
@@ -225,10 +220,8 @@ class ChunkDataset:
         indices = np.asarray(indices, dtype=np.int64)
         if indices.size == 0 or indices.min() < 0 or indices.max() >= len(self):
             return None
-        chunks = [0] if len(self.chunks) == 1 else np.unique(
-            np.searchsorted(self.offsets, indices, side="right") - 1).tolist()
         try:
-            cols = {c: self._columns(c) for c in chunks}
+            cols = self._columns_of(indices)[0]
         except ChunkError:
             return None
         return self._ahead.hint(cols, indices, self._starts)
@@ -242,6 +235,15 @@ class ChunkDataset:
     @reads.setter
     def reads(self, mode: str) -> None:
         self._policy.set_mode(mode)
+
+    def _columns_of(self, indices: np.ndarray) -> tuple[dict[int, dict[str, ColumnFile]], np.ndarray | None, list]:
+        """The files of the chunks global ``indices`` fall in (``_columns``), each row's chunk (None with one
+        chunk: the common case, no lookups) and those chunks."""
+        if len(self.chunks) == 1:
+            return {0: self._columns(0)}, None, [0]
+        chunk_of = np.searchsorted(self.offsets, indices, side="right") - 1
+        chunks = np.unique(chunk_of).tolist()
+        return {c: self._columns(c) for c in chunks}, chunk_of, chunks  # each file's size checked before any read
 
     def _columns(self, i: int) -> dict[str, ColumnFile]:
         """Chunk ``i``'s files, each open and mapped once, after checking that none of them has become shorter

@@ -9,12 +9,11 @@ returns, so the disk reads them while the caller trains on the batch it has, and
 A hint changes no row and no stream: the gather reads the rows as it always does, from the cache or the files.
 Hints go to one thread per process, in order, at most ``MAX_PENDING`` a dataset waiting: a caller that outruns the
 disk drops hints, never waits for them. A hint that fails (a file cut short, gone) is dropped: the gather of that
-batch reports it. A gather after a hint looks every row up (``cached``), not a few: copied out of the maps only if all
-are cached, else read from the files, since a fault on each row still on its way, behind the hinted reads in the
-disk's queue, would cost far more. Hints
-stop while the data is cached: after ``WARM_HINTS`` hints in a row that found a
-dataset's sampled rows in the page cache, and start again when a gather finds a batch cold; a dataset never found
-cold (a warm one) costs its reader one attribute lookup a batch.
+batch reports it. A gather after a hint looks every row up (``cached``), not a few: copied out of the maps only if
+all are cached, else read from the files, since a fault on each row still on its way, behind the hinted reads in
+the disk's queue, would cost far more. Hints stop while the data is cached: after ``WARM_HINTS`` hints in a row
+that found a dataset's sampled rows in the page cache, and start again when a gather finds a batch cold; a dataset
+never found cold (a warm one) costs its reader one attribute lookup a batch.
 """
 from __future__ import annotations
 
