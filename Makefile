@@ -25,8 +25,11 @@ install: $(STAMP)
 # Two pytest workers, each with its own local Ray, a test file at a time on one worker (a module's shared actors
 # stay with it): a serial run leaves about a quarter of the CPU idle while actors start. Files go out in the order
 # tests/conftest.py gives them (the longest first), not xdist's (most tests first). TEST_WORKERS=0: serial.
+# Bytecode written first: every actor's process imports rayrb (and test-defined actors their test module), some
+# 1,800 processes a run, and with PYTHONDONTWRITEBYTECODE set (as on these machines) each compiled it again.
 TEST_WORKERS ?= 2
 test: install lint docs
+	$(PY) -m compileall -q rayrb tests
 	$(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 # The benchmark's smoke sections outside `make test` (all but the headline: sampling, writing, preprocess, draw path,
