@@ -28,10 +28,8 @@ import errno
 import mmap
 import os
 import stat
-import threading
 import weakref
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +37,7 @@ import numpy as np
 
 from rayrb.errors import ChunkError, InvalidArgumentError
 from rayrb.io import descriptors
+from rayrb.io.threads import ProcessThreads
 
 PAGE = mmap.PAGESIZE
 READ_THREADS = 32  # requests in flight: this machine's disk serves 4 KiB random reads fastest at depth 8 to 64
@@ -59,8 +58,7 @@ _mincore = _libc.mincore
 _mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 _mincore.restype = ctypes.c_int
 _preadv = os.preadv  # module-level, so that tests can make it fail
-_pool: tuple[int, int, ThreadPoolExecutor] | None = None
-_pool_lock = threading.Lock()
+_readers = ProcessThreads("rayrb-read")
 
 
 class ColumnFile:
@@ -261,7 +259,7 @@ class ColdReads:
         work = [(j, q) for j, (_, _, pl, _) in enumerate(self._jobs) for q in range(len(pl.starts) - 1)]
         if work:
             parts = np.array_split(np.arange(len(work)), min(self.threads, len(work)))
-            pool = _threads(self.threads)
+            pool = _readers.get(self.threads)
             futures = [pool.submit(self._read, [work[i] for i in part]) for part in parts[1:]]
             errors: list[BaseException] = []
             try:
@@ -326,15 +324,6 @@ def _closed(fd: int) -> None:
     the map, at the latest when its last view goes)."""
     os.close(fd)
     descriptors.held(-2)
-
-
-def _threads(n: int) -> ThreadPoolExecutor:
-    """The process's reader threads (made again in a forked child, whose parent's threads did not come along)."""
-    global _pool
-    with _pool_lock:
-        if _pool is None or _pool[0] != os.getpid() or _pool[1] < n:
-            _pool = (os.getpid(), n, ThreadPoolExecutor(n, thread_name_prefix="rayrb-read"))
-        return _pool[2]
 
 
 def open_columns(files: dict[str, tuple[Path, tuple, np.dtype]], chunk: str) -> dict[str, ColumnFile]:

@@ -20,16 +20,15 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from rayrb.io.gather import MAX_GAP, SAMPLE, ColumnFile, ReadPolicy
+from rayrb.io.threads import ProcessThreads
 
 MAX_PENDING = 4  # hints of one dataset waiting for the thread: beyond that the caller is ahead of the disk
 WARM_HINTS = 8  # hints in a row that found their rows cached before hints stop
-_pool: tuple[int, ThreadPoolExecutor] | None = None
-_pool_lock = threading.Lock()
+_hinter = ProcessThreads("rayrb-ahead")  # one thread: hints queue behind each other, never behind a gather
 
 
 def ranges(rows: np.ndarray, row_bytes: int, max_gap: int = MAX_GAP) -> tuple[np.ndarray, np.ndarray]:
@@ -107,7 +106,7 @@ class Ahead:
                 self.stats["dropped"] += 1
                 return False
             self._pending += 1
-        _thread().submit(self._run, cols, np.asarray(indices, np.int64), list(starts))
+        _hinter.get().submit(self._run, cols, np.asarray(indices, np.int64), list(starts))
         return True
 
     def _run(self, cols: Mapping[int, Mapping[str, ColumnFile]], indices: np.ndarray, starts: list[int]) -> None:
@@ -144,12 +143,3 @@ def _sampled_rows_cached(cols: Mapping[int, Mapping[str, ColumnFile]], indices: 
                          starts: list[int]) -> bool:
     """Whether ``SAMPLE`` rows spread over ``indices`` are all in the page cache."""
     return cached(cols, indices[::max(1, indices.size // SAMPLE)][:SAMPLE], starts)
-
-
-def _thread() -> ThreadPoolExecutor:
-    """The process's hint thread (made again in a forked child, whose parent's threads did not come along)."""
-    global _pool
-    with _pool_lock:
-        if _pool is None or _pool[0] != os.getpid():
-            _pool = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="rayrb-ahead"))
-        return _pool[1]
