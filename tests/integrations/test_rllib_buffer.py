@@ -211,8 +211,15 @@ def test_construction_refuses_bad_settings():
         OfflineToOnlineEpisodeReplayBuffer(buffer=rows, n_step=3)
     with pytest.raises(ValueError, match="expected rows_per_write to be a positive int, got 0"):
         OfflineToOnlineEpisodeReplayBuffer(buffer=rows, rows_per_write=0)
-    with pytest.raises(ValueError, match="expected batch_length_T 0 or 1 .*got 64"):
-        OfflineToOnlineEpisodeReplayBuffer(buffer=rows, batch_length_T=64)
+    with pytest.raises(ValueError, match="expected batch_length_T a non-negative int .*got -1"):
+        OfflineToOnlineEpisodeReplayBuffer(buffer=rows, batch_length_T=-1)
+    with pytest.raises(ValueError, match="expected sequence_hold_steps to be a positive int, got 0"):
+        OfflineToOnlineEpisodeReplayBuffer(buffer=rows, batch_length_T=8, sequence_hold_steps=0)
+    old_rows = InProcessRows({k: v for k, v in episode_rows(chunked_episodes(7), 2).items() if k != "episode"})
+    with pytest.raises(ValueError, match="expected rows with episode numbers .'episode'. for sequences"):
+        OfflineToOnlineEpisodeReplayBuffer(buffer=old_rows, batch_length_T=8)
+    with pytest.raises(ValueError, match="expected batch_length_T 0 or 1 with prioritized sampling .*got 8"):
+        PrioritizedOfflineToOnlineEpisodeReplayBuffer(buffer=rows, batch_length_T=8)
     with pytest.raises(ValueError, match=r"expected rows with the keys .*missing \[.actions.*.horizon."):
         OfflineToOnlineEpisodeReplayBuffer(buffer=InProcessRows({"obs": np.zeros((4, 2)), "t": np.zeros(4)}))
     with pytest.raises(ValueError, match="expected no .*'alpha'.* with a given buffer"):

@@ -5,7 +5,7 @@
   it themselves (``writer``);
 - ``SACConfig``: RLlib's ``SACConfig`` taking such a buffer by class path, as ``DQNConfig`` does (``sac``);
 - ``write_episodes``, ``episode_rows``, ``n_step_transitions``, ``one_step_columns``: episodes to rows and back
-  (``transitions``, numpy only);
+  (``transitions``, numpy only); slices of rows back as a stateful module's sequences (``sequences``);
 - ``ChunkOfflineData``: RLlib's offline API (BC) reading those rows through rayrb's Ray Data source (``offline``);
 - ``update``, ``batch_refs``, ``to_multi_agent_batch``, ``td_errors``: feeding a ``LearnerGroup`` from rayrb
   slices without the driver (``learner``).

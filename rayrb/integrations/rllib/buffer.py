@@ -11,7 +11,9 @@ it from ``rayrb.integrations.rllib.SACConfig`` (``sac``): RLlib's own ``SACConfi
 ``add`` turns episode chunks into rows (``transitions``) and writes them to the online side; ``sample``
 draws a batch with the exact offline/online split and answers with the 1-step episodes RLlib's
 ``EpisodeReplayBuffer._sample_episodes`` builds: the same n-step return, next observation, flags,
-``n_step`` and ``weights``. Settings it cannot honour are refused, not ignored.
+``n_step`` and ``weights``. Built with ``batch_length_T=T`` (``replay_buffer_config``), it serves a stateful
+module's sequences instead: RLlib's episode slices of up to ``T`` steps, each from one episode (``sequences``).
+Settings it cannot honour are refused, not ignored.
 
 This module imports RLlib; ``rayrb.integrations.rllib`` imports it only when one of its classes is asked for.
 """
@@ -27,8 +29,10 @@ from ray.rllib.utils import force_list
 from ray.rllib.utils.replay_buffers.episode_replay_buffer import EpisodeReplayBuffer
 from ray.rllib.utils.replay_buffers.prioritized_episode_buffer import PrioritizedEpisodeReplayBuffer
 
-from rayrb.errors import InvalidArgumentError
+from rayrb.errors import InvalidArgumentError, SchemaError
+from rayrb.integrations.rllib.sequences import by_episode, length_refusals, sample_sequences
 from rayrb.integrations.rllib.transitions import (
+    EPISODE,
     KEYS,
     EpisodeRows,
     check_n_step,
@@ -60,8 +64,16 @@ class OfflineToOnlineEpisodeReplayBuffer(EpisodeReplayBuffer):
         rows_per_write: rows ``add`` gathers before it writes them in one ``extend`` (default 1: each ``add``
             writes at once, in the driver's own process where the shard and coordinator run on its node:
             rayrb.handle.direct). Gathered rows are not sampled until written.
-        batch_size_B, batch_length_T, metrics_num_episodes_for_smoothing: RLlib's; ``batch_length_T`` must
-            stay 0 or 1 (rows are transitions, not sequences).
+        batch_length_T: 0 or 1: ``sample`` serves one-step transitions (what DQN and SAC ask for); ``T >= 2``:
+            it serves sequences of ``T`` steps (what DQN asks for with a stateful module: its ``max_seq_len``),
+            and only those. The built buffer then samples slices of ``T`` steps of one episode (a given buffer
+            must: ``SliceSampler(slice_len=T, traj_key="episode", strict_length=False)``), and ``add`` writes
+            each episode's rows once it ends (or each ``sequence_hold_steps`` steps), one write per episode, so
+            an episode is one run of rows in one shard.
+        sequence_hold_steps: with sequences, the most steps of a running episode ``add`` holds before it writes
+            them (a longer episode is written in pieces of that many steps; a sequence does not cross from one
+            piece to the next unless they landed next to each other in one shard).
+        batch_size_B, metrics_num_episodes_for_smoothing: RLlib's.
     """
 
     _sampler = None  # what the built buffer samples with (None: rayrb's default)
@@ -69,14 +81,18 @@ class OfflineToOnlineEpisodeReplayBuffer(EpisodeReplayBuffer):
     def __init__(self, capacity: int = 10000, *, buffer: Any = None, offline_dataset: Any = None,
                  offline_fraction: Any = 0.5, n_step: int | None = None, seed: int | None = None,
                  buffer_kwargs: dict | None = None, rows_per_write: int = 1, batch_size_B: int = 16,
-                 batch_length_T: int = 1,
+                 batch_length_T: int = 1, sequence_hold_steps: int = 1000,
                  metrics_num_episodes_for_smoothing: int = 100, **kwargs: Any):
         self._check_settings(kwargs)
-        if isinstance(rows_per_write, bool) or not isinstance(rows_per_write, int) or rows_per_write < 1:
-            raise InvalidArgumentError(f"expected rows_per_write to be a positive int, got {rows_per_write!r}")
-        if batch_length_T not in (0, 1, None):
-            raise InvalidArgumentError(
-                f"expected batch_length_T 0 or 1 (rows are one-step transitions), got {batch_length_T}")
+        for name, value in (("rows_per_write", rows_per_write), ("sequence_hold_steps", sequence_hold_steps)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidArgumentError(f"expected {name} to be a positive int, got {value!r}")
+        if isinstance(batch_length_T, bool) or not isinstance(batch_length_T, (int, type(None))) or (
+                batch_length_T or 0) < 0:
+            raise InvalidArgumentError(f"expected batch_length_T a non-negative int (0 or 1: transitions; T >= 2: "
+                                       f"sequences of T steps), got {batch_length_T!r}")
+        self._seq_len = batch_length_T if (batch_length_T or 0) >= 2 else None
+        self._check_sequences(buffer)
         EpisodeReplayBuffer.__init__(self, capacity=capacity, batch_size_B=batch_size_B, batch_length_T=1,
                                      metrics_num_episodes_for_smoothing=metrics_num_episodes_for_smoothing)
         if (buffer is None) == (offline_dataset is None):
@@ -89,6 +105,11 @@ class OfflineToOnlineEpisodeReplayBuffer(EpisodeReplayBuffer):
             options = dict(buffer_kwargs or {})
             if self._sampler is not None:
                 options.setdefault("sampler", self._sampler)
+            if self._seq_len is not None:
+                from rayrb.core.slice_sampling import SliceSampler
+
+                options.setdefault("sampler", SliceSampler(slice_len=self._seq_len, traj_key=EPISODE,
+                                                           strict_length=False))
             options.update(self._priority_settings())
             buffer = OfflineToOnlineReplayBuffer(offline_dataset, online_capacity=capacity,
                                                  offline_fraction=offline_fraction, seed=seed, **options)
@@ -101,28 +122,29 @@ class OfflineToOnlineEpisodeReplayBuffer(EpisodeReplayBuffer):
             if n_step is not None and n_step != self.n_step:
                 raise InvalidArgumentError(
                     f"expected n_step={self.n_step} (how far the buffer's rows look ahead), got {n_step}")
+            if self._seq_len is not None and EPISODE not in buffer.spec.keys:
+                raise SchemaError(f"expected rows with episode numbers ('{EPISODE}') for sequences, got keys "
+                                  f"{buffer.spec.keys}: write the offline episodes again with write_episodes")
         except BaseException:
             self.shutdown()  # a buffer built here and refused here is not left running
             raise
         self.rng = np.random.default_rng(seed)
-        self._rows = EpisodeRows(self.n_step)
+        self._rows = EpisodeRows(self.n_step, whole=None if self._seq_len is None
+                                 else max(sequence_hold_steps, self.n_step))
         self._episodes_started = 0
         self._last_info: dict | None = None
-        self._rows_per_write, self._gathered = rows_per_write, []
+        self._rows_per_write, self._gathered, self._unwritten = rows_per_write, [], False
+        self._retry_id: str | None = None  # the write_id of a write that timed out, to retry it under
 
     # RLlib's interface ------------------------------------------------------------------------------------
     def add(self, episodes: Any) -> None:
-        """Write the episode chunks' rows to the online side (steps whose n-step future is unknown wait)."""
+        """Write the episode chunks' rows to the online side (steps whose n-step future is unknown wait; with
+        sequences, steps of running episodes wait). Rows a failed write left are written first, by this call or
+        the next one."""
         episodes = force_list(episodes)
         new = sum(1 for e in episodes if e.t_started == 0)  # an episode's first chunk starts at its reset
         steps = sum(len(e) for e in episodes)
         rows = self._rows.add(episodes)
-        if rows is not None:
-            self._gathered.append(rows)
-            if sum(len(r["t"]) for r in self._gathered) >= self._rows_per_write:
-                gathered = {k: np.concatenate([r[k] for r in self._gathered]) for k in KEYS}
-                self.rb.extend(match_dtypes(gathered, self.rb.spec))
-                self._gathered = []
         self._episodes_started += new
         self._num_timesteps_added += steps
         self._update_add_metrics(
@@ -131,27 +153,46 @@ class OfflineToOnlineEpisodeReplayBuffer(EpisodeReplayBuffer):
             agent_to_num_episodes_evicted={DEFAULT_AGENT_ID: 0}, agent_to_num_steps_evicted={DEFAULT_AGENT_ID: 0},
             module_to_num_episodes_added={DEFAULT_MODULE_ID: new}, module_to_num_steps_added={DEFAULT_MODULE_ID: steps},
             module_to_num_episodes_evicted={DEFAULT_MODULE_ID: 0}, module_to_num_steps_evicted={DEFAULT_MODULE_ID: 0})
+        if rows is not None:
+            self._gathered.append(rows)
+        if self._gathered and (self._unwritten or sum(len(r["t"]) for r in self._gathered) >= self._rows_per_write):
+            self._write_gathered()
+
+    def _write_gathered(self) -> None:
+        """Write the gathered rows, with sequences an episode a write (so it is one run in one shard); a write
+        that fails leaves itself and the rest gathered, for the next ``add``."""
+        gathered = {k: np.concatenate([r[k] for r in self._gathered]) for k in self._gathered[0]}
+        self._gathered = list(by_episode(gathered)) if self._seq_len is not None else [gathered]
+        self._unwritten = True  # until every part is written
+        while self._gathered:
+            retry = {} if self._retry_id is None else {"write_id": self._retry_id}
+            try:
+                self.rb.extend(match_dtypes(self._gathered[0], self.rb.spec), **retry)
+            except Exception as e:  # a write that timed out may have landed: retried under its id, it lands once
+                self._retry_id = getattr(e, "write_id", self._retry_id)
+                raise
+            self._retry_id, _ = None, self._gathered.pop(0)
+        self._unwritten = False
 
     def sample(self, num_items: int | None = None, *, batch_size_B: int | None = None,
                batch_length_T: int | None = None, n_step: Any = None, beta: float | None = 0.0,
                gamma: float = 0.99, include_infos: bool = False, include_extra_model_outputs: bool = False,
                sample_episodes: bool | None = False, to_numpy: bool = False, lookback: int = 0,
                min_batch_length_T: int = 0, **kwargs: Any) -> list[SingleAgentEpisode]:
-        """One batch as RLlib's one-step episodes (``sample_episodes=True``, as DQN and SAC ask).
+        """One batch as RLlib's one-step episodes (``sample_episodes=True``, as DQN and SAC ask), or with
+        ``batch_length_T`` its sequences (``rayrb.integrations.rllib.sequences``).
 
-        The rows hold exactly ``floor(f * B + 1/2)`` offline transitions; each episode carries RLlib's
-        n-step return, ``n_step`` and ``weights`` (importance weights when prioritized, else 1).
+        The rows hold exactly ``floor(f * B + 1/2)`` offline transitions (slices, for sequences); each episode
+        carries RLlib's n-step return, ``n_step`` and ``weights`` (importance weights when prioritized, else 1).
         """
+        seq = self._seq_len
         refused = {
             "sample_episodes": (not sample_episodes, "True (batches of [B, T] rows are not served)", sample_episodes),
-            "batch_length_T": (bool(batch_length_T), "0 (one-step transitions; sequences for stateful modules "
-                               "are not stored)", batch_length_T),
-            "lookback": (lookback not in (0, None), "0", lookback),
-            "min_batch_length_T": (bool(min_batch_length_T), "0 (no burn-in over one-step rows)", min_batch_length_T),
             "include_infos": (include_infos, "False (infos are not stored)", include_infos),
             "include_extra_model_outputs": (include_extra_model_outputs, "False (extra model outputs are not "
                                             "stored)", include_extra_model_outputs),
         }
+        refused.update(length_refusals(seq, batch_length_T, lookback, min_batch_length_T, n_step))
         for name, (bad, expected, got) in refused.items():
             if bad:
                 raise InvalidArgumentError(f"expected {name}={expected}, got {got!r}")
@@ -163,13 +204,20 @@ class OfflineToOnlineEpisodeReplayBuffer(EpisodeReplayBuffer):
         self._check_beta(beta)
         check_n_step(n_step, self.n_step)  # before drawing: a refused call leaves the stream as it was
         b = int(num_items or batch_size_B or self.batch_size_B)
+        if seq is not None:
+            episodes, infos = sample_sequences(self.rb, b, seq, int(min_batch_length_T or 0))
+            self._last_info, starts = infos[-1], {(e.id_, e.t_started) for e in episodes}
+            self._log_sample(b, np.concatenate([i["offline"] for i in infos]), starts, len({i for i, _ in starts}), 1.)
+            return episodes
         batch, info = self.rb.sample(b, return_info=True)
         rows = {k: batch[k].numpy() for k in KEYS}
         tr = n_step_transitions(rows, n_step, gamma, self.rng)
         weights = self._weights(info, len(tr["t"]))
         self._last_info = info
         episodes = [_one_step_episode(tr, weights, i) for i in range(len(tr["t"]))]
-        self._log_sample(info, tr)
+        ids = set(zip(np.asarray(info["offline"]).tolist(), np.asarray(info["shard"]).tolist(),
+                      np.asarray(info["index"]).tolist()))
+        self._log_sample(len(tr["t"]), np.asarray(info["offline"]), ids, len(tr["t"]), float(tr["n_step"].mean()))
         return episodes
 
     def get_num_timesteps(self, module_id: Any = None) -> int:
@@ -224,22 +272,24 @@ class OfflineToOnlineEpisodeReplayBuffer(EpisodeReplayBuffer):
     def _check_beta(self, beta: Any) -> None:
         return None  # uniform sampling: RLlib's own buffer ignores beta too
 
+    def _check_sequences(self, buffer: Any) -> None:
+        return None  # uniform sequences: built here, or a given buffer's batches checked as they come
+
     def _weights(self, info: dict, b: int) -> np.ndarray:
         return np.ones(b, dtype=np.float32)
 
-    def _log_sample(self, info: dict, tr: dict) -> None:
-        b = len(tr["t"])
-        offline = np.asarray(info["offline"])
-        ids = {(bool(o), int(s), int(i)) for o, s, i in zip(offline, info["shard"], info["index"])}
-        n = float(tr["n_step"].mean())
+    def _log_sample(self, b: int, offline: np.ndarray, ids: set, episodes: int, n: float) -> None:
+        """RLlib's sample metrics: ``b`` steps sampled (its count), ``ids`` the distinct steps (or sequence
+        starts) drawn, ``episodes`` the episodes they came from, ``n`` the mean n-step."""
         self.sampled_timesteps += b
         self._update_sample_metrics(
-            num_env_steps_sampled=b, num_episodes_per_sample=b, num_env_steps_per_sample=len(ids),
+            num_env_steps_sampled=b, num_episodes_per_sample=episodes, num_env_steps_per_sample=len(ids),
             sampled_n_step=n, num_resamples=0,
-            agent_to_num_steps_sampled={DEFAULT_AGENT_ID: b}, agent_to_num_episodes_per_sample={DEFAULT_AGENT_ID: b},
+            agent_to_num_steps_sampled={DEFAULT_AGENT_ID: b},
+            agent_to_num_episodes_per_sample={DEFAULT_AGENT_ID: episodes},
             agent_to_num_steps_per_sample={DEFAULT_AGENT_ID: len(ids)}, agent_to_sampled_n_step={DEFAULT_AGENT_ID: n},
             agent_to_num_resamples={DEFAULT_AGENT_ID: 0}, module_to_num_steps_sampled={DEFAULT_MODULE_ID: b},
-            module_to_num_episodes_per_sample={DEFAULT_MODULE_ID: b},
+            module_to_num_episodes_per_sample={DEFAULT_MODULE_ID: episodes},
             module_to_num_steps_per_sample={DEFAULT_MODULE_ID: len(ids)},
             module_to_sampled_n_step={DEFAULT_MODULE_ID: n}, module_to_num_resamples={DEFAULT_MODULE_ID: 0})
         self.metrics.log_value(OFFLINE_ROWS_PER_SAMPLE, int(offline.sum()), reduce="mean",
@@ -277,6 +327,11 @@ class PrioritizedOfflineToOnlineEpisodeReplayBuffer(OfflineToOnlineEpisodeReplay
 
     def _priority_settings(self) -> dict:
         return {"alpha": self._alpha, "beta": self._beta, "eps": self._eps}
+
+    def _check_sequences(self, buffer: Any) -> None:
+        if self._seq_len is not None:
+            raise InvalidArgumentError(f"expected batch_length_T 0 or 1 with prioritized sampling (sequences by "
+                                       f"priority are not built), got {self._seq_len}")
 
     def _check_beta(self, beta: Any) -> None:
         if beta is not None and self._beta is not None and float(beta) != self._beta:

@@ -9,10 +9,14 @@ one by one, across shards.
 
 A row is written once the ``n_step`` steps after it are known, or its episode has ended: the last
 ``n_step - 1`` steps of an episode still running are held back until its next chunk comes (RLlib's buffer
-samples them with a shorter n-step). Pure numpy; episodes are read through their public accessors.
+samples them with a shorter n-step); with ``whole=True``, until the episode ends (or ``whole`` steps are held),
+so each episode is one run of rows for sequences (``rayrb.integrations.rllib.sequences``). Each row also holds
+``episode``, a number for its episode (``episode_number``), which sequences cut by; rows without it (datasets
+written before it) still serve transitions. Pure numpy; episodes are read through their public accessors.
 """
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +26,27 @@ import numpy as np
 from rayrb.errors import InvalidArgumentError, SchemaError
 
 KEYS = ("obs", "actions", "rewards", "new_obs", "horizon", "terminateds", "truncateds", "t")
+EPISODE = "episode"  # each row's episode number: optional for transitions, needed for sequences
+
+
+def episode_number(id_: Any) -> int:
+    """A non-negative int64 for an RLlib episode id (a string), the same in every process: the id's first 60 bits
+    where it is hex (RLlib's ids are uuid4 hex), else 60 bits of its BLAKE2b hash.
+
+    >>> episode_number("0123456789abcdef0123456789abcdef")
+    5124095576030430
+    >>> episode_number("episode 7") == episode_number("episode 7") != episode_number("episode 8")
+    True
+    """
+    text = str(id_)
+    try:
+        return int(text[:15], 16) if len(text) >= 15 else _hashed(text)
+    except ValueError:
+        return _hashed(text)
+
+
+def _hashed(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 4
 
 
 def row_n_step(spec: Any) -> int:
@@ -53,12 +78,18 @@ class EpisodeRows:
 
     Args:
         n_step: the most steps each row looks ahead (the largest n-step the rows will serve).
+        whole: hold a running episode's rows until it ends, or until this many are held (then they are written
+            and the episode goes on in a new run); ``None``: write each row as soon as its n steps are known.
     """
 
-    def __init__(self, n_step: int = 1):
+    def __init__(self, n_step: int = 1, whole: int | None = None):
         if isinstance(n_step, bool) or not isinstance(n_step, (int, np.integer)) or n_step < 1:
             raise InvalidArgumentError(f"expected n_step to be a positive int, got {n_step!r}")
-        self.n_step = int(n_step)
+        if whole is not None and (isinstance(whole, bool) or not isinstance(whole, (int, np.integer))
+                                  or whole < n_step):
+            raise InvalidArgumentError(f"expected whole to be None or an int of at least n_step={n_step}, "
+                                       f"got {whole!r}")
+        self.n_step, self.whole = int(n_step), None if whole is None else int(whole)
         self._open: dict[str, _Open] = {}
 
     @property
@@ -71,7 +102,7 @@ class EpisodeRows:
         parts = [p for p in (self._add_one(e) for e in episodes) if p is not None]
         if not parts:
             return None
-        return {k: np.concatenate([p[k] for p in parts]) for k in KEYS}
+        return {k: np.concatenate([p[k] for p in parts]) for k in (*KEYS, EPISODE)}
 
     def _add_one(self, eps: Any) -> dict[str, np.ndarray] | None:
         steps = len(eps)
@@ -94,12 +125,15 @@ class EpisodeRows:
         done = bool(eps.is_terminated or eps.is_truncated)
         n, total = self.n_step, len(held.actions)
         ready = total if done else max(0, total - n + 1)  # rows whose n steps ahead are all known
+        if not done and self.whole is not None and total < self.whole:
+            ready = 0  # whole episodes: held until it ends or ``whole`` steps are held
         if not done:
             self._open[eps.id_] = held
         if ready == 0:
             return None
         rows = _rows(held, ready, n, terminated=bool(eps.is_terminated) and done,
                      truncated=bool(eps.is_truncated) and not eps.is_terminated and done)
+        rows[EPISODE] = np.full(ready, episode_number(eps.id_), np.int64)
         if not done:  # keep the steps not written yet, and the observation before the first of them
             held.obs, held.actions, held.rewards = held.obs[ready:], held.actions[ready:], held.rewards[ready:]
             held.t0 += ready
@@ -129,9 +163,12 @@ def _rows(held: _Open, ready: int, n: int, *, terminated: bool, truncated: bool)
 
 def match_dtypes(rows: dict[str, np.ndarray], spec: Any) -> dict[str, np.ndarray]:
     """Cast columns to the buffer's dtypes within a kind (RLlib's env runners give int32 actions where a log made
-    in Python holds int64, say); a column of another kind is left for the buffer's schema check to refuse."""
+    in Python holds int64, say); a column of another kind is left for the buffer's schema check to refuse, and
+    episode numbers are dropped for a buffer whose rows hold none."""
     out = {}
     for k, v in rows.items():
+        if k == EPISODE and k not in spec.keys:
+            continue  # a buffer whose rows have no episode numbers (written before them) serves transitions
         want = np.dtype(spec[k].dtype) if k in spec.keys else v.dtype
         out[k] = v.astype(want) if v.dtype != want and np.can_cast(v.dtype, want, "same_kind") else v
     return out
