@@ -3,6 +3,9 @@ exact offline share of them in every batch, online slices over the steps written
 several ``extend`` calls join up, a running one grows), never across an episode's end or a shard's edge."""
 from __future__ import annotations
 
+import os
+import time
+
 import numpy as np
 import pytest
 
@@ -228,3 +231,65 @@ def test_trajectory_ids_of_two_values_a_step_are_refused_before_any_actor_starts
     with pytest.raises(SchemaError, match=r"one trajectory id a step in 'traj'"):
         make_buffer(rows, online_capacity=64, batch_size=8, sampler=SliceSampler(slice_len=4, traj_key="traj"))
     assert ray_session.util.list_named_actors(all_namespaces=True) == before
+
+
+def test_prioritized_slices_follow_the_priorities_set_with_an_exact_share_and_keep_them_over_a_kill_and_a_restore(
+        make_buffer, ray_session, tmp_path):
+    """``SliceSampler(prioritized=True)``: each slice's first step drawn by its priority over every valid start of
+    its side, one importance weight a slice, the split exact; the priorities set are kept by an online shard killed
+    and restarted, and by a checkpoint."""
+    ray = ray_session
+    offline = episodes([9, 2, 7, 3, 12, 5, 4, 6])
+    rb = make_buffer(offline, online_capacity=64, num_offline_shards=2, num_online_shards=2, offline_fraction=0.5,
+                     sampler=SliceSampler(slice_len=L, traj_key="episode", prioritized=True), alpha=1.0, beta=0.5,
+                     seed=3)
+    rb.extend(episodes([10, 6], first_id=100, first_step=10_000))
+    episode_of = dict(zip(offline["step"].tolist(), offline["episode"].tolist()))
+    episode_of.update({10_000 + i: 100 if i < 10 else 101 for i in range(16)})
+    batch, info = rb.sample(16 * L, return_info=True)
+    check_slices(batch, info, episode_of)
+    # every step's priority 1, then the slices starting at offline step 24 and online step 10_002 far above
+    rb.update_priority(info, np.ones(16 * L))
+    for _ in range(20):  # until both starts were drawn once (new rows start at the largest priority: 1 here)
+        batch, info = rb.sample(16 * L, return_info=True)
+        steps = np.asarray(batch["step"])
+        hot = np.where(np.isin(steps, [24, 10_002]), 1000.0, 1.0)
+        rb.update_priority(info, hot)
+    def shares():
+        firsts, weights = [], []
+        for _ in range(40):
+            batch, info = rb.sample(16 * L, return_info=True)
+            check_slices(batch, info, episode_of)
+            side = np.asarray(info["offline"]).reshape(-1, L)[:, 0]
+            assert side.sum() == 8  # floor(0.5 * 16 + 1/2) offline slices
+            w = np.asarray(info["weight"]).reshape(-1, L)
+            assert np.allclose(w, w[:, :1])  # one weight a slice
+            firsts += np.asarray(batch["step"]).reshape(-1, L)[:, 0].tolist()
+            weights += w[:, 0].tolist()
+        firsts, weights = np.asarray(firsts), np.asarray(weights)
+        return (firsts == 24).mean(), (firsts == 10_002).mean(), weights[np.isin(firsts, [24, 10_002])]
+    off, on, hot_weights = shares()
+    assert off > 0.4 and on > 0.4  # each hot start holds most of its side's mass
+    assert np.allclose(hot_weights, 1000.0 ** -0.5, rtol=1e-3)  # (p / min p) ** -beta, min p = 1
+    online = rb.rpc.by_side["online"]
+    for shard in online:  # both online shards killed: restarted from their files, priorities kept
+        pid = ray.get(shard.__ray_call__.remote(lambda self: os.getpid()))
+        ray.kill(shard, no_restart=False)
+        while ray.get(shard.__ray_call__.remote(lambda self: os.getpid()), timeout=60) == pid:
+            time.sleep(0.01)
+    assert shares()[1] > 0.4
+    rb.dumps(tmp_path / "ckpt")
+    rb.update_priority(*_all_ones(rb))
+    assert shares()[0] < 0.2  # flattened
+    rb.loads(tmp_path / "ckpt")
+    off, on, _ = shares()
+    assert off > 0.4 and on > 0.4
+
+
+def _all_ones(rb):
+    """Priority 1 for every step the buffer holds, as one update: an info naming each (side, shard, index)."""
+    batch, info = rb.sample(64 * L, return_info=True)
+    for _ in range(30):
+        more, more_info = rb.sample(64 * L, return_info=True)
+        info = {k: np.concatenate([np.asarray(info[k]), np.asarray(more_info[k])]) for k in info}
+    return info, np.ones(len(info["index"]))

@@ -29,7 +29,8 @@ was planned, wherever it runs; the handle drops the copies by each row's place i
 edges (``rayrb.core.episodes.short_slices``, ``rayrb.handle.output``). A batch of ``B / L`` slices may so hold
 fewer than ``B`` steps, as TorchRL's does.
 
-Not built yet: sampling slices by priority.
+``prioritized=True`` draws each slice by the priority of its first step, on both sides
+(``rayrb.core.prioritized_slices``: TorchRL's ``PrioritizedSliceSampler``).
 
 Examples:
     >>> s = SliceSampler(slice_len=4, traj_key="episode")
@@ -58,6 +59,8 @@ from rayrb.errors import DrawError, InvalidArgumentError, SchemaError
 
 NAME = "slice"
 NAME_WITHOUT_REPLACEMENT = "slice_without_replacement"  # the offline side's, with SliceSampler(replacement=False)
+NAME_PRIORITIZED = "prioritized_slice"  # both sides', with SliceSampler(prioritized=True): rayrb.core.prioritized_slices
+NAMES = (NAME, NAME_WITHOUT_REPLACEMENT, NAME_PRIORITIZED)
 DEFAULT_END_KEY = ("next", "done")  # TorchRL's
 DEFAULT_TRAJ_KEY = "episode"  # TorchRL's, looked for when no end key is stored
 
@@ -84,6 +87,8 @@ class SliceSampler:
         replacement: ``False`` draws the offline side's slices without replacement, each valid slice once an
             epoch (TorchRL's ``SliceSamplerWithoutReplacement`` draws each episode once instead); the online side
             is drawn with replacement, as TorchRL's offline-to-online buffer draws it.
+        prioritized: draw each slice by the priority of its first step, on both sides, with the buffer's
+            ``alpha``, ``beta`` and ``eps`` (TorchRL's ``PrioritizedSliceSampler``); with replacement only.
     """
 
     slice_len: int | None = None
@@ -92,8 +97,12 @@ class SliceSampler:
     end_key: str | tuple[str, ...] | None = None
     strict_length: bool = True
     replacement: bool = True
+    prioritized: bool = False
 
     def __post_init__(self) -> None:
+        if self.prioritized is not False and (self.prioritized is not True or not self.replacement):
+            raise InvalidArgumentError(f"expected prioritized=True with replacement=True, or prioritized=False, got "
+                                       f"prioritized={self.prioritized!r}, replacement={self.replacement!r}")
         if (self.slice_len is None) == (self.num_slices is None):
             raise InvalidArgumentError(f"expected one of slice_len and num_slices, got slice_len={self.slice_len} "
                                        f"and num_slices={self.num_slices}")
@@ -117,6 +126,8 @@ class SliceSampler:
 
     def kinds(self) -> dict[str, str]:
         """The sampling kind of each side."""
+        if self.prioritized:
+            return {OFFLINE: NAME_PRIORITIZED, ONLINE: NAME_PRIORITIZED}
         return {OFFLINE: NAME if self.replacement else NAME_WITHOUT_REPLACEMENT, ONLINE: NAME}
 
     def resolve(self, keys: Sequence[str] | Mapping[str, Sequence[int]], batch_size: int | None) -> dict[str, Any]:

@@ -95,12 +95,12 @@ class BufferClient:
 
     @gives_back
     def update_priority(self, info: dict, priority: Any) -> int:
-        """Set the priorities of sampled rows (``sampler="prioritized"``), e.g. ``|td_error|``; the number of
-        rows sent. ``info`` is what ``sample(return_info=True)`` returned with the batch, ``priority`` one value
-        per row. Each update goes to the shard that owns its row and is dropped there if the slot was overwritten
-        since. The whole call is checked before any shard applies it: ``ValueError`` (no provenance, lengths
-        differ, a priority not finite, a buffer that does not sample by priority), ``IndexError`` (an index
-        beyond its shard's rows)."""
+        """Set the priorities of sampled rows (``sampler="prioritized"``; slices' steps, ``"prioritized_slice"``),
+        e.g. ``|td_error|``; the number of rows sent. ``info`` is what ``sample(return_info=True)`` returned with
+        the batch, ``priority`` one value per row. Each update goes to the shard that owns its row and is dropped
+        there if the slot was overwritten since. The whole call is checked before any shard applies it:
+        ``ValueError`` (no provenance, lengths differ, a priority not finite, a buffer that does not sample by
+        priority), ``IndexError`` (an index beyond its shard's rows)."""
         return self._writer.update_priority(info, priority)
 
     # sampling -----------------------------------------------------------------

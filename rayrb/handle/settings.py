@@ -35,7 +35,7 @@ from rayrb.core.plans import OFFLINE, ONLINE
 from rayrb.core.rate_limiter import make_rate_limiter
 from rayrb.core.samplers import sampler_class
 from rayrb.core.schedules import Schedule, make_schedule
-from rayrb.core.slice_sampling import NAME, NAME_WITHOUT_REPLACEMENT, SliceSampler
+from rayrb.core.slice_sampling import NAME_PRIORITIZED, NAME_WITHOUT_REPLACEMENT, NAMES, SliceSampler
 from rayrb.core.validation import (
     ALPHA,
     BETA,
@@ -275,7 +275,7 @@ def sampler_kinds(dataset: Any, sampler: str | None, offline: str | None, online
     kinds = {OFFLINE: offline or sampler or default_offline_kind(dataset), ONLINE: online or sampler or "uniform"}
     for kind in kinds.values():
         sampler_class(kind)
-    if slices is not None or {NAME, NAME_WITHOUT_REPLACEMENT} & set(kinds.values()):
+    if slices is not None or set(NAMES) & set(kinds.values()):
         raise InvalidArgumentError(f"expected sampler=rayrb.SliceSampler(slice_len=...) for slices, on both sides, "
                                    f"got sampler={sampler!r}, offline_sampler={offline!r}, online_sampler={online!r}")
     return kinds
@@ -286,16 +286,18 @@ SLICE_KEYWORDS = {"slice_len": None, "num_slices": None, "traj_key": None, "end_
 
 def slices_option(dataset: Any, sampler: Any, offline: Any, **keywords: Any) -> SliceSampler | None:
     """How slices are drawn, if they are: ``sampler=SliceSampler(...)``; ``sampler="slice"`` (or
-    ``"slice_without_replacement"``) with TorchRL's ``SliceSampler`` keywords; or a TorchRL dataset's own
-    ``SliceSampler`` when no sampler is asked for. Keywords given without slices, or twice, are refused."""
+    ``"slice_without_replacement"``, ``"prioritized_slice"``) with TorchRL's ``SliceSampler`` keywords; or a TorchRL
+    dataset's own (prioritized) ``SliceSampler`` when no sampler is asked for. Keywords given without slices, or
+    twice, are refused."""
     unknown = set(keywords) - set(SLICE_KEYWORDS)
     if unknown:
         raise InvalidArgumentError(f"expected options of {sorted(SLICE_KEYWORDS)} for slices, got {sorted(unknown)}")
     given = {k: v for k, v in keywords.items() if v != SLICE_KEYWORDS[k]}
-    if sampler in (NAME, NAME_WITHOUT_REPLACEMENT):
-        return SliceSampler(**{**SLICE_KEYWORDS, **given}, replacement=sampler == NAME)
+    if sampler in NAMES:
+        return SliceSampler(**{**SLICE_KEYWORDS, **given}, replacement=sampler != NAME_WITHOUT_REPLACEMENT,
+                            prioritized=sampler == NAME_PRIORITIZED)
     if given:
-        raise InvalidArgumentError(f"expected sampler='slice' (or 'slice_without_replacement') with "
+        raise InvalidArgumentError(f"expected sampler='slice' (or 'slice_without_replacement', 'prioritized_slice') with "
                                    f"{sorted(given)}, got sampler={sampler!r}: a SliceSampler takes them itself")
     return sampler if isinstance(sampler, SliceSampler) else torchrl_slices(dataset, sampler, offline)
 
@@ -304,11 +306,13 @@ def torchrl_slices(dataset: Any, sampler: Any, offline: Any) -> SliceSampler | N
     """A TorchRL offline buffer's ``SliceSampler`` as rayrb's (its slice settings kept), unless a sampler is given."""
     own = getattr(dataset, "_sampler", None)
     kind = type(own).__name__
-    if sampler is not None or offline is not None or kind not in ("SliceSampler", "SliceSamplerWithoutReplacement"):
+    if sampler is not None or offline is not None or kind not in ("SliceSampler", "SliceSamplerWithoutReplacement",
+                                                                  "PrioritizedSliceSampler"):
         return None
     return SliceSampler(slice_len=own.slice_len, num_slices=own.num_slices, traj_key=own.traj_key,
                         end_key=None if own.traj_key is not None else own.end_key, strict_length=own.strict_length,
-                        replacement=kind == "SliceSampler")
+                        replacement=kind != "SliceSamplerWithoutReplacement",
+                        prioritized=kind == "PrioritizedSliceSampler")
 
 
 def default_offline_kind(dataset: Any) -> str:

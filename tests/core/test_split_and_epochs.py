@@ -93,7 +93,8 @@ def test_a_registered_sampler_brings_its_allocator():
                                                                  np.random.default_rng(0)).tolist() == [0, 5]
     finally:
         SAMPLERS.pop("lowest_rows_for_tests")
-    assert sorted(SAMPLERS) == ["prioritized", "slice", "slice_without_replacement", "uniform", "without_replacement"]
+    assert sorted(SAMPLERS) == ["prioritized", "prioritized_slice", "slice", "slice_without_replacement", "uniform",
+                                "without_replacement"]
     with pytest.raises(ValueError, match="update_priority needs sampler='prioritized', this shard samples 'uniform'"):
         make_sampler("uniform").update_priority(np.arange(1), np.ones(1))
     with pytest.raises(ValueError, match="cannot draw 2 rows from an empty shard"):

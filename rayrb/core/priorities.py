@@ -1,0 +1,205 @@
+"""Prioritized replay's shard half: ``p_i = (|priority_i| + eps) ** alpha`` per slot in a sum tree (``SumTree``),
+rows drawn with probability ``p_i / sum(p)`` (``PrioritizedSampler``), and the bound that keeps every sum finite
+(``stored_priorities``). ``rayrb.core.samplers`` registers the kind; slices by priority build on both
+(``rayrb.core.prioritized_slices``)."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from rayrb.core.allocators import PrioritizedAllocator
+from rayrb.core.plans import Epoch
+from rayrb.core.sampler_base import Sampler
+from rayrb.core.validation import ALPHA, EPS, positive_int, priority_options
+from rayrb.errors import DrawError, InvalidArgumentError, SavedStateError
+
+
+class SumTree:
+    """Prefix sums over ``capacity`` non-negative values: O(log n) vectorized updates and lookups.
+
+    Examples:
+        >>> t = SumTree(4)
+        >>> t.update(np.array([0, 1, 2, 3]), np.array([1.0, 0.0, 2.0, 1.0]))
+        >>> t.total(), t.find(np.array([0.5, 1.5, 3.5])).tolist()
+        (4.0, [0, 2, 3])
+    """
+
+    def __init__(self, capacity: int):
+        self.capacity = positive_int("capacity", capacity)
+        self._n = 1 << (self.capacity - 1).bit_length()
+        self._tree = np.zeros(2 * self._n, dtype=np.float64)
+
+    def update(self, idx: np.ndarray, values: np.ndarray) -> None:
+        idx = np.asarray(idx, dtype=np.int64)
+        if idx.size == 0:
+            return
+        self._tree[idx + self._n] = values  # with repeated indices the last value wins
+        pos = np.unique((idx + self._n) // 2)
+        while pos.size:
+            self._tree[pos] = self._tree[2 * pos] + self._tree[2 * pos + 1]
+            pos = np.unique(pos[pos > 1] // 2)
+
+    def total(self) -> float:
+        return float(self._tree[1])
+
+    def range_sum(self, start: int, stop: int) -> float:
+        """``sum(v[start:stop])`` in O(log n).
+
+        >>> t = SumTree(5); t.update(np.arange(5), np.array([1.0, 2.0, 3.0, 4.0, 5.0]))
+        >>> t.range_sum(0, 2), t.range_sum(1, 4), t.range_sum(3, 3)
+        (3.0, 9.0, 0.0)
+        """
+        lo, hi, out = self._n + max(0, start), self._n + min(stop, self._n), 0.0
+        while lo < hi:
+            if lo & 1:
+                out += self._tree[lo]
+                lo += 1
+            if hi & 1:
+                hi -= 1
+                out += self._tree[hi]
+            lo, hi = lo // 2, hi // 2
+        return float(out)
+
+    def values(self, idx: np.ndarray) -> np.ndarray:
+        return self._tree[np.asarray(idx, dtype=np.int64) + self._n]
+
+    def min(self, size: int) -> float:
+        return float(self._tree[self._n:self._n + size].min()) if size else 0.0
+
+    def find(self, prefix: np.ndarray) -> np.ndarray:
+        """Index ``i`` with ``sum(v[:i]) <= u < sum(v[:i+1])`` for each ``u`` in ``prefix``."""
+        u = np.asarray(prefix, dtype=np.float64).copy()
+        pos = np.ones(u.size, dtype=np.int64)
+        while self._n > 1 and pos.size and pos[0] < self._n:
+            left = 2 * pos
+            lv = self._tree[left]
+            right = u >= lv
+            u = np.where(right, u - lv, u)
+            pos = np.where(right, left + 1, left)
+        return pos - self._n
+
+
+# The largest p_i = (|priority| + eps) ** alpha a shard stores. A sum of 2**63 of them stays under float64's
+# largest number (about 2**1024), so no shard's total, no side's total over its shards and no draw overflows; a
+# priority past it is refused whole rather than stored as inf or as a mass that makes every later sum inf.
+MAX_STORED_PRIORITY = 2.0 ** 960
+
+
+def stored_priorities(priority: Any, alpha: float, eps: float) -> np.ndarray:
+    """``p_i = (|priority| + eps) ** alpha``, refused whole, naming the first value, where one is not a finite
+    number or its ``p_i`` is past ``MAX_STORED_PRIORITY`` (so that its sum over any buffer stays finite).
+
+    >>> stored_priorities([0.0, -3.0], alpha=1.0, eps=1.0).tolist()
+    [1.0, 4.0]
+    >>> stored_priorities([2.0, 1e308], alpha=1.0, eps=1e-8)
+    Traceback (most recent call last):
+    rayrb.errors.InvalidArgumentError: priority 1e+308 (at position 1) cannot be held: (|p| + eps) ** alpha = 1e+308 \
+with alpha=1.0, eps=1e-08, expected at most 9.75e+288 (2**960) so that sums over the buffer stay finite
+    """
+    q = np.asarray(priority, dtype=np.float64).reshape(-1)
+    finite = np.isfinite(q)
+    if not finite.all():
+        raise InvalidArgumentError(f"priorities must be finite numbers, got {q[~finite][:3].tolist()}")
+    with np.errstate(over="ignore"):
+        p = (np.abs(q) + eps) ** alpha
+    bad = np.flatnonzero(~(p <= MAX_STORED_PRIORITY))
+    if bad.size:
+        i = int(bad[0])
+        raise InvalidArgumentError(
+            f"priority {float(q[i])!r} (at position {i}) cannot be held: (|p| + eps) ** alpha = {float(p[i])!r} with "
+            f"alpha={alpha!r}, eps={eps!r}, expected at most {MAX_STORED_PRIORITY:.3g} (2**960) so that sums over "
+            "the buffer stay finite")
+    return p
+
+
+class PrioritizedSampler(Sampler):
+    """Rows drawn with probability ``p_i / sum(p)``, where ``p_i = (|priority_i| + eps) ** alpha``.
+
+    New rows get the largest priority seen so far, so each is likely to be drawn once
+    (Schaul et al.'s prioritized replay, as TorchRL's ``PrioritizedSampler``).
+    """
+
+    name = "prioritized"
+    allocator = PrioritizedAllocator
+    per_slot_state = True
+
+    def __init__(self, capacity: int, alpha: float = ALPHA, eps: float = EPS, **options: Any):
+        opts = priority_options(alpha=alpha, eps=eps)
+        self.tree = SumTree(capacity)
+        self.alpha, self.eps = opts["alpha"], opts["eps"]
+        self.max_priority = 1.0
+        self._mirror: tuple[np.ndarray, np.ndarray] | None = None
+
+    def _set(self, idx: np.ndarray, values: np.ndarray) -> None:
+        self.tree.update(idx, values)
+        if self._mirror is not None:  # the mapped copy that a restarted shard reloads
+            self._mirror[0][np.asarray(idx, dtype=np.int64)] = values
+            self._mirror[1][0] = self.max_priority
+
+    def attach(self, priority: np.ndarray, max_priority: np.ndarray, reopened: bool) -> None:
+        everything = np.arange(self.tree.capacity)
+        if reopened:
+            self.tree.update(everything, np.asarray(priority[:self.tree.capacity]))
+            self.max_priority = float(max_priority[0])
+        else:
+            priority[:self.tree.capacity] = self.tree.values(everything)
+            max_priority[0] = self.max_priority
+        self._mirror = (priority, max_priority)
+
+    def add(self, idx: np.ndarray) -> None:
+        self._set(idx, np.full(len(idx), self.max_priority ** self.alpha))
+
+    on_write = add
+
+    def info(self, idx: np.ndarray) -> dict[str, np.ndarray]:
+        return {"priority": self.tree.values(idx)}  # p_i, for importance weights
+
+    def check_priority(self, idx: np.ndarray, priority: np.ndarray) -> None:
+        stored_priorities(priority, self.alpha, self.eps)
+
+    def set_priority(self, idx: np.ndarray, priority: np.ndarray) -> None:
+        stored = stored_priorities(priority, self.alpha, self.eps)  # refused whole before anything changes
+        if stored.size:
+            self.max_priority = max(self.max_priority, float(np.abs(np.asarray(priority, np.float64)).max() + self.eps))
+        self._set(idx, stored)
+
+    update_priority = set_priority
+
+    def _total(self, size: int) -> float:
+        """``sum(p[:size])``: rows a shard holds past a hole have priorities but are not counted yet, so they
+        neither add to its mass nor lend theirs to the last counted row."""
+        if size < self.tree.capacity and self.tree.range_sum(size, self.tree.capacity) > 0:
+            return self.tree.range_sum(0, size)
+        return self.tree.total()  # the same sum, added in the tree's order
+
+    def mass(self, size: int) -> tuple[float, float]:
+        """Total and smallest ``p_i`` over the first ``size`` rows."""
+        return self._total(size), self.tree.min(size)
+
+    def sample(self, count: int, size: int, rng: np.random.Generator, epoch: Epoch | None = None) -> np.ndarray:
+        total = self._total(size)
+        if count > 0 and (size <= 0 or total <= 0):
+            raise DrawError(f"cannot draw {count} rows from a shard with no priority mass")
+        u = rng.uniform(0.0, total, count) * (1.0 - 1e-12)
+        return np.minimum(self.tree.find(u), size - 1)
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        return {"priority": self.tree.values(np.arange(self.tree.capacity)),
+                "max_priority": np.float64(self.max_priority)}
+
+    def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
+        priority = np.asarray(state["priority"], dtype=np.float64)
+        if priority.shape != (self.tree.capacity,) or not np.all(np.isfinite(priority)) or np.any(priority < 0):
+            raise SavedStateError(f"expected {self.tree.capacity} finite non-negative priorities, got shape "
+                                  f"{priority.shape}")
+        max_p = float(state["max_priority"])
+        with np.errstate(over="ignore"):
+            new_row = np.float64(max_p) ** self.alpha  # what the next written row gets
+        if priority.max(initial=0.0) > MAX_STORED_PRIORITY or not (max_p >= 0 and new_row <= MAX_STORED_PRIORITY):
+            raise SavedStateError(f"expected stored priorities and max_priority ** alpha in [0, "
+                                  f"{MAX_STORED_PRIORITY:.3g}], got {priority.max(initial=0.0)!r} and "
+                                  f"{max_p!r} ** {self.alpha!r}: sums over them would not stay finite")
+        self.max_priority = max_p
+        self._set(np.arange(self.tree.capacity), priority)
