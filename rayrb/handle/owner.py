@@ -72,10 +72,9 @@ class OfflineToOnlineReplayBuffer(BufferClient):
           ``"prioritized"`` (``p_i = (|priority| + eps)^alpha``, per-shard sum trees, counts ~ Multinomial over
           shard masses; ``info["weight"]`` holds the importance weights ``(p_i / min p)^-beta`` over each side's
           union of shards); by default (TorchRL's) an OpenML id without replacement, else uniformly, online uniformly.
-          ``"slice"`` / ``"slice_without_replacement"`` (offline; online with replacement) /
-          ``"prioritized_slice"`` (each slice by its first step's priority): slices of episodes on both sides, with
-          TorchRL's ``SliceSampler`` keywords ``slice_len`` or ``num_slices``, ``traj_key`` or ``end_key``,
-          ``strict_length``; or ``sampler=rayrb.SliceSampler(...)`` with them (docs/sequences.md).
+          ``"slice"`` / ``"slice_without_replacement"`` (offline; online with replacement) / ``"prioritized_slice"``:
+          slices of episodes on both sides, with TorchRL's ``SliceSampler`` keywords ``slice_len`` or
+          ``num_slices``, ``traj_key`` or ``end_key``, ``strict_length``; or ``sampler=rayrb.SliceSampler(...)``.
         - ``offline_sampler``, ``online_sampler`` (str, default None): one side's sampler.
         - ``alpha`` (0.6), ``beta`` (0.4), ``eps`` (1e-8): prioritized sampling's exponents and floor (TorchRL's).
         - ``epoch_end`` (str, default ``"short"``): without replacement, what a batch does when a side has fewer
