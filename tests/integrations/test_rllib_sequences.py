@@ -322,3 +322,27 @@ def _cartpole_log(root, write_episodes):
         logged.append(ep)
     write_episodes(logged, root)
     return root
+
+
+def test_an_env_runner_writes_each_episode_whole_where_the_config_asks_for_sequences():
+    """``EnvRunnerWriter`` with ``batch_length_T`` in the config: each episode's rows wait until it ends and go in a
+    write of their own (as the buffer's ``add`` writes them); without it, chunks go as they come."""
+    from types import SimpleNamespace
+
+    from rayrb.integrations.rllib import EnvRunnerWriter
+
+    for config, whole in (({"batch_length_T": T}, True), ({}, False)):
+        rows = InProcessSlices(episode_rows([c for e in episodes(12) for c in e], 1), T)
+        runner = SimpleNamespace(config=SimpleNamespace(in_evaluation=False,
+                                                        replay_buffer_config={"buffer": rows, **config}))
+        writer = EnvRunnerWriter()
+        for chunk in interleaved(episodes(13)):
+            samples = list(chunk)
+            writer.on_sample_end(env_runner=runner, samples=samples)
+            assert samples == []  # taken: the driver writes nothing twice
+        if whole:
+            assert sorted(len(w["t"]) for w in rows.writes) == sorted(LENGTHS)
+            assert all((w[EPISODE] == w[EPISODE][0]).all() and w["t"][0] == 0 for w in rows.writes)
+        else:
+            assert len(rows.writes) == len(list(interleaved(episodes(13))))  # a write a sample, episodes mixed
+        assert sum(len(w["t"]) for w in rows.writes) == sum(LENGTHS)

@@ -30,13 +30,14 @@ from ray.rllib.utils.replay_buffers.episode_replay_buffer import EpisodeReplayBu
 from ray.rllib.utils.replay_buffers.prioritized_episode_buffer import PrioritizedEpisodeReplayBuffer
 
 from rayrb.errors import InvalidArgumentError, SchemaError
-from rayrb.integrations.rllib.sequences import by_episode, length_refusals, sample_sequences
+from rayrb.integrations.rllib.pending import PendingRows
+from rayrb.integrations.rllib.sequences import length_refusals, sample_sequences
 from rayrb.integrations.rllib.transitions import (
     EPISODE,
     KEYS,
+    SEQUENCE_HOLD_STEPS,
     EpisodeRows,
     check_n_step,
-    match_dtypes,
     n_step_transitions,
     row_n_step,
 )
@@ -81,7 +82,7 @@ class OfflineToOnlineEpisodeReplayBuffer(EpisodeReplayBuffer):
     def __init__(self, capacity: int = 10000, *, buffer: Any = None, offline_dataset: Any = None,
                  offline_fraction: Any = 0.5, n_step: int | None = None, seed: int | None = None,
                  buffer_kwargs: dict | None = None, rows_per_write: int = 1, batch_size_B: int = 16,
-                 batch_length_T: int = 1, sequence_hold_steps: int = 1000,
+                 batch_length_T: int = 1, sequence_hold_steps: int = SEQUENCE_HOLD_STEPS,
                  metrics_num_episodes_for_smoothing: int = 100, **kwargs: Any):
         self._check_settings(kwargs)
         for name, value in (("rows_per_write", rows_per_write), ("sequence_hold_steps", sequence_hold_steps)):
@@ -133,8 +134,7 @@ class OfflineToOnlineEpisodeReplayBuffer(EpisodeReplayBuffer):
                                  else max(sequence_hold_steps, self.n_step))
         self._episodes_started = 0
         self._last_info: dict | None = None
-        self._rows_per_write, self._gathered, self._unwritten = rows_per_write, [], False
-        self._retry_id: str | None = None  # the write_id of a write that timed out, to retry it under
+        self._pending = PendingRows(rows_per_write, by_episode=self._seq_len is not None)
 
     # RLlib's interface ------------------------------------------------------------------------------------
     def add(self, episodes: Any) -> None:
@@ -153,26 +153,8 @@ class OfflineToOnlineEpisodeReplayBuffer(EpisodeReplayBuffer):
             agent_to_num_episodes_evicted={DEFAULT_AGENT_ID: 0}, agent_to_num_steps_evicted={DEFAULT_AGENT_ID: 0},
             module_to_num_episodes_added={DEFAULT_MODULE_ID: new}, module_to_num_steps_added={DEFAULT_MODULE_ID: steps},
             module_to_num_episodes_evicted={DEFAULT_MODULE_ID: 0}, module_to_num_steps_evicted={DEFAULT_MODULE_ID: 0})
-        if rows is not None:
-            self._gathered.append(rows)
-        if self._gathered and (self._unwritten or sum(len(r["t"]) for r in self._gathered) >= self._rows_per_write):
-            self._write_gathered()
-
-    def _write_gathered(self) -> None:
-        """Write the gathered rows, with sequences an episode a write (so it is one run in one shard); a write
-        that fails leaves itself and the rest gathered, for the next ``add``."""
-        gathered = {k: np.concatenate([r[k] for r in self._gathered]) for k in self._gathered[0]}
-        self._gathered = list(by_episode(gathered)) if self._seq_len is not None else [gathered]
-        self._unwritten = True  # until every part is written
-        while self._gathered:
-            retry = {} if self._retry_id is None else {"write_id": self._retry_id}
-            try:
-                self.rb.extend(match_dtypes(self._gathered[0], self.rb.spec), **retry)
-            except Exception as e:  # a write that timed out may have landed: retried under its id, it lands once
-                self._retry_id = getattr(e, "write_id", self._retry_id)
-                raise
-            self._retry_id, _ = None, self._gathered.pop(0)
-        self._unwritten = False
+        self._pending.add(rows)
+        self._pending.write(self.rb.extend, self.rb.spec)
 
     def sample(self, num_items: int | None = None, *, batch_size_B: int | None = None,
                batch_length_T: int | None = None, n_step: Any = None, beta: float | None = 0.0,

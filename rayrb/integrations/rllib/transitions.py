@@ -27,6 +27,7 @@ from rayrb.errors import InvalidArgumentError, SchemaError
 
 KEYS = ("obs", "actions", "rewards", "new_obs", "horizon", "terminateds", "truncateds", "t")
 EPISODE = "episode"  # each row's episode number: optional for transitions, needed for sequences
+SEQUENCE_HOLD_STEPS = 1000  # with sequences, the most steps of a running episode held before they are written
 
 
 def episode_number(id_: Any) -> int:

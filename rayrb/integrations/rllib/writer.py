@@ -4,7 +4,10 @@
 at the end of each ``EnvRunner.sample()`` the runner turns its episode chunks into rows and extends the
 buffer through the client the config carries, then empties the list it returns, so the rows go runner ->
 shards and the driver's ``add`` gets nothing to write twice. The runner's metrics (returns, steps
-sampled) are computed before this callback and are kept. Evaluation runners write nothing.
+sampled) are computed before this callback and are kept. Evaluation runners write nothing. Where the config
+asks for sequences (``batch_length_T >= 2``), each episode's rows wait until it ends (or
+``sequence_hold_steps`` are held) and go in a write of their own, as the buffer's ``add`` writes them; a write
+that fails is written again at the runner's next sample (``PendingRows``).
 
 This module imports RLlib; ``rayrb.integrations.rllib`` imports it only when ``EnvRunnerWriter`` is asked for.
 """
@@ -15,7 +18,8 @@ from typing import Any
 from ray.rllib.callbacks.callbacks import RLlibCallback
 
 from rayrb.errors import InvalidArgumentError
-from rayrb.integrations.rllib.transitions import EpisodeRows, match_dtypes, row_n_step
+from rayrb.integrations.rllib.pending import PendingRows
+from rayrb.integrations.rllib.transitions import SEQUENCE_HOLD_STEPS, EpisodeRows, row_n_step
 
 ROWS_WRITTEN = "rayrb_rows_written"
 
@@ -27,6 +31,7 @@ class EnvRunnerWriter(RLlibCallback):
         super().__init__()
         self._client: Any = None
         self._rows: EpisodeRows | None = None
+        self._pending: PendingRows | None = None
 
     def on_sample_end(self, *, env_runner: Any = None, metrics_logger: Any = None, samples: Any = None,
                       **kwargs: Any) -> None:
@@ -38,10 +43,14 @@ class EnvRunnerWriter(RLlibCallback):
                 raise InvalidArgumentError(
                     "expected replay_buffer_config['buffer'] to be a rayrb buffer client for env "
                     f"runners to write into, got {client!r}")
-            self._client, self._rows = client, EpisodeRows(row_n_step(client.spec))
+            config = env_runner.config.replay_buffer_config
+            n, sequences = row_n_step(client.spec), (config.get("batch_length_T") or 0) >= 2
+            whole = max(int(config.get("sequence_hold_steps", SEQUENCE_HOLD_STEPS)), n) if sequences else None
+            self._client, self._rows, self._pending = client, EpisodeRows(n, whole=whole), PendingRows(
+                by_episode=sequences)
         rows = self._rows.add(samples)
-        if rows is not None:
-            self._client.extend(match_dtypes(rows, self._client.spec))
-        samples.clear()  # written: the driver's buffer must not write them again
+        samples.clear()  # taken: the driver's buffer must not write them again
+        self._pending.add(rows)
+        self._pending.write(self._client.extend, self._client.spec)
         if metrics_logger is not None:
             metrics_logger.log_value(ROWS_WRITTEN, 0 if rows is None else len(rows["t"]), reduce="sum")

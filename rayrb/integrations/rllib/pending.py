@@ -1,0 +1,55 @@
+"""Rows an RLlib writer (the episode buffer's ``add``, an env runner's ``EnvRunnerWriter``) has made and not yet
+written: gathered until there are ``rows_per_write``, then written in one ``extend``, or an episode a write where
+the buffer serves sequences (so each episode is one run of rows in one shard). A write that fails leaves itself
+and the rows after it for the next ``write``, and one that timed out is retried under its ``write_id``, so it
+lands once. Pure Python over the buffer's ``extend``."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from rayrb.integrations.rllib.sequences import by_episode
+from rayrb.integrations.rllib.transitions import match_dtypes
+
+
+class PendingRows:
+    """Rows waiting for their write (see the module).
+
+    Args:
+        rows_per_write: rows gathered before a write.
+        by_episode: write an episode a write (sequences), not all gathered rows at once.
+    """
+
+    def __init__(self, rows_per_write: int = 1, by_episode: bool = False):
+        self.rows_per_write, self.by_episode = int(rows_per_write), bool(by_episode)
+        self._parts: list[dict[str, np.ndarray]] = []
+        self._unwritten = False  # a write failed: what is left goes at the next chance, whatever its size
+        self._retry_id: str | None = None  # the write_id of a write that timed out, to retry it under
+
+    @property
+    def rows(self) -> int:
+        """Rows waiting."""
+        return sum(len(p["t"]) for p in self._parts)
+
+    def add(self, rows: dict[str, np.ndarray] | None) -> None:
+        if rows is not None:
+            self._parts.append(rows)
+
+    def write(self, extend: Callable[..., Any], spec: Any) -> None:
+        """Write what waits, if a write is due (``rows_per_write`` gathered, or rows a failed write left)."""
+        if not self._parts or not (self._unwritten or self.rows >= self.rows_per_write):
+            return
+        gathered = {k: np.concatenate([p[k] for p in self._parts]) for k in self._parts[0]}
+        self._parts = list(by_episode(gathered)) if self.by_episode else [gathered]
+        self._unwritten = True  # until every part is written
+        while self._parts:
+            retry = {} if self._retry_id is None else {"write_id": self._retry_id}
+            try:
+                extend(match_dtypes(self._parts[0], spec), **retry)
+            except Exception as e:  # a write that timed out may have landed: retried under its id, it lands once
+                self._retry_id = getattr(e, "write_id", self._retry_id)
+                raise
+            self._retry_id, _ = None, self._parts.pop(0)
+        self._unwritten = False
