@@ -141,6 +141,15 @@ class Slices:
     def total(self) -> int:
         return int(self._ends[-1]) if self._ends.size else 0
 
+    def first_steps(self) -> np.ndarray:
+        """The first step of every valid slice, by slice number: ``locate(arange(total))[0]`` in one pass.
+
+        >>> Slices(Episodes(np.array([0, 5]), np.array([5, 12])), 3).first_steps().tolist()
+        [0, 1, 2, 5, 6, 7, 8, 9]
+        """
+        before = self._ends - self.counts  # slices in the episodes before each
+        return np.arange(self.total, dtype=np.int64) + np.repeat(self.episodes.starts - before, self.counts)
+
     def locate(self, items: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(first step, length)`` of each slice numbered in ``items``."""
         items = np.asarray(items, np.int64)

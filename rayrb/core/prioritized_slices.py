@@ -81,17 +81,19 @@ class PrioritizedEpisodeSlices(EpisodeSlices):
         self._starts = SumTree(max(1, int(capacity)))
         self._start_slots = np.empty(0, np.int64)  # each valid slice's first slot, by slice number
         self._item_of = np.full(max(1, int(capacity)), -1, np.int64)  # slot -> the slice it starts, or -1
+        self._min_p: float | None = None  # the smallest p of a valid start (None: to be found again)
 
     def _start_tree(self, size: int) -> Any:
         """The valid slices of the first ``size`` slots, with the starts' tree built for them."""
         order, slices = self._slices(size)
         if self._built is not slices:
-            first, _ = slices.locate(np.arange(slices.total, dtype=np.int64))
-            self._start_slots = order[first]
+            self._start_slots = order[slices.first_steps()]
             self._item_of = np.full(self._p.tree.capacity, -1, np.int64)
             self._item_of[self._start_slots] = np.arange(slices.total, dtype=np.int64)
-            self._starts = SumTree(self._p.tree.capacity)
-            self._starts.update(self._start_slots, self._p.tree.values(self._start_slots))
+            at_starts, p = np.zeros(self._p.tree.capacity), self._p.tree.values(self._start_slots)
+            at_starts[self._start_slots] = p
+            self._starts.fill(at_starts)
+            self._min_p = float(p.min()) if p.size else None
             self._built = slices
         return slices
 
@@ -120,6 +122,7 @@ class PrioritizedEpisodeSlices(EpisodeSlices):
         self._p.set_priority(idx, priority)  # refused whole before anything changes
         starts = idx[self._item_of[idx] >= 0]  # steps that start a valid slice: their tree entry follows
         self._starts.update(starts, self._p.tree.values(starts))
+        self._min_p = None
 
     set_priority = update_priority
 
@@ -137,7 +140,9 @@ class PrioritizedEpisodeSlices(EpisodeSlices):
         slices = self._start_tree(size)
         if slices.total == 0:
             return 0.0, 1.0
-        return self._starts.total(), float(self._p.tree.values(self._start_slots).min())
+        if self._min_p is None:
+            self._min_p = float(self._p.tree.values(self._start_slots).min())
+        return self._starts.total(), self._min_p
 
     def sample(self, count: int, size: int, rng: np.random.Generator | None, epoch: Epoch | None = None) -> np.ndarray:
         self._start_tree(size)
