@@ -72,6 +72,7 @@ def test_benchmark_smoke_of_the_other_sections(tmp_path):
     assert "replicas" in results
     slices = results["slices"]["by_slice_len"]["8"]
     assert slices["rayrb_offline"]["median"] > 0 and slices["torchrl_slice_sampler"]["median"] > 0
+    assert slices["rayrb_prioritized_half_online"]["median"] > 0
     assert "Two-node Cluster" in render(tmp_path)
 
 

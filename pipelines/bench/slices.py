@@ -1,8 +1,10 @@
 """Section ``slices``: slices/s and steps/s of a slice sampler at slice lengths 8, 32 and 80 (32 slices a batch),
 rayrb's ``SliceSampler`` against TorchRL's in-process ``ReplayBuffer`` with its ``SliceSampler`` on the same
 episodes, in one run. rayrb's buffer draws all its slices offline (``offline_fraction=1``, what TorchRL's buffer
-holds) and, as a second figure, half of them from an online side holding episodes too. TorchRL's buffer runs with 1
-and with 2 torch threads, the better counting (``torchrl_slice_sampler``)."""
+holds) and, as a second figure, half of them from an online side holding episodes too; as a third, the same half
+online by priority (``SliceSampler(prioritized=True)``, read by the shards; TorchRL's ``PrioritizedSliceSampler``
+needs its C++ extension, which the CPU torch build here does not load, so it has no peer in this run). TorchRL's
+buffer runs with 1 and with 2 torch threads, the better counting (``torchrl_slice_sampler``)."""
 from __future__ import annotations
 
 import numpy as np
@@ -42,9 +44,10 @@ def bench_slices(cfg: dict, root: str, results: dict) -> None:
         peer.extend(offline)
         made = []
         try:
-            for fraction in (1.0, 0.5):
-                rb = OfflineToOnlineReplayBuffer(str(ds_root), online_capacity=len(online), offline_fraction=fraction,
-                                                 sampler=SliceSampler(slice_len=length, traj_key="episode"), seed=0)
+            for fraction, prioritized in ((1.0, False), (0.5, False), (0.5, True)):
+                rb = OfflineToOnlineReplayBuffer(
+                    str(ds_root), online_capacity=len(online), offline_fraction=fraction, seed=0,
+                    sampler=SliceSampler(slice_len=length, traj_key="episode", prioritized=prioritized))
                 made.append(rb)
                 rb.extend(online)
             row: dict[str, list] = {}
@@ -55,10 +58,11 @@ def bench_slices(cfg: dict, root: str, results: dict) -> None:
                 row.setdefault("torchrl_slice_sampler", []).append(max(row["torchrl_1_threads"][-1],
                                                                        row["torchrl_2_threads"][-1]))
                 for name, fn in (("rayrb_offline", lambda: made[0].sample(batch)),
-                                 ("rayrb_half_online", lambda: made[1].sample(batch))):
+                                 ("rayrb_half_online", lambda: made[1].sample(batch)),
+                                 ("rayrb_prioritized_half_online", lambda: made[2].sample(batch))):
                     row.setdefault(name, []).append(measure(cfg, fn, batch)["rows_per_s"])
             summary = med_ranges(row)
-            for name in ("rayrb_offline", "rayrb_half_online"):
+            for name in ("rayrb_offline", "rayrb_half_online", "rayrb_prioritized_half_online"):
                 summary[f"{name}_vs_torchrl"] = {"median": summary[name]["median"]
                                                  / summary["torchrl_slice_sampler"]["median"]}
             summary["slices_per_s"] = {k: summary[k]["median"] / length for k in row}
