@@ -218,8 +218,15 @@ def test_short_slices_read_here_are_the_rows_the_shards_read(make_buffer):
     for (a, ia), (b, ib) in zip(*out):
         for key in ("step", "episode", "is_init", ("next", "truncated")):
             assert np.asarray(a[key]).tolist() == np.asarray(b[key]).tolist(), key
-        for key in ("offline", "shard", "index", "generation"):
+        for key in ("offline", "shard", "index", "generation", "episode_start"):
             assert np.asarray(ia[key]).tolist() == np.asarray(ib[key]).tolist(), key
+        # each step says where its episode starts in its shard: one place per episode, its first step's
+        where = {}
+        for o, sh, start, traj in zip(*(np.asarray(ia[k]).tolist() for k in ("offline", "shard", "episode_start")),
+                                   np.asarray(a["episode"]).tolist()):
+            where.setdefault((o, sh, start), set()).add(traj)
+        assert all(len(v) == 1 for v in where.values()), where
+        assert len({(o, sh, next(iter(v))) for (o, sh, _), v in where.items()}) == len(where)
 
 
 def test_trajectory_ids_of_two_values_a_step_are_refused_before_any_actor_starts(make_buffer, ray_session):

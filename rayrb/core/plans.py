@@ -255,6 +255,8 @@ def provenance(plan: BatchPlan, infos: Sequence[Mapping[str, Any]], cat: Callabl
         "index": cat([i["index"] for i in infos]),
         "generation": cat([i["generation"] for i in infos]),
     }
+    if infos and all("episode_start" in i for i in infos):  # slices: where each step's episode starts in its shard
+        info["episode_start"] = cat([i["episode_start"] for i in infos])
     if plan.weights is not None:
         info["weight"] = cat([plan.weights(p.side, i) for p, i in zip(plan.parts, infos)])
     return info

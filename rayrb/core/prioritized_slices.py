@@ -128,12 +128,13 @@ class PrioritizedEpisodeSlices(EpisodeSlices):
 
     # what a read answers ---------------------------------------------------------------------------------
     def info(self, idx: np.ndarray) -> dict[str, np.ndarray]:
-        """Each step's slice's ``p``: a read is whole slices of ``slice_len`` steps (short ones padded), each
-        first step the start it was drawn by."""
+        """Each step's episode (``EpisodeSlices.info``) and its slice's ``p``: a read is whole slices of
+        ``slice_len`` steps (short ones padded), each first step the start it was drawn by."""
         idx = np.asarray(idx, np.int64)
         if idx.size % self._len:
-            return {"priority": self._p.tree.values(idx)}
-        return {"priority": np.repeat(self._p.tree.values(idx.reshape(-1, self._len)[:, 0]), self._len)}
+            return {**super().info(idx), "priority": self._p.tree.values(idx)}
+        return {**super().info(idx),
+                "priority": np.repeat(self._p.tree.values(idx.reshape(-1, self._len)[:, 0]), self._len)}
 
     def mass(self, size: int) -> tuple[float, float]:
         """``(sum of p over the valid starts, smallest of them)``; ``(0, 1)`` without a valid slice."""

@@ -203,6 +203,7 @@ class EpisodeSlices(Sampler):
         self._generation: np.ndarray | None = None
         self._version = 0  # moved by each write: the episodes are found again
         self._cache: tuple = (None, None, None)
+        self._firsts: tuple | None = None  # for ``info``: each slot's place and each episode's first row, by cache key
         self._written: np.ndarray | None = None
 
     @property
@@ -231,6 +232,33 @@ class EpisodeSlices(Sampler):
     def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
         """A restore (or a copy taken whole) replaced the rows: their episodes are found again."""
         self._version += 1
+
+    def info(self, idx: np.ndarray) -> dict[str, np.ndarray]:
+        """Each drawn step's ``episode_start``: the row number, in this shard's write stream, of its episode's first
+        step still held (offline: that step's index in the shard), by the episodes the draw was made over. The
+        steps of one slice share it; two episodes held at once never do.
+
+        >>> s = EpisodeSlices(capacity=6, slice_len=2, slice_key="e")
+        >>> s.bind({"e": np.array([0, 0, 0, 1, 1, 2])}, None)
+        >>> steps = s.sample(4, 6, np.random.default_rng(0))  # two slices of 2 steps
+        >>> s.info(np.array([1, 2, 3, 4]))["episode_start"].tolist()  # episode 0 begins at step 0, 1 at step 3
+        [0, 0, 3, 3]
+        """
+        key, order, slices = self._cache
+        idx = np.asarray(idx, np.int64)
+        if key is None or (idx.size and int(idx.max()) >= key[0]):
+            return {}  # not steps of a draw (a gather by index): no episodes were found over them
+        if self._firsts is None or self._firsts[0] != key:
+            place, first_rows = None, slices.episodes.starts  # not wrapped: a slot is its row and its place
+            if self._generation is not None and key[0] >= self._capacity > 0:  # wrapped: ``order`` sorts by row
+                rows = (np.abs(self._generation[:key[0]]) - 1) * self._capacity + np.arange(key[0])
+                place = np.empty(key[0], np.int64)
+                place[order] = np.arange(key[0], dtype=np.int64)  # each slot's place in the write order
+                first_rows = rows[order[slices.episodes.starts]]
+            self._firsts = (key, place, first_rows)
+        _, place, first_rows = self._firsts
+        at = idx if place is None else place[idx]
+        return {"episode_start": first_rows[np.searchsorted(slices.episodes.starts, at, side="right") - 1]}
 
     def _slices(self, size: int) -> tuple[np.ndarray, Slices]:
         """The slots of the first ``size`` in write order, and the valid slices over them (cached until a write)."""

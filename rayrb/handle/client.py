@@ -113,8 +113,8 @@ class BufferClient:
         Args:
             batch_size: rows in the batch (default: the buffer's). ``ValueError`` if none, if its rows exceed
                 ``max_batch_bytes``, or (``epoch_end="raise"``) if the epoch cannot fill it.
-            return_info: return ``(batch, info)``, with per row ``offline`` (bool), ``shard``, ``index`` (within
-                the shard), ``generation`` (times that slot was written) and, prioritized, ``weight``.
+            return_info: return ``(batch, info)``, with per row ``offline``, ``shard``, ``index`` (in the shard),
+                ``generation`` (its slot's writes), prioritized ``weight``, with slices ``episode_start``.
         """
         batch_size = self.output.size(batch_size)
         held = self._sampling.loop(batch_size).next(batch_size)

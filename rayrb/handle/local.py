@@ -118,7 +118,8 @@ class OfflineReader(Reader):
         if idx is None:
             return None
         self._ds.gather(idx + self._start, out=out, checked=False)  # drawn in [0, size): within the rows
-        return {"index": idx, "generation": np.full(idx.shape, OFFLINE_GENERATION, np.int64)}
+        return {"index": idx, "generation": np.full(idx.shape, OFFLINE_GENERATION, np.int64),
+                **self._sampler.info(idx)}
 
 
 class OnlineReader(Reader):
@@ -185,7 +186,7 @@ class OnlineReader(Reader):
         now = time.monotonic()
         if now - self._checked >= TRUST and self._current(now) is not maps:
             return None  # the copy outlasted the check: the files may have been made afresh meanwhile
-        return {"index": idx, "generation": before}
+        return {"index": idx, "generation": before, **self._sampler.info(idx)}
 
 
 def slice_options(layout: ShardLayout) -> dict[str, Any]:

@@ -107,6 +107,28 @@ def test_a_wrapped_online_shard_draws_in_write_order_and_never_over_an_overwritt
     assert seen == {4, 5, 6, 7}
 
 
+@pytest.mark.parametrize("kind", ["slice", "prioritized_slice"])
+def test_each_drawn_step_says_where_its_episode_starts_in_the_write_stream(kind):
+    """The wrapped shard above: episode 1 holds rows 4-9 (slots 4-7, 0-1), episode 2 rows 10-11 (slots 2-3).
+    Every step of a slice of episode 1 says row 4; a gather by index beyond the draw's rows says nothing."""
+    by_row = np.repeat([0, 1, 2], [4, 6, 2])
+    slots, generation = np.empty(8, np.int64), np.empty(8, np.int64)
+    for w in range(4, 12):
+        slots[w % 8], generation[w % 8] = by_row[w], w // 8 + 1
+    s = shard(slots, capacity=8, generation=generation, slice_len=2, kind=kind)
+    s.on_write(np.arange(8))
+    steps = s.sample(2 * 50, 8, np.random.default_rng(2))
+    first = s.info(steps)["episode_start"]
+    expected = np.where(slots[steps] == 1, 4, 10)
+    assert first.tolist() == expected.tolist() and set(first.tolist()) == {4, 10}
+    assert s.info(np.array([0, 1, 2, 3]))["episode_start"].tolist() == [4, 4, 10, 10]
+    unwrapped = shard(np.array([5, 5, 5, 6, 6]), capacity=8, generation=np.ones(8, np.int64), slice_len=2, kind=kind)
+    unwrapped.on_write(np.arange(5))
+    unwrapped.sample(2, 5, np.random.default_rng(0))
+    assert unwrapped.info(np.array([1, 2, 3, 4]))["episode_start"].tolist() == [0, 0, 3, 3]
+    assert "episode_start" not in unwrapped.info(np.array([6]))  # not a step of the draw's rows
+
+
 def test_a_write_is_seen_by_the_next_read():
     ids = np.array([0, 0, 1, 1, 1, 1, 2, 2])
     s = shard(ids, capacity=8, generation=np.ones(8, np.int64))
