@@ -1,7 +1,8 @@
 """A node lost without grace (ray.cluster_utils.Cluster, in a subprocess): with two copies of each online shard
 nothing acknowledged is lost or doubled through the loss of a shard's node, of the coordinator's node and of the
 node the shard moved to; with one copy the rows of the shards on the lost node are lost, as docs/durability.md
-says, and nothing else. The three run one after the other in one cluster (``tests/cluster_node_loss.py``)."""
+says, and nothing else; slices of episodes with two copies stay whole through a loss. The four run one after the
+other in one cluster (``tests/cluster_node_loss.py``)."""
 from __future__ import annotations
 
 import pytest
@@ -12,7 +13,7 @@ pytestmark = pytest.mark.cluster
 
 @pytest.fixture(scope="module")
 def scenarios(tmp_path_factory) -> dict:
-    """Each scenario's result by name ("2", "1", "stream"), from one run of the script."""
+    """Each scenario's result by name ("2", "1", "stream", "slices"), from one run of the script."""
     return run_marked("cluster_node_loss.py", str(tmp_path_factory.mktemp("node-loss")), timeout=900)
 
 
@@ -55,3 +56,13 @@ def test_the_seeded_stream_goes_on_through_the_loss_of_the_coordinators_node(sce
     if result["replica_node"]:  # a handle beside a replica (and not its shard) reads the replica's files itself
         assert result["replica_dirs_read"] >= 1 and result["same_beside_replica"], result
     assert result["recovery_s"] < 60
+
+
+def test_slices_with_two_copies_stay_whole_and_lose_nothing_through_a_shards_node_loss(scenarios):
+    result = result_of(scenarios, "slices")
+    print("\nnode loss, slices with 2 copies:", result)
+    assert result["dirs"] > 0 and result["acked"] > 0 and result["lost"] == 0, result
+    assert result["doubled"] == 0 and result["unacked_held"] == 0, result
+    # every batch sampled through the loss was whole slices of one episode, split exactly; and after it
+    assert result["batches"] > result["batches_before"] > 0 and result["torn"] == 0, result
+    assert result["inexact"] == 0 and result["whole_after"], result

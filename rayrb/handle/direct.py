@@ -141,14 +141,14 @@ class DirectWrites:
         if self._nodes is None:
             from rayrb.handle.rpc import node_id
 
-            here, m = node_id(), len(self.rpc.by_side["offline"])
-            self._nodes = []
+            here, m, nodes = node_id(), len(self.rpc.by_side["offline"]), []
             for i in range(len(self._capacity)):
                 try:
-                    self._nodes.append(self.rpc.node_of(m + i))
+                    nodes.append(self.rpc.node_of(m + i))
                 except Exception:  # restarting: a hint only, asked again by the next handle
-                    self._nodes.append(None)
-            self._node = here
+                    nodes.append(None)
+            # set whole, this node first: another thread writing through this handle reads both once _nodes is set
+            self._node, self._nodes = here, nodes
         return {i for i, node in enumerate(self._nodes) if node is not None and node == self._node}
 
     # 2. appended here ---------------------------------------------------------------
