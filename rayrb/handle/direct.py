@@ -277,9 +277,10 @@ class DirectWrites:
 
         if self._capacity is None:
             sizes = self.rpc.get(self.rpc.coord.sizes.remote())
-            self._capacity = np.asarray(sizes["online_capacity"], np.int64)
-            self._offsets = np.concatenate([[0], np.cumsum(self._capacity)[:-1]]).astype(np.int64)
+            capacity = np.asarray(sizes["online_capacity"], np.int64)
+            self._offsets = np.concatenate([[0], np.cumsum(capacity)[:-1]]).astype(np.int64)
             self._written = np.asarray(sizes["online_written"], np.int64)
+            self._capacity = capacity  # set last: another thread writing through this handle takes all three then
         elif self._told is not None and ray.wait([self._told], timeout=0)[0]:
             told, self._told = self._told, None
             try:

@@ -43,3 +43,4 @@ def test_threads_placing_their_first_writes_at_once_see_the_shards_nodes_whole()
     assert errors == [] and len(seen) == 4
     assert all(s == seen[0] for s in seen)  # each thread saw every shard's node, the same answer
     assert len(writes._nodes) == 4
+
