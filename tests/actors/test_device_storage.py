@@ -218,3 +218,46 @@ def test_rows_written_behind_a_gap_are_reported_and_found_again_by_a_restarted_s
     again.extend(rows, 10, 20, first=10)
     assert again.write_state() == (30, []) and again.size() == 30
     np.testing.assert_array_equal(again.gather(np.arange(30))[0]["id"], np.arange(30))
+
+
+@pytest.mark.parametrize("kind", ["slice", "prioritized_slice"])
+def test_slices_from_a_device_shard_are_the_host_shards_slices(tmp_path, kind):
+    """The GPU shards' code path with slices, on the CPU device: the same slices, provenance (``episode_start``,
+    priorities) and tensors as a host shard's; online, after writes that grow a running episode."""
+    n = 600
+    episode = np.repeat(np.arange(n // 30), 30)
+    td = TensorDict({"obs": torch.randn(n, 3), "episode": torch.from_numpy(episode)}, [n])
+    root = str(write_dataset(td, tmp_path / "eps", chunk_rows=250).root)
+    options = {"slice_len": 8, "slice_key": "episode", "slice_ends": False, "alpha": 0.7}
+    host, dev = (OfflineShard(root, 90, 540, f"t/off-{d}", kind, sampler_options=options, device=d)
+                 for d in (None, "cpu"))
+    if kind == "prioritized_slice":
+        for shard in (host, dev):
+            shard.update_priority(np.arange(0, 450, 7), np.ones(65, np.int64), np.linspace(0.1, 9, 65))
+    (rh, ih), (rd, idev) = (s.sample_many([64, 32], [11, 12]) for s in (host, dev))
+    assert set(ih) == set(idev) and "episode_start" in ih
+    for k in rh:
+        np.testing.assert_array_equal(rh[k], rd[k])
+    for k in ih:
+        np.testing.assert_array_equal(ih[k], idev[k])
+    steps = rh["episode"].reshape(-1, 8)
+    assert (steps == steps[:, :1]).all()  # whole slices of one episode
+    t = dev.sample_many_tensors([64, 32], [11, 12])
+    assert torch.equal(t["rows/episode"], torch.from_numpy(rh["episode"]))
+    assert torch.equal(t["info/episode_start"], torch.from_numpy(ih["episode_start"]))
+    spec = {"obs": np.zeros((1, 3), np.float32), "episode": np.zeros(1, np.int64)}
+    from rayrb.core.schema import RowSpec
+
+    spec = RowSpec.from_arrays(spec).to_json()
+    online = [OnlineShard(spec, 64, f"t/on-{d}", kind, sampler_options=options, device=d,
+                          state_dir=str(tmp_path / f"on-{d}")) for d in (None, "cpu")]
+    for first in range(0, 40, 10):  # episode 7 grows by 10 steps a write; then episode 8 begins
+        rows = {"obs": np.full((10, 3), first, np.float32), "episode": np.full(10, 7 if first < 30 else 8)}
+        for shard in online:
+            shard.extend(rows, 0, 10)
+    (oh, oih), (od, oid) = (s.sample_many([16, 8], [3, 4]) for s in online)
+    for k in oh:
+        np.testing.assert_array_equal(oh[k], od[k])
+    for k in oih:
+        np.testing.assert_array_equal(oih[k], oid[k])
+    assert set(oih["episode_start"].tolist()) <= {0, 30} and (oh["episode"].reshape(-1, 8) == 7).any()
