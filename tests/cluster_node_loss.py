@@ -255,81 +255,95 @@ def stream(cluster, nodes: dict, tmp: str) -> dict:
             "recovery_s": recovery, "first_different_batch": first_diff, **replica_reads}
 
 
+class EpisodeLoad:
+    """Two writers writing episodes of three calls of ``per_write`` steps (each call retried under its id), and a
+    sampler checking that every batch is whole slices of ``steps`` (offline values count down, online ones up) and,
+    once the first write is a second old, split exactly."""
+
+    def __init__(self, rb, steps: int, per_write: int):
+        self.rb, self.steps, self.per_write, self.stop = rb, steps, per_write, threading.Event()
+        # value -> online index; errors met; batches not whole slices; offline slices a batch; times of acks
+        self.acked, self.errors, self.bad, self.splits, self.first_ack = {}, [], [], [], []
+        self.threads = [threading.Thread(target=self.write, args=(w,)) for w in range(2)]
+        self.threads.append(threading.Thread(target=self.sample))
+        for t in self.threads:
+            t.start()
+
+    def write(self, w: int) -> None:
+        e = 0
+        while not self.stop.is_set():
+            for part in range(3):
+                x = np.arange(self.per_write, dtype=np.int64) + (w * 10_000_000 + e * 100 + part * self.per_write)
+                rows = {"x": x, "ep": np.full(self.per_write, w * 1_000_000 + e, np.int64)}
+                while True:
+                    try:
+                        idx = self.rb.extend(rows, write_id=f"w{w}-{e}-{part}")
+                        break
+                    except Exception as err:  # a node is gone: the same write again, under its id
+                        self.errors.append(f"{type(err).__name__}: {str(err)[-300:]}")
+                        time.sleep(0.2)
+                self.acked.update(zip(x.tolist(), idx.tolist()))
+                self.first_ack.append(time.monotonic())
+            e += 1
+            time.sleep(0.02)
+
+    def sample(self) -> None:
+        n = self.steps
+        while not self.stop.is_set():
+            t = time.monotonic()
+            try:
+                batch = self.rb.sample(16 * n)
+            except Exception as err:
+                self.errors.append(f"{type(err).__name__}: {str(err)[-300:]}")
+                time.sleep(0.2)
+                continue
+            x, ep = batch["x"].numpy().reshape(-1, n), batch["ep"].numpy().reshape(-1, n)
+            if not ((np.diff(x, axis=1) == np.where(x[:, :1] < 0, -1, 1)).all() and (ep == ep[:, :1]).all()):
+                self.bad.append(x.tolist())
+            if self.first_ack and t - self.first_ack[0] > 1.0:  # all offline until an online slice is whole
+                self.splits.append(int((x[:, 0] < 0).sum()))
+
+    def close(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=300)
+
+
 def slices(cluster, nodes: dict, tmp: str) -> dict:
-    """Slices with two copies of each online shard: writers write episodes over several calls (each retried under
-    its id), a sampler checks that every batch is whole slices split exactly, through the loss of the node of online
-    shard 0's serving copy (with its files); what was acknowledged is held once."""
+    """Slices with two copies of each online shard (``EpisodeLoad``), through the loss of the node of online shard
+    0's serving copy (with its files); what was acknowledged is held once."""
     from rayrb import OfflineToOnlineReplayBuffer, SliceSampler
 
-    steps, per_write = 4, 4  # slices of 4 steps; episodes of 3 writes of 4 steps
+    steps = 4
     offline = {"x": -1 - np.arange(OFFLINE_ROWS, dtype=np.int64), "ep": -1 - np.arange(OFFLINE_ROWS) // 10}
     rb = OfflineToOnlineReplayBuffer(offline, online_capacity=100_000, num_online_shards=2, offline_fraction=0.5,
                                      seed=0, timeout=120, online_replicas=2,
                                      sampler=SliceSampler(slice_len=steps, traj_key="ep"),
                                      storage_dir=os.path.join(tmp, "state"), dataset_root=os.path.join(tmp, "ds"),
                                      actor_options=ON_A_WORKER)
-    stop, acked, errors, bad, splits, first_ack = threading.Event(), {}, [], [], [], []
-
-    def write(w: int) -> None:
-        e = 0
-        while not stop.is_set():
-            for part in range(3):
-                x = np.arange(per_write, dtype=np.int64) + (w * 10_000_000 + e * 100 + part * per_write)
-                rows = {"x": x, "ep": np.full(per_write, w * 1_000_000 + e, np.int64)}
-                while True:
-                    try:
-                        idx = rb.extend(rows, write_id=f"w{w}-{e}-{part}")
-                        break
-                    except Exception as err:  # a node is gone: the same write again, under its id
-                        errors.append(f"{type(err).__name__}: {str(err)[-300:]}")
-                        time.sleep(0.2)
-                acked.update(zip(x.tolist(), idx.tolist()))
-                first_ack.append(time.monotonic())
-            e += 1
-            time.sleep(0.02)
-
-    def sample() -> None:
-        while not stop.is_set():
-            t = time.monotonic()
-            try:
-                batch = rb.sample(16 * steps)
-            except Exception as err:
-                errors.append(f"{type(err).__name__}: {str(err)[-300:]}")
-                time.sleep(0.2)
-                continue
-            x, ep = batch["x"].numpy().reshape(-1, steps), batch["ep"].numpy().reshape(-1, steps)
-            if not ((np.diff(x, axis=1) == np.where(x[:, :1] < 0, -1, 1)).all() and (ep == ep[:, :1]).all()):
-                bad.append(x.tolist())  # offline steps count down, online ones up
-            if first_ack and t - first_ack[0] > 1.0:  # all offline until an online shard holds a whole slice
-                splits.append(int((x[:, 0] < 0).sum()))
-
-    threads = [threading.Thread(target=write, args=(w,)) for w in range(2)] + [threading.Thread(target=sample)]
-    for t in threads:
-        t.start()
+    load = EpisodeLoad(rb, steps, per_write=4)
     time.sleep(4)
-    shard = rb.rpc.shards[1]
-    node = where(shard)[0]
+    node = where(rb.rpc.shards[1])[0]
     copies = [ray.get_actor(f"{rb._name}/on-{i}.r1") for i in range(2)]
     here = [(d, pid) for n, d, pid in (where(a) for a in [rb.rpc.coord, *rb.rpc.shards, *copies]) if n == node]
-    batches_before = len(splits)
+    batches_before = len(load.splits)
     lose(cluster, nodes, node, [d for d, _ in here if d], [pid for _, pid in here])
     rebuilt = replicated(rb)
     time.sleep(3)
-    stop.set()
-    for t in threads:
-        t.join(timeout=300)
+    load.close()
     values, _ = held(rb, 1)
     counts = {}
     for v in values:
         counts[v] = counts.get(v, 0) + 1
-    after = [rb.sample(16 * steps) for _ in range(20)]  # every episode held: the slices over them are whole
-    whole_after = all((np.abs(np.diff(b["x"].numpy().reshape(-1, steps), axis=1)) == 1).all() for b in after)
+    after = [rb.sample(16 * steps)["x"].numpy().reshape(-1, steps) for _ in range(20)]
     rb.shutdown()
+    acked = load.acked
     return {"acked": len(acked), "lost": sum(v not in counts for v in acked), "dirs": len(here),
             "doubled": sum(c > 1 for c in counts.values()), "unacked_held": sum(v not in acked for v in counts),
-            "batches_before": batches_before, "batches": len(splits), "torn": len(bad), "torn_first": bad[:1],
-            "inexact": sum(k != 8 for k in splits), "whole_after": whole_after, "rebuilt_s": rebuilt,
-            "errors": sorted(set(errors))[:5]}
+            "batches_before": batches_before, "batches": len(load.splits), "torn": len(load.bad),
+            "torn_first": load.bad[:1], "inexact": sum(k != 8 for k in load.splits), "rebuilt_s": rebuilt,
+            "whole_after": all((np.abs(np.diff(x, axis=1)) == 1).all() for x in after),
+            "errors": sorted(set(load.errors))[:5]}
 
 
 @ray.remote(num_cpus=0)
