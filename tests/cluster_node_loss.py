@@ -255,19 +255,15 @@ def stream(cluster, nodes: dict, tmp: str) -> dict:
             "recovery_s": recovery, "first_different_batch": first_diff, **replica_reads}
 
 
-class EpisodeLoad:
-    """Two writers writing episodes of three calls of ``per_write`` steps (each call retried under its id), and a
-    sampler checking that every batch is whole slices of ``steps`` (offline values count down, online ones up) and,
-    once the first write is a second old, split exactly."""
+class EpisodeLoad(Load):
+    """``Load`` writing episodes: two writers writing episodes of three calls of ``per_write`` steps (each call
+    retried under its id), and a sampler checking that every batch is whole slices of ``steps`` (offline values
+    count down, online ones up) and, once the first write is a second old, split exactly."""
 
     def __init__(self, rb, steps: int, per_write: int):
-        self.rb, self.steps, self.per_write, self.stop = rb, steps, per_write, threading.Event()
-        # value -> online index; errors met; batches not whole slices; offline slices a batch; times of acks
-        self.acked, self.errors, self.bad, self.splits, self.first_ack = {}, [], [], [], []
-        self.threads = [threading.Thread(target=self.write, args=(w,)) for w in range(2)]
-        self.threads.append(threading.Thread(target=self.sample))
-        for t in self.threads:
-            t.start()
+        # batches not whole slices (set before Load starts the threads that fill it)
+        self.steps, self.per_write, self.bad = steps, per_write, []
+        super().__init__(rb)
 
     def write(self, w: int) -> None:
         e = 0
@@ -283,7 +279,7 @@ class EpisodeLoad:
                         self.errors.append(f"{type(err).__name__}: {str(err)[-300:]}")
                         time.sleep(0.2)
                 self.acked.update(zip(x.tolist(), idx.tolist()))
-                self.first_ack.append(time.monotonic())
+                self.first_ack = self.first_ack or time.monotonic()
             e += 1
             time.sleep(0.02)
 
@@ -300,13 +296,8 @@ class EpisodeLoad:
             x, ep = batch["x"].numpy().reshape(-1, n), batch["ep"].numpy().reshape(-1, n)
             if not ((np.diff(x, axis=1) == np.where(x[:, :1] < 0, -1, 1)).all() and (ep == ep[:, :1]).all()):
                 self.bad.append(x.tolist())
-            if self.first_ack and t - self.first_ack[0] > 1.0:  # all offline until an online slice is whole
+            if self.first_ack is not None and t - self.first_ack > 1.0:  # all offline until a slice is whole
                 self.splits.append(int((x[:, 0] < 0).sum()))
-
-    def close(self) -> None:
-        self.stop.set()
-        for t in self.threads:
-            t.join(timeout=300)
 
 
 def slices(cluster, nodes: dict, tmp: str) -> dict:
