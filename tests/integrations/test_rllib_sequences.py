@@ -7,9 +7,8 @@ import numpy as np
 import pytest
 import torch
 from tensordict import TensorDict
-from test_rllib_buffer import episode_chunks
+from test_rllib_buffer import InProcessRows, episode_chunks
 
-from rayrb.core.schema import RowSpec
 from rayrb.integrations.rllib import episode_rows
 from rayrb.integrations.rllib.transitions import EPISODE, episode_number
 
@@ -46,23 +45,18 @@ def valid_slices(lengths_by_id: dict[int, int], length: int) -> set[tuple[int, i
     return out
 
 
-class InProcessSlices:
-    """The part of a rayrb handle the episode buffer uses, over rows here, drawing slices of ``length`` steps as
-    ``SliceSampler(slice_len=length, traj_key="episode", strict_length=False)`` does: uniform over the runs of one
-    episode number, a run shorter than ``length`` drawn whole. Records each write."""
+class InProcessSlices(InProcessRows):
+    """``InProcessRows`` drawing slices of ``length`` steps as ``SliceSampler(slice_len=length, traj_key="episode",
+    strict_length=False)`` does: uniform over the runs of one episode number, a run shorter than ``length`` drawn
+    whole. Records each write."""
 
     def __init__(self, rows, length, seed=0):
-        self.rows = {k: np.asarray(v) for k, v in rows.items()}
-        self.spec = RowSpec.from_arrays(self.rows)
+        super().__init__(rows)
         self.length, self.rng, self.writes = length, np.random.default_rng(seed), []
 
-    def __len__(self):
-        return len(self.rows["t"])
-
     def extend(self, rows):
-        self.spec.validate(rows)
+        super().extend(rows)
         self.writes.append({k: np.asarray(v) for k, v in rows.items()})
-        self.rows = {k: np.concatenate([self.rows[k], rows[k]]) for k in self.rows}
 
     def _slices(self):
         ids = self.rows[EPISODE]
@@ -218,8 +212,6 @@ def test_a_sequence_buffer_refuses_what_it_cannot_answer(kwargs, message):
 
 
 def test_a_given_buffer_that_samples_rows_not_slices_is_refused_when_sampled():
-    from test_rllib_buffer import InProcessRows
-
     from rayrb.integrations.rllib import OfflineToOnlineEpisodeReplayBuffer
 
     rows = InProcessRows(episode_rows([c for e in episodes(7) for c in e], 1))
