@@ -30,13 +30,12 @@ from ray.rllib.utils.replay_buffers.episode_replay_buffer import EpisodeReplayBu
 from ray.rllib.utils.replay_buffers.prioritized_episode_buffer import PrioritizedEpisodeReplayBuffer
 
 from rayrb.errors import InvalidArgumentError, SchemaError
-from rayrb.integrations.rllib.pending import PendingRows
+from rayrb.integrations.rllib.pending import episode_writes
 from rayrb.integrations.rllib.sequences import length_refusals, sample_sequences
 from rayrb.integrations.rllib.transitions import (
     EPISODE,
     KEYS,
     SEQUENCE_HOLD_STEPS,
-    EpisodeRows,
     check_n_step,
     n_step_transitions,
     row_n_step,
@@ -130,11 +129,10 @@ class OfflineToOnlineEpisodeReplayBuffer(EpisodeReplayBuffer):
             self.shutdown()  # a buffer built here and refused here is not left running
             raise
         self.rng = np.random.default_rng(seed)
-        self._rows = EpisodeRows(self.n_step, whole=None if self._seq_len is None
-                                 else max(sequence_hold_steps, self.n_step))
+        self._rows, self._pending = episode_writes(self.n_step, self._seq_len is not None, sequence_hold_steps,
+                                                   rows_per_write)
         self._episodes_started = 0
         self._last_info: dict | None = None
-        self._pending = PendingRows(rows_per_write, by_episode=self._seq_len is not None)
 
     # RLlib's interface ------------------------------------------------------------------------------------
     def add(self, episodes: Any) -> None:

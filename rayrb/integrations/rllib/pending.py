@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from rayrb.integrations.rllib.sequences import by_episode
-from rayrb.integrations.rllib.transitions import match_dtypes
+from rayrb.integrations.rllib.transitions import SEQUENCE_HOLD_STEPS, EpisodeRows, match_dtypes
 
 
 class PendingRows:
@@ -53,3 +53,12 @@ class PendingRows:
                 raise
             self._retry_id, _ = None, self._parts.pop(0)
         self._unwritten = False
+
+
+def episode_writes(n_step: int, sequences: bool, hold_steps: int = SEQUENCE_HOLD_STEPS,
+                   rows_per_write: int = 1) -> tuple[EpisodeRows, PendingRows]:
+    """What a writer of RLlib episodes keeps: the rows it makes (``EpisodeRows``; with sequences, each episode's
+    held until it ends or ``hold_steps``, at least ``n_step``, are held) and those not written yet (``PendingRows``;
+    with sequences, an episode a write)."""
+    whole = max(int(hold_steps), int(n_step)) if sequences else None
+    return EpisodeRows(n_step, whole=whole), PendingRows(rows_per_write, by_episode=sequences)

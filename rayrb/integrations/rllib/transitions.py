@@ -9,7 +9,7 @@ one by one, across shards.
 
 A row is written once the ``n_step`` steps after it are known, or its episode has ended: the last
 ``n_step - 1`` steps of an episode still running are held back until its next chunk comes (RLlib's buffer
-samples them with a shorter n-step); with ``whole=True``, until the episode ends (or ``whole`` steps are held),
+samples them with a shorter n-step); with ``whole=N``, until the episode ends (or ``N`` steps are held),
 so each episode is one run of rows for sequences (``rayrb.integrations.rllib.sequences``). Each row also holds
 ``episode``, a number for its episode (``episode_number``), which sequences cut by; rows without it (datasets
 written before it) still serve transitions. Pure numpy; episodes are read through their public accessors.

@@ -18,7 +18,7 @@ from typing import Any
 from ray.rllib.callbacks.callbacks import RLlibCallback
 
 from rayrb.errors import InvalidArgumentError
-from rayrb.integrations.rllib.pending import PendingRows
+from rayrb.integrations.rllib.pending import PendingRows, episode_writes
 from rayrb.integrations.rllib.transitions import SEQUENCE_HOLD_STEPS, EpisodeRows, row_n_step
 
 ROWS_WRITTEN = "rayrb_rows_written"
@@ -44,10 +44,10 @@ class EnvRunnerWriter(RLlibCallback):
                     "expected replay_buffer_config['buffer'] to be a rayrb buffer client for env "
                     f"runners to write into, got {client!r}")
             config = env_runner.config.replay_buffer_config
-            n, sequences = row_n_step(client.spec), (config.get("batch_length_T") or 0) >= 2
-            whole = max(int(config.get("sequence_hold_steps", SEQUENCE_HOLD_STEPS)), n) if sequences else None
-            self._client, self._rows, self._pending = client, EpisodeRows(n, whole=whole), PendingRows(
-                by_episode=sequences)
+            self._client = client
+            self._rows, self._pending = episode_writes(
+                row_n_step(client.spec), (config.get("batch_length_T") or 0) >= 2,
+                config.get("sequence_hold_steps", SEQUENCE_HOLD_STEPS))
         rows = self._rows.add(samples)
         samples.clear()  # taken: the driver's buffer must not write them again
         self._pending.add(rows)
