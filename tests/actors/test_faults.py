@@ -94,7 +94,11 @@ def test_extend_to_a_dead_online_shard_raises_instead_of_returning_indices(make_
                      **limiter)
     assert rb._writer.shards_place is (placed_by == "shards")
     rb.extend(online_rows(0, 10))
-    ray.kill(rb.rpc.shards[-1])  # in-memory rows: this shard does not come back
+    shard = rb.rpc.shards[-1]
+    ray.kill(shard)  # in-memory rows: this shard does not come back
+    # ray.kill returns before the process is gone: a write that reached it first would land (and die with it)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(shard.__ray_ready__.remote(), timeout=30)
     # the calls that send a write: the coordinator's extend, or the shards' append
     target, name = (rb.rpc, "call") if placed_by == "coordinator" else (rb._writer._direct, "send")
     real, asks = getattr(target, name), []
