@@ -3,12 +3,15 @@ slices RLlib's own ``EpisodeReplayBuffer`` samples from the same episodes. The f
 stand-in that samples slices as rayrb's slice sampler does; the last ones on a real buffer."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
 from tensordict import TensorDict
 from test_rllib_buffer import InProcessRows, episode_chunks
 
+from rayrb.errors import InvalidArgumentError
 from rayrb.integrations.rllib import episode_rows
 from rayrb.integrations.rllib.transitions import EPISODE, episode_number
 
@@ -338,3 +341,19 @@ def test_an_env_runner_writes_each_episode_whole_where_the_config_asks_for_seque
         else:
             assert len(rows.writes) == len(list(interleaved(episodes(13))))  # a write a sample, episodes mixed
         assert sum(len(w["t"]) for w in rows.writes) == sum(LENGTHS)
+
+
+def test_an_env_runner_refuses_a_hold_that_is_not_a_positive_int_and_takes_no_rows():
+    from types import SimpleNamespace
+
+    from rayrb.integrations.rllib import EnvRunnerWriter
+
+    for bad in (0, -5, 2.5, "100", True):
+        rows = InProcessSlices(episode_rows([c for e in episodes(12) for c in e], 1), T)
+        runner = SimpleNamespace(config=SimpleNamespace(in_evaluation=False, replay_buffer_config={
+            "buffer": rows, "batch_length_T": T, "sequence_hold_steps": bad}))
+        samples = list(next(iter(interleaved(episodes(13)))))
+        with pytest.raises(InvalidArgumentError, match=f"expected sequence_hold_steps to be a positive int, got "
+                                                       f"{re.escape(repr(bad))}"):
+            EnvRunnerWriter().on_sample_end(env_runner=runner, samples=samples)
+        assert samples and rows.writes == []  # refused before anything was taken from the runner

@@ -30,7 +30,7 @@ from ray.rllib.utils.replay_buffers.episode_replay_buffer import EpisodeReplayBu
 from ray.rllib.utils.replay_buffers.prioritized_episode_buffer import PrioritizedEpisodeReplayBuffer
 
 from rayrb.errors import InvalidArgumentError, SchemaError
-from rayrb.integrations.rllib.pending import episode_writes
+from rayrb.integrations.rllib.pending import check_write_settings, episode_writes
 from rayrb.integrations.rllib.sequences import length_refusals, sample_sequences
 from rayrb.integrations.rllib.transitions import (
     EPISODE,
@@ -84,9 +84,7 @@ class OfflineToOnlineEpisodeReplayBuffer(EpisodeReplayBuffer):
                  batch_length_T: int = 1, sequence_hold_steps: int = SEQUENCE_HOLD_STEPS,
                  metrics_num_episodes_for_smoothing: int = 100, **kwargs: Any):
         self._check_settings(kwargs)
-        for name, value in (("rows_per_write", rows_per_write), ("sequence_hold_steps", sequence_hold_steps)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidArgumentError(f"expected {name} to be a positive int, got {value!r}")
+        check_write_settings(rows_per_write=rows_per_write, sequence_hold_steps=sequence_hold_steps)
         if isinstance(batch_length_T, bool) or not isinstance(batch_length_T, (int, type(None))) or (
                 batch_length_T or 0) < 0:
             raise InvalidArgumentError(f"expected batch_length_T a non-negative int (0 or 1: transitions; T >= 2: "

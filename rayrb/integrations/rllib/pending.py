@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from rayrb.errors import InvalidArgumentError
 from rayrb.integrations.rllib.sequences import by_episode
 from rayrb.integrations.rllib.transitions import SEQUENCE_HOLD_STEPS, EpisodeRows, match_dtypes
 
@@ -55,10 +56,24 @@ class PendingRows:
         self._unwritten = False
 
 
+def check_write_settings(**settings: Any) -> None:
+    """Refuse a writer's ``rows_per_write`` or ``sequence_hold_steps`` that is not a positive int, naming it; both
+    RLlib writers call this where their settings come in (the buffer's constructor, an env runner's config).
+
+    >>> check_write_settings(rows_per_write=1, sequence_hold_steps=0)
+    Traceback (most recent call last):
+    ...
+    rayrb.errors.InvalidArgumentError: expected sequence_hold_steps to be a positive int, got 0
+    """
+    for name, value in settings.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InvalidArgumentError(f"expected {name} to be a positive int, got {value!r}")
+
+
 def episode_writes(n_step: int, sequences: bool, hold_steps: int = SEQUENCE_HOLD_STEPS,
                    rows_per_write: int = 1) -> tuple[EpisodeRows, PendingRows]:
     """What a writer of RLlib episodes keeps: the rows it makes (``EpisodeRows``; with sequences, each episode's
     held until it ends or ``hold_steps``, at least ``n_step``, are held) and those not written yet (``PendingRows``;
     with sequences, an episode a write)."""
-    whole = max(int(hold_steps), int(n_step)) if sequences else None
+    whole = max(hold_steps, int(n_step)) if sequences else None
     return EpisodeRows(n_step, whole=whole), PendingRows(rows_per_write, by_episode=sequences)

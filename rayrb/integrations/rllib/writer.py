@@ -18,7 +18,7 @@ from typing import Any
 from ray.rllib.callbacks.callbacks import RLlibCallback
 
 from rayrb.errors import InvalidArgumentError
-from rayrb.integrations.rllib.pending import PendingRows, episode_writes
+from rayrb.integrations.rllib.pending import PendingRows, check_write_settings, episode_writes
 from rayrb.integrations.rllib.transitions import SEQUENCE_HOLD_STEPS, EpisodeRows, row_n_step
 
 ROWS_WRITTEN = "rayrb_rows_written"
@@ -44,10 +44,11 @@ class EnvRunnerWriter(RLlibCallback):
                     "expected replay_buffer_config['buffer'] to be a rayrb buffer client for env "
                     f"runners to write into, got {client!r}")
             config = env_runner.config.replay_buffer_config
+            hold_steps = config.get("sequence_hold_steps", SEQUENCE_HOLD_STEPS)
+            check_write_settings(sequence_hold_steps=hold_steps)
             self._client = client
             self._rows, self._pending = episode_writes(
-                row_n_step(client.spec), (config.get("batch_length_T") or 0) >= 2,
-                config.get("sequence_hold_steps", SEQUENCE_HOLD_STEPS))
+                row_n_step(client.spec), (config.get("batch_length_T") or 0) >= 2, hold_steps)
         rows = self._rows.add(samples)
         samples.clear()  # taken: the driver's buffer must not write them again
         self._pending.add(rows)
