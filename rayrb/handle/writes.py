@@ -34,7 +34,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from tensordict import TensorDictBase
 
 from rayrb.core.layout import ShardLayout
 from rayrb.core.schema import strip_bookkeeping
@@ -49,7 +48,7 @@ from rayrb.errors import (
 )
 from rayrb.handle.direct import DirectWrites
 from rayrb.handle.rpc import node_id
-from rayrb.io.arrays import rows_digest, to_numpy_dict
+from rayrb.io.arrays import is_tensordict, rows_digest, to_numpy_dict
 
 
 def _numpy(x: Any) -> np.ndarray:
@@ -81,7 +80,7 @@ class Writer:
             raise InvalidArgumentTypeError(
                 f"expected one TensorDict or dict of arrays for {what}, got a {type(data).__name__} "
                 f"of {len(data)}: concatenate them first (torch.cat)")
-        if not isinstance(data, (TensorDictBase, Mapping)):
+        if not (isinstance(data, Mapping) or is_tensordict(data)):
             raise InvalidArgumentTypeError(f"expected {what} as a TensorDict or a dict of tensors or arrays, got "
                                            f"{type(data).__name__}")
         arrays = strip_bookkeeping(to_numpy_dict(data), keep=self._spec.keys)

@@ -17,17 +17,28 @@ Examples:
 """
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from tensordict import TensorDict, TensorDictBase
 
 from rayrb.core.plans import nest
 from rayrb.core.schema import SEP, STORED_DTYPES, native_order
 from rayrb.errors import InvalidArgumentTypeError, SchemaError
+
+if TYPE_CHECKING:
+    from tensordict import TensorDict
+
+
+def is_tensordict(value: Any) -> bool:
+    """Whether ``value`` is a TensorDict, without importing tensordict: a process that never imported it (a
+    collector writing dicts of arrays) holds none. Importing it costs about 1.5 s of CPU on top of torch's (it
+    imports ``torch._dynamo``), which every writer process paid before its first ``extend``."""
+    td = sys.modules.get("tensordict")
+    return td is not None and isinstance(value, td.TensorDictBase)
 
 _TORCH_TO_NUMPY = {
     torch.float64: np.float64, torch.float32: np.float32, torch.float16: np.float16,
@@ -52,13 +63,13 @@ def to_numpy_dict(data: Any) -> dict[str, np.ndarray]:
 
     Tensors are moved to CPU; CPU tensors become views, not copies.
     """
-    if not isinstance(data, (TensorDictBase, Mapping)):  # a bare array would become a key named ''
+    if not (isinstance(data, Mapping) or is_tensordict(data)):  # a bare array would become a key named ''
         raise InvalidArgumentTypeError(f"expected rows as a TensorDict or a dict of tensors or arrays, got "
                                        f"{type(data).__name__}")
     out: dict[str, np.ndarray] = {}
 
     def visit(prefix: str, value: Any) -> None:
-        if isinstance(value, (TensorDictBase, Mapping)):
+        if isinstance(value, Mapping) or is_tensordict(value):
             for k in value.keys():
                 visit(f"{prefix}{SEP}{k}" if prefix else str(k), value[k])
         elif isinstance(value, torch.Tensor):
@@ -116,10 +127,20 @@ def from_numpy_dict(arrays: Mapping[str, np.ndarray], batch_size: int | None = N
     if batch_size is None:
         batch_size = next(iter(arrays.values())).shape[0] if arrays else 0
     tensors = {k: _tensor(a) for k, a in arrays.items()}
-    if _UNCHECKED is not None and all(t.shape[:1] == (batch_size,) for t in tensors.values()):
+    cls, unchecked = _TENSORDICT or _import_tensordict()
+    if unchecked is not None and all(t.shape[:1] == (batch_size,) for t in tensors.values()):
         # every batch is rebuilt here: TensorDict's own checks of what this line just made cost more than it
-        return _UNCHECKED(nest(tensors), batch_size=torch.Size([batch_size]))
-    return TensorDict(nest(tensors), batch_size=[batch_size])
+        return unchecked(nest(tensors), batch_size=torch.Size([batch_size]))
+    return cls(nest(tensors), batch_size=[batch_size])
 
 
-_UNCHECKED = getattr(TensorDict, "_new_unsafe", None)  # tensordict's constructor without its checks
+_TENSORDICT: tuple[Any, Any] | None = None  # (TensorDict, its constructor without its checks), once imported
+
+
+def _import_tensordict() -> tuple[Any, Any]:
+    """TensorDict, imported by the first batch rebuilt here (not by a process that only writes)."""
+    global _TENSORDICT
+    from tensordict import TensorDict
+
+    _TENSORDICT = (TensorDict, getattr(TensorDict, "_new_unsafe", None))
+    return _TENSORDICT
