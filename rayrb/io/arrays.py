@@ -35,8 +35,8 @@ if TYPE_CHECKING:
 
 def is_tensordict(value: Any) -> bool:
     """Whether ``value`` is a TensorDict, without importing tensordict: a process that never imported it (a
-    collector writing dicts of arrays) holds none. Importing it costs about 1.5 s of CPU on top of torch's (it
-    imports ``torch._dynamo``), which every writer process paid before its first ``extend``."""
+    collector writing dicts of arrays) holds none. Importing it costs a writer process about 1.2 s of CPU on top
+    of torch's before its first ``extend`` (it imports ``torch._dynamo``; ``docs/architecture.md``)."""
     td = sys.modules.get("tensordict")
     return td is not None and isinstance(value, td.TensorDictBase)
 
