@@ -343,17 +343,19 @@ def test_an_env_runner_writes_each_episode_whole_where_the_config_asks_for_seque
         assert sum(len(w["t"]) for w in rows.writes) == sum(LENGTHS)
 
 
-def test_an_env_runner_refuses_a_hold_that_is_not_a_positive_int_and_takes_no_rows():
+def test_an_env_runner_refuses_sequence_settings_that_are_not_ints_and_takes_no_rows():
     from types import SimpleNamespace
 
     from rayrb.integrations.rllib import EnvRunnerWriter
 
-    for bad in (0, -5, 2.5, "100", True):
+    cases = [("sequence_hold_steps", bad, "to be a positive int") for bad in (0, -5, 2.5, "100", True)]
+    cases += [("batch_length_T", bad, "a non-negative int") for bad in (-1, 8.0, "8", True)]
+    for key, bad, expected in cases:
         rows = InProcessSlices(episode_rows([c for e in episodes(12) for c in e], 1), T)
         runner = SimpleNamespace(config=SimpleNamespace(in_evaluation=False, replay_buffer_config={
-            "buffer": rows, "batch_length_T": T, "sequence_hold_steps": bad}))
+            "buffer": rows, "batch_length_T": T, key: bad}))
         samples = list(next(iter(interleaved(episodes(13)))))
-        with pytest.raises(InvalidArgumentError, match=f"expected sequence_hold_steps to be a positive int, got "
+        with pytest.raises(InvalidArgumentError, match=f"expected {key} {re.escape(expected)}.*got "
                                                        f"{re.escape(repr(bad))}"):
             EnvRunnerWriter().on_sample_end(env_runner=runner, samples=samples)
         assert samples and rows.writes == []  # refused before anything was taken from the runner

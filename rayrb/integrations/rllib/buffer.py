@@ -30,7 +30,7 @@ from ray.rllib.utils.replay_buffers.episode_replay_buffer import EpisodeReplayBu
 from ray.rllib.utils.replay_buffers.prioritized_episode_buffer import PrioritizedEpisodeReplayBuffer
 
 from rayrb.errors import InvalidArgumentError, SchemaError
-from rayrb.integrations.rllib.pending import check_write_settings, episode_writes
+from rayrb.integrations.rllib.pending import check_write_settings, episode_writes, sequence_length
 from rayrb.integrations.rllib.sequences import length_refusals, sample_sequences
 from rayrb.integrations.rllib.transitions import (
     EPISODE,
@@ -85,11 +85,7 @@ class OfflineToOnlineEpisodeReplayBuffer(EpisodeReplayBuffer):
                  metrics_num_episodes_for_smoothing: int = 100, **kwargs: Any):
         self._check_settings(kwargs)
         check_write_settings(rows_per_write=rows_per_write, sequence_hold_steps=sequence_hold_steps)
-        if isinstance(batch_length_T, bool) or not isinstance(batch_length_T, (int, type(None))) or (
-                batch_length_T or 0) < 0:
-            raise InvalidArgumentError(f"expected batch_length_T a non-negative int (0 or 1: transitions; T >= 2: "
-                                       f"sequences of T steps), got {batch_length_T!r}")
-        self._seq_len = batch_length_T if (batch_length_T or 0) >= 2 else None
+        self._seq_len = sequence_length(batch_length_T)
         self._check_sequences(buffer)
         EpisodeReplayBuffer.__init__(self, capacity=capacity, batch_size_B=batch_size_B, batch_length_T=1,
                                      metrics_num_episodes_for_smoothing=metrics_num_episodes_for_smoothing)

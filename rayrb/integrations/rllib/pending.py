@@ -70,6 +70,25 @@ def check_write_settings(**settings: Any) -> None:
             raise InvalidArgumentError(f"expected {name} to be a positive int, got {value!r}")
 
 
+def sequence_length(batch_length_T: Any) -> int | None:
+    """The steps of each sequence a buffer configured with RLlib's ``batch_length_T`` serves (``T >= 2``), or
+    None for transitions (``0``, ``1`` or None), refusing anything else by name; both RLlib writers call this
+    where their settings come in.
+
+    >>> sequence_length(8), sequence_length(1), sequence_length(None)
+    (8, None, None)
+    >>> sequence_length(-1)
+    Traceback (most recent call last):
+    ...
+    rayrb.errors.InvalidArgumentError: expected batch_length_T a non-negative int (0 or 1: transitions; T >= 2: sequences of T steps), got -1
+    """
+    if isinstance(batch_length_T, bool) or not isinstance(batch_length_T, (int, type(None))) or (
+            batch_length_T or 0) < 0:
+        raise InvalidArgumentError(f"expected batch_length_T a non-negative int (0 or 1: transitions; T >= 2: "
+                                   f"sequences of T steps), got {batch_length_T!r}")
+    return batch_length_T if (batch_length_T or 0) >= 2 else None
+
+
 def episode_writes(n_step: int, sequences: bool, hold_steps: int = SEQUENCE_HOLD_STEPS,
                    rows_per_write: int = 1) -> tuple[EpisodeRows, PendingRows]:
     """What a writer of RLlib episodes keeps: the rows it makes (``EpisodeRows``; with sequences, each episode's

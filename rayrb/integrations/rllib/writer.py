@@ -18,7 +18,7 @@ from typing import Any
 from ray.rllib.callbacks.callbacks import RLlibCallback
 
 from rayrb.errors import InvalidArgumentError
-from rayrb.integrations.rllib.pending import PendingRows, check_write_settings, episode_writes
+from rayrb.integrations.rllib.pending import PendingRows, check_write_settings, episode_writes, sequence_length
 from rayrb.integrations.rllib.transitions import SEQUENCE_HOLD_STEPS, EpisodeRows, row_n_step
 
 ROWS_WRITTEN = "rayrb_rows_written"
@@ -46,9 +46,9 @@ class EnvRunnerWriter(RLlibCallback):
             config = env_runner.config.replay_buffer_config
             hold_steps = config.get("sequence_hold_steps", SEQUENCE_HOLD_STEPS)
             check_write_settings(sequence_hold_steps=hold_steps)
+            sequences = sequence_length(config.get("batch_length_T")) is not None
             self._client = client
-            self._rows, self._pending = episode_writes(
-                row_n_step(client.spec), (config.get("batch_length_T") or 0) >= 2, hold_steps)
+            self._rows, self._pending = episode_writes(row_n_step(client.spec), sequences, hold_steps)
         rows = self._rows.add(samples)
         samples.clear()  # taken: the driver's buffer must not write them again
         self._pending.add(rows)
