@@ -43,15 +43,17 @@ def test_concurrent_writers_and_samplers_keep_the_ratio(make_buffer, ray_session
             self.rb = rb
 
         def run(self, base, until):
-            k = 0
+            """Write until ``until``; ``(rows acknowledged, rows of writes that timed out)``. A write times out
+            when the learners stopped first, or (on a loaded machine) sampled nothing for the handle's timeout:
+            either way it may have been applied, and the next write takes new ids."""
+            acknowledged = maybe = 0
             while time.time() < until:
                 try:
-                    self.rb.extend(rows(base + k, 20))
-                except TimeoutError:  # the learners stopped first: held back, or answered too late to count
-                    assert time.time() > until
-                    return k, 20  # a write that timed out may still have been applied
-                k += 20
-            return k, 0
+                    self.rb.extend(rows(base + acknowledged + maybe, 20))
+                    acknowledged += 20
+                except TimeoutError:
+                    maybe += 20
+            return acknowledged, maybe
 
     @ray.remote(num_cpus=0)
     class Learner:
@@ -63,10 +65,9 @@ def test_concurrent_writers_and_samplers_keep_the_ratio(make_buffer, ray_session
             while time.time() < until:
                 try:
                     self.rb.sample(B)
-                except TimeoutError:  # the writers stopped first
-                    assert time.time() > until
-                    break
-                n += 1
+                    n += 1
+                except TimeoutError:  # the writers stopped first, or wrote nothing for the handle's timeout
+                    pass
             return n
 
     handle = rb.client(timeout=3)
