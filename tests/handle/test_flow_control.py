@@ -9,6 +9,7 @@ from tensordict import TensorDict
 
 from rayrb import OfflineToOnlineReplayBuffer, prefill_replay_buffer
 from rayrb.core.rate_limiter import MinSize, SampleToInsertRatio
+from rayrb.errors import HeldBackTimeout
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -43,17 +44,21 @@ def test_concurrent_writers_and_samplers_keep_the_ratio(make_buffer, ray_session
             self.rb = rb
 
         def run(self, base, until):
-            """Write until ``until``; ``(rows acknowledged, rows of writes that timed out)``. A write times out
-            when the learners stopped first, or (on a loaded machine) sampled nothing for the handle's timeout:
-            either way it may have been applied, and the next write takes new ids."""
-            acknowledged = maybe = 0
+            """Write until ``until``: ``(rows acknowledged, rows of writes that timed out, calls held back)``. A call
+            the limiter held back past the handle's timeout (the learners stopped first or, on a loaded machine,
+            sampled nothing for that long) wrote nothing; a write that timed out otherwise may have landed. Each
+            write takes new ids."""
+            k = acknowledged = maybe = held = 0
             while time.time() < until:
                 try:
-                    self.rb.extend(rows(base + acknowledged + maybe, 20))
+                    self.rb.extend(rows(base + k, 20))
                     acknowledged += 20
+                except HeldBackTimeout:
+                    held += 1
                 except TimeoutError:
                     maybe += 20
-            return acknowledged, maybe
+                k += 20
+            return acknowledged, maybe, held
 
     @ray.remote(num_cpus=0)
     class Learner:
@@ -61,14 +66,16 @@ def test_concurrent_writers_and_samplers_keep_the_ratio(make_buffer, ray_session
             self.rb = rb
 
         def run(self, until):
-            n = 0
+            """Sample until ``until``: ``(batches, calls held back)`` (the writers stopped first, or wrote nothing
+            for the handle's timeout)."""
+            n = held = 0
             while time.time() < until:
                 try:
                     self.rb.sample(B)
                     n += 1
-                except TimeoutError:  # the writers stopped first, or wrote nothing for the handle's timeout
-                    pass
-            return n
+                except TimeoutError as e:
+                    held += isinstance(e, HeldBackTimeout)
+            return n, held
 
     handle = rb.client(timeout=3)
     actors = [Writer.remote(handle), Writer.remote(handle), Learner.remote(handle), Learner.remote(handle)]
@@ -79,12 +86,14 @@ def test_concurrent_writers_and_samplers_keep_the_ratio(make_buffer, ray_session
     s = limiter_stats(rb)
     inserts, samples = s["inserts"], s["samples"]
     written, maybe = out[0][0] + out[1][0], out[0][1] + out[1][1]
+    held = out[0][2] + out[1][2] + out[2][1] + out[3][1]
     assert written <= inserts <= written + maybe and samples > 0
     # diff = inserts * spi - samples stays in the window, give or take one batch's online rows
     centre = spi * min_size
     assert centre - error_buffer - B <= s["diff"] <= centre + error_buffer, s
     assert abs(samples / inserts - spi) <= (error_buffer + centre + B) / inserts, s
-    assert s["sample_blocked_calls"] > 0 or s["insert_blocked_calls"] > 0  # it did have to hold someone back
+    # it did have to hold someone back: a call waited for the limiter, or waited past the handle's timeout
+    assert s["sample_blocked_calls"] > 0 or s["insert_blocked_calls"] > 0 or held > 0, (s, out)
 
 
 def test_offline_rows_never_count_and_below_min_size_batches_go_offline(make_buffer):
