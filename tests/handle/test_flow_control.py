@@ -44,10 +44,8 @@ def test_concurrent_writers_and_samplers_keep_the_ratio(make_buffer, ray_session
             self.rb = rb
 
         def run(self, base, until):
-            """Write until ``until``: ``(rows acknowledged, rows of writes that timed out, calls held back)``. A call
-            the limiter held back past the handle's timeout (the learners stopped first or, on a loaded machine,
-            sampled nothing for that long) wrote nothing; a write that timed out otherwise may have landed. Each
-            write takes new ids."""
+            """``(rows acknowledged, rows of writes that timed out, calls held back)`` until ``until``: a call held
+            back past the handle's timeout (no learner sampled for that long) wrote nothing, another may have."""
             k = acknowledged = maybe = held = 0
             while time.time() < until:
                 try:
