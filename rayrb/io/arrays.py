@@ -40,6 +40,7 @@ def is_tensordict(value: Any) -> bool:
     td = sys.modules.get("tensordict")
     return td is not None and isinstance(value, td.TensorDictBase)
 
+
 _TORCH_TO_NUMPY = {
     torch.float64: np.float64, torch.float32: np.float32, torch.float16: np.float16,
     torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16, torch.int8: np.int8,
