@@ -179,6 +179,10 @@ class Coordinator(Restoring, Steering):
         group = self.plan(batch_size, num_batches, stream=stream, served=served, call=call, waited=waited, owing=owing)
         return group if isinstance(group, HeldBack) else group.encoded()
 
+    def gave_up(self, call: str, seconds: float) -> None:
+        """A handle's ``call`` (``"sample"`` or ``"insert"``) was held back past its timeout (``Drawing.gave_up``)."""
+        self._drawing.gave_up(call, seconds)
+
     def served(self, stream: str, number: int) -> int:
         """``stream`` has served its draws up to ``number``; returns the version (writes, priority updates,
         restores and settings changes so far)."""

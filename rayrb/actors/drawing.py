@@ -17,9 +17,10 @@ import numpy as np
 from rayrb.core.ahead import AheadLog, GiveBack
 from rayrb.core.planner import Planner
 from rayrb.core.plans import OFFLINE, ONLINE, SIDES, BatchPlan, GroupPlan, Part, route_priorities
+from rayrb.core.rate_limiter import CALLS
 from rayrb.core.samplers import stored_priorities
 from rayrb.core.sampling_state import checked_orphans
-from rayrb.core.validation import ALPHA, EPS, positive_int
+from rayrb.core.validation import ALPHA, EPS, finite_number, one_of, positive_int
 from rayrb.durability.replies import ReplyCache
 from rayrb.errors import DrawError, HeldBack, InvalidArgumentError
 
@@ -61,6 +62,13 @@ class Drawing:
         if seconds > 0:
             self.planner.limiter.record_blocked(call, float(seconds))
             self._metrics.observe(f"{call}_blocked_ms", float(seconds) * 1e3)
+
+    def gave_up(self, call: str, seconds: float) -> None:
+        """A ``call`` gave up after ``seconds`` held back past its handle's timeout: it drew or wrote nothing, so
+        the limiter's counters leave it out (they count calls that went through); ``stats()`` counts it here."""
+        call = one_of("call", call, CALLS)
+        self._metrics.count(f"{call}_timed_out_calls")
+        self._metrics.observe(f"{call}_timed_out_ms", finite_number("seconds", seconds, minimum=0.0) * 1e3)
 
     def requery_masses(self, side: str, shards: Any) -> None:
         """Ask these shards for their mass now, behind every write and update sent to them."""

@@ -80,6 +80,7 @@ class Rpc:
         """
         waited = time.monotonic() - since
         if self.timeout is not None and waited >= self.timeout:
+            self.tell("gave_up", held.call, waited)  # counted in stats(), not waited on: the caller is told now
             raise HeldBackTimeout(f"buffer {self.name!r}: waited {self.timeout}s for the rate limiter: {held.reason}")
         delay = min(0.05, 0.001 + waited)
         if self.timeout is not None:

@@ -136,6 +136,9 @@ def test_a_blocked_sampler_times_out_and_leaves_the_stream_unchanged(make_buffer
     with pytest.raises(TimeoutError, match="rate limiter"):
         next(iter(a.iter_batches(8)))
     assert a.state_dict() == state
+    coordinator = a.stats()["coordinator"]  # the two calls gave up: counted apart from those that went through
+    assert coordinator["sample_timed_out_calls"] == 2 and coordinator["sample_timed_out_ms_p50"] >= 900
+    assert coordinator["rate_limiter"]["sample_blocked_calls"] == 0
     a.extend(rows(12, 8))
     b.extend(rows(12, 8))
     assert torch.equal(a.sample(8)["id"], b.sample(8)["id"])  # the same stream as a buffer that never waited

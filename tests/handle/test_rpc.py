@@ -56,10 +56,21 @@ def test_a_read_asked_again_that_times_out_names_the_configured_timeout_not_what
 
 
 class Coordinator:
-    """Holds ``extend`` back ``held`` times; records the ``waited`` each call reports."""
+    """Holds ``extend`` back ``held`` times; records the ``waited`` each call reports, and the calls that gave up."""
 
     def __init__(self, held: int):
-        self.held, self.reported = held, []
+        self.held, self.reported, self.gave_up_calls = held, [], []
+
+    @property
+    def gave_up(self):
+        coord = self
+
+        class Method:
+            @staticmethod
+            def remote(call, seconds):
+                coord.gave_up_calls.append((call, seconds))
+
+        return Method
 
     @property
     def extend(self):
@@ -92,12 +103,18 @@ def test_a_held_back_call_reports_and_times_out_on_the_wall_time_round_trips_inc
     # five round trips of 0.1 s and five short sleeps: the sleeps alone add up to about 0.05 s
     assert coord.reported[-1] >= 0.5 and coord.reported[-1] <= waited
 
-    rpc = Rpc(Coordinator(held=10**6), [], 0, name="t", timeout=0.5)
+    assert coord.gave_up_calls == []  # it went through: it did not give up
+
+    coord = Coordinator(held=10**6)
+    rpc = Rpc(coord, [], 0, name="t", timeout=0.5)
     monkeypatch.setattr(rpc, "get", slow_get)
     t0 = time.monotonic()
     with pytest.raises(HeldBackTimeout, match="waited 0.5s for the rate limiter"):
         rpc.call("extend")
     assert 0.5 <= time.monotonic() - t0 < 2.5  # counting only the sleeps, it waited about 5 s
+    # the coordinator is told, once, what gave up and after how long (stats() counts it)
+    assert len(coord.gave_up_calls) == 1 and coord.gave_up_calls[0][0] == "insert"
+    assert 0.5 <= coord.gave_up_calls[0][1] <= time.monotonic() - t0
 
 
 def test_a_version_map_behind_an_answer_is_dropped_and_looked_up_again():
