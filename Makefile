@@ -33,7 +33,7 @@ test: install lint docs
 	$(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 # The benchmark's smoke sections outside `make test` (all but the headline: sampling, writing, preprocess, draw path,
-# consumers, real data, two nodes, two copies, slices, cold reads): minutes,
+# consumers, real data, two nodes, two copies, slices, start-up, cold reads): minutes,
 # so apart; run them after touching pipelines/bench/.
 test-bench: install
 	$(PY) -m pip install -q -e '.[bench]'

@@ -57,6 +57,7 @@ from bench.replicas import bench_replicas  # noqa: E402
 from bench.report import headline_plot, plots, ratios  # noqa: E402
 from bench.sampling import bench_sampling  # noqa: E402
 from bench.slices import bench_slices  # noqa: E402
+from bench.startup import bench_startup  # noqa: E402
 from bench.writing import bench_writing  # noqa: E402
 
 REPO = HERE.parent
@@ -90,7 +91,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--data-home", default=os.environ.get("SCIKIT_LEARN_DATA"))
     p.add_argument("--out", default=str(DEFAULT_OUT))
     p.add_argument("--sections", default="headline,sampling,draw_path,consumers,real,writing,preprocess,cluster",
-                   help="comma-separated; 'call_cost' (Ray's cost per plan call by its shape), 'slices' (a slice sampler "
+                   help="comma-separated; 'call_cost' (Ray's cost per plan call by its shape), 'startup' (seconds and "
+                        "CPU to a ready buffer, beside TorchRL's RayReplayBuffer), 'slices' (a slice sampler "
                         "against TorchRL's), 'replicas' (a second copy "
                         "of each online shard, on a cluster of its own), 'cold' and 'ahead' (an offline dataset "
                         "outside the page cache; 'ahead': a learner's loop with and without read-ahead) and 'gpu' "
@@ -169,6 +171,7 @@ def run_sections(args: argparse.Namespace, cfg: dict, sections: set[str], out_di
             "sampling": ("sampling", lambda: bench_sampling(*tables)),
             "draw_path": ("draw path", lambda: bench_draw_path(*tables)),
             "call_cost": ("call cost", lambda: bench_call_cost(cfg, results)),
+            "startup": ("startup", lambda: bench_startup(cfg, root, results)),
             "consumers": ("consumers", lambda: bench_consumers(*tables)),
             "real": ("real data", lambda: bench_real(cfg, args.data_home, root, results)),
             "writing": ("writing", lambda: bench_writing(cfg, root, results)),

@@ -1,6 +1,6 @@
 """The benchmark harness's smoke mode runs end to end, so it cannot rot (figures are not checked: not a timed test).
 The headline (the README's figures) runs in the default suite; every other section (sampling, writing, preprocess,
-the draw path's CPU by role, consumer actors, the real table, and those that start clusters of their own: four
+the draw path's CPU by role, consumer actors, the real table, start-up, and those that start clusters of their own: four
 fifths of the smoke run's time) under the ``bench`` marker, ``make test-bench``."""
 import json
 import os
@@ -52,7 +52,7 @@ def test_benchmark_smoke_writes_results(tmp_path):
 
 @pytest.mark.bench
 def test_benchmark_smoke_of_the_other_sections(tmp_path):
-    results = smoke(tmp_path, "sampling,writing,preprocess,draw_path,consumers,real,slices,cluster,replicas")
+    results = smoke(tmp_path, "sampling,writing,preprocess,draw_path,consumers,real,slices,startup,cluster,replicas")
     for section in ("sampling", "prefetch_sweep", "writing", "preprocess", "memory", "object_store"):
         assert section in results, section
     for peer in ("index_select", "torchrl_o2o", "torchrl_ray", "rayrb_1shard", "rayrb_1shard_noahead",
@@ -73,6 +73,8 @@ def test_benchmark_smoke_of_the_other_sections(tmp_path):
     slices = results["slices"]["by_slice_len"]["8"]
     assert slices["rayrb_offline"]["median"] > 0 and slices["torchrl_slice_sampler"]["median"] > 0
     assert slices["rayrb_prioritized_half_online"]["median"] > 0
+    for kind in ("empty_actor", "torchrl_ray", "rayrb_default"):  # each started, ready, and what that cost
+        assert results["startup"][f"{kind}_ready_s"]["median"] > 0 < results["startup"][f"{kind}_machine_cpu_s"]["median"]
     assert "Two-node Cluster" in render(tmp_path)
 
 
