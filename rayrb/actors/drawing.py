@@ -66,9 +66,9 @@ class Drawing:
     def gave_up(self, call: str, seconds: float) -> None:
         """A ``call`` gave up after ``seconds`` held back past its handle's timeout: it drew or wrote nothing, so
         the limiter's counters leave it out (they count calls that went through); ``stats()`` counts it here."""
-        call = one_of("call", call, CALLS)
+        call, seconds = one_of("call", call, CALLS), finite_number("seconds", seconds, minimum=0.0)  # checked first
         self._metrics.count(f"{call}_timed_out_calls")
-        self._metrics.observe(f"{call}_timed_out_ms", finite_number("seconds", seconds, minimum=0.0) * 1e3)
+        self._metrics.observe(f"{call}_timed_out_ms", seconds * 1e3)
 
     def requery_masses(self, side: str, shards: Any) -> None:
         """Ask these shards for their mass now, behind every write and update sent to them."""

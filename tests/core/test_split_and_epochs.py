@@ -22,6 +22,7 @@ from rayrb.core.samplers import (
     make_sampler,
     register_sampler,
 )
+from rayrb.errors import InvalidArgumentError
 
 pytestmark = pytest.mark.usefixtures("local_metrics")
 
@@ -208,3 +209,15 @@ def test_the_base_fraction_anneal_decays_from_is_the_planners_alone():
     assert q.base_fraction(sizes) == 0.5  # made with a schedule: the fraction it gives now
     q.load_state_dict(state)
     assert q.base_fraction(sizes) == 0.5 and q.fraction(sizes) == pytest.approx(0.25)
+
+
+def test_a_call_that_gave_up_is_counted_by_kind_and_a_bad_report_changes_nothing():
+    coord = Layout("uniform", {OFFLINE: [10], ONLINE: [5]}).coord
+    coord.gave_up("sample", 1.5)
+    counts = coord._metrics.snapshot()
+    assert counts["sample_timed_out_calls"] == 1 and counts["sample_timed_out_ms_p50"] == 1500.0
+    for call, seconds in (("write", 1.0), ("insert", float("nan")), ("insert", -1.0)):
+        with pytest.raises(InvalidArgumentError):
+            coord.gave_up(call, seconds)
+    assert coord._metrics.snapshot()["sample_timed_out_calls"] == 1
+    assert "insert_timed_out_calls" not in coord._metrics.snapshot()
