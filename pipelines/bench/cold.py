@@ -1,7 +1,9 @@
 """Section ``cold``: uniform random batches from an offline dataset larger than memory, the page cache dropped before
 each measurement, rayrb's gather (``ChunkDataset.gather``, which shards and local reads use) against the disk's
-limits measured in the same run, TorchRL's ``LazyMemmapStorage`` on the same file and the plain ``np.take`` out of
-the map (``reads="map"``, rayrb's gather before cold reads); then the same with a range of rows in the page cache.
+limits measured in the same run, the same gather with its reads made by threads instead of io_uring
+(``rayrb_threads``: where the kernel refuses io_uring, and rayrb's gather before it), TorchRL's
+``LazyMemmapStorage`` on the same file and the plain ``np.take`` out of the map (``reads="map"``, rayrb's gather
+before cold reads); then the same with a range of rows in the page cache.
 
 The dataset is one chunk of one float32 key, written once; a second manifest views the same bytes (a hard link to the
 file) with larger rows. Each measurement runs in a process of its own (this file, run as a script), started before
@@ -26,7 +28,7 @@ COLD = dict(gib=36.0, row_bytes=[256, 28672], batches=[256, 4096], seconds=4.0, 
             disk_threads=32, seq_threads=8)
 COLD_SMOKE = dict(gib=0.01, row_bytes=[256, 28672], batches=[256], seconds=0.05, warm_mib=2, drop_caches=False,
                   disk_threads=4, seq_threads=2)
-PEERS = ("rayrb", "take", "torchrl_1_threads", "torchrl_2_threads")
+PEERS = ("rayrb", "rayrb_threads", "take", "torchrl_1_threads", "torchrl_2_threads")
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -93,11 +95,13 @@ def evict(path: str, drop_caches: bool) -> None:
 def sampler(p: dict):
     """The measured call for peer ``p["peer"]``: one batch of ``p["batch"]`` uniform rows in ``[0, p["rows"])``."""
     rng = np.random.default_rng(p.get("seed", 0))
-    if p["peer"] in ("rayrb", "take"):
+    if p["peer"] in ("rayrb", "rayrb_threads", "take"):
+        from rayrb.io import gather
         from rayrb.io.chunks import ChunkDataset
 
         ds = ChunkDataset.open(p["root"])
-        ds.reads = "auto" if p["peer"] == "rayrb" else "map"
+        ds.reads = "map" if p["peer"] == "take" else "auto"
+        gather.USE_RING = p["peer"] == "rayrb"
         return lambda: ds.gather(rng.integers(0, p["rows"], p["batch"]), checked=False)
     import torch
     from tensordict import MemoryMappedTensor, TensorDict
@@ -200,6 +204,7 @@ def measure(c: dict, roots: dict[int, Path], cold: bool) -> dict:
             row["torchrl_best"] = max(row["torchrl_1_threads"]["rows_per_s"], row["torchrl_2_threads"]["rows_per_s"])
             row["rayrb_vs_torchrl"] = row["rayrb"]["rows_per_s"] / row["torchrl_best"]
             row["rayrb_vs_take"] = row["rayrb"]["rows_per_s"] / row["take"]["rows_per_s"]
+            row["rayrb_vs_threads"] = row["rayrb"]["rows_per_s"] / row["rayrb_threads"]["rows_per_s"]
             out[f"{rb}/{batch}"] = row
     return out
 

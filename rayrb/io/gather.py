@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from rayrb.errors import ChunkError, InvalidArgumentError
-from rayrb.io import descriptors
+from rayrb.io import descriptors, uring
 from rayrb.io.threads import ProcessThreads
 
 PAGE = mmap.PAGESIZE
@@ -46,6 +46,7 @@ READ_THREADS = 32  # requests in flight: this machine's disk serves 4 KiB random
 MAX_GAP = 16 << 10
 MAX_REQUEST = 1 << 20  # bytes a request covers at most, so that a long run is read by several threads
 MAX_SEGMENTS = 500  # segments a request holds at most: with the gaps' buffers, within IOV_MAX (1024 on Linux)
+USE_RING = True  # False: every cold batch is read by the threads, as where io_uring is refused (benchmarks compare)
 SAMPLE = 4  # rows of a batch whose pages are looked up to tell a cached batch from a cold one
 MODES = ("auto", "map", "read")
 TRUST = 7  # batches copied out of the maps unlooked-up after a fast copy: a turn to cold is seen within 8 batches
@@ -230,7 +231,7 @@ class ColdReads:
                  max_segments: int = MAX_SEGMENTS):
         self.threads, self.max_gap = max(1, int(threads)), max_gap
         self.max_bytes, self.max_segments = max_bytes, max_segments
-        self._jobs: list[tuple[Mapping[int, ColumnFile], list[int], Plan, memoryview]] = []
+        self._jobs: list[tuple[Mapping[int, ColumnFile], list[int], Plan, np.ndarray]] = []
         self._after: list = []
 
     def add(self, columns: ColumnFile | Mapping[int, ColumnFile], rows: np.ndarray, out: np.ndarray,
@@ -247,7 +248,7 @@ class ColdReads:
         flat = dest.reshape(-1).view(np.uint8)
         bounds = None if starts is None else np.asarray(starts, np.int64)
         pl = plan(rows, at, one.row_bytes, self.max_gap, self.max_bytes, self.max_segments, bounds)
-        self._jobs.append((columns, [0] * len(columns) if starts is None else list(starts), pl, memoryview(flat)))
+        self._jobs.append((columns, [0] * len(columns) if starts is None else list(starts), pl, flat))
         if pl.dup_to.size:
             bytes2d = flat.reshape(-1, one.row_bytes)
             self._after.append(lambda b=bytes2d, t=pl.dup_to, f=pl.dup_from: b.__setitem__(t, b[f]))
@@ -255,32 +256,57 @@ class ColdReads:
             self._after.append(lambda: out.__setitem__(slice(None) if positions is None else positions, dest))
 
     def run(self) -> None:
-        """Make every planned request (at most ``threads`` in flight), then the copies."""
+        """Make every planned request, then the copies: through this thread's io_uring (``rayrb.io.uring``) where
+        the kernel allows it, every request in flight at once up to the ring's size, else from the threads (at most
+        ``threads`` in flight)."""
         work = [(j, q) for j, (_, _, pl, _) in enumerate(self._jobs) for q in range(len(pl.starts) - 1)]
-        if work:
-            parts = np.array_split(np.arange(len(work)), min(self.threads, len(work)))
-            pool = _readers.get(self.threads)
-            futures = [pool.submit(self._read, [work[i] for i in part]) for part in parts[1:]]
-            errors: list[BaseException] = []
-            try:
-                self._read([work[i] for i in parts[0]])  # the caller reads a share too
-            except BaseException as e:  # noqa: BLE001  (raised below, once no thread writes into the batch)
-                errors.append(e)
-            for f in futures:
-                try:
-                    f.result()
-                except BaseException as e:  # noqa: BLE001
-                    errors.append(e)
-            if errors:
-                raise errors[0]
+        ring = uring.ring() if work and USE_RING else None
+        if ring is not None:
+            self._ring_reads(ring, work)
+        elif work:
+            self._thread_reads(work)
         for step in self._after:
             step()
         self._jobs, self._after = [], []
 
+    def _thread_reads(self, work: list[tuple[int, int]]) -> None:
+        parts = np.array_split(np.arange(len(work)), min(self.threads, len(work)))
+        pool = _readers.get(self.threads)
+        futures = [pool.submit(self._read, [work[i] for i in part]) for part in parts[1:]]
+        errors: list[BaseException] = []
+        try:
+            self._read([work[i] for i in parts[0]])  # the caller reads a share too
+        except BaseException as e:  # noqa: BLE001  (raised below, once no thread writes into the batch)
+            errors.append(e)
+        for f in futures:
+            try:
+                f.result()
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+    def _ring_reads(self, ring: uring.Ring, work: list[tuple[int, int]]) -> None:
+        """Every request at once through ``ring``. A request that failed or came short is made again by ``_read``,
+        which finishes a short read or raises the ``ChunkError`` naming its column."""
+        scratch = np.empty(self.max_gap, np.uint8)  # the gaps' bytes: read, not kept (requests may share it)
+        parts = [_requests(self._jobs[j], scratch.ctypes.data) for j in range(len(self._jobs))]
+        iov = np.concatenate([p[0] for p in parts])
+        first_iov = np.concatenate([p[2] + sum(len(x[0]) for x in parts[:i]) for i, p in enumerate(parts)])
+        fds, offsets, counts, want = (np.concatenate([p[k] for p in parts]) for k in (1, 3, 4, 5))
+        try:
+            got = ring.read(fds, offsets, (iov.ctypes.data + 16 * first_iov).astype(np.uint64), counts)
+        except uring.RingError:  # the ring itself failed (not a read): every read waited for, made by threads
+            self._thread_reads(work)
+            return
+        for i in np.flatnonzero(got != want).tolist():
+            self._read([work[i]])
+
     def _read(self, work: list[tuple[int, int]]) -> None:
         scratch = memoryview(bytearray(self.max_gap))  # the gaps between rows of one request: read, not kept
         for j, q in work:
-            columns, starts, pl, dest = self._jobs[j]
+            columns, starts, pl, flat = self._jobs[j]
+            dest = memoryview(flat)
             column = columns[pl.files[q]]
             rb, first = column.row_bytes, starts[pl.files[q]]
             a, b = pl.starts[q], pl.starts[q + 1]
@@ -294,6 +320,42 @@ class ColdReads:
                 bufs.append(dest[pl.pos[s] * rb:pl.pos[s] * rb + n])
                 end = at + n
             read_fully(column, bufs, offset)
+
+
+def _requests(job: tuple[Mapping[int, ColumnFile], list[int], Plan, np.ndarray], scratch: int
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """One job's requests as a ring takes them: its ``iovec`` entries (``[n, 2]`` addresses and lengths: before a
+    segment that does not follow the one before on disk, the gap, read into ``scratch``), and by request the file's
+    descriptor, the first entry's number, the file offset, the entries' count and the bytes wanted.
+
+    >>> col = ColumnFile.__new__(ColumnFile); col.fd, col.row_bytes = 9, 4
+    >>> pl = plan(np.array([0, 2, 9]), np.arange(3), row_bytes=4, max_gap=8)
+    >>> iov, fds, first, off, count, want = _requests(({0: col}, [0], pl, np.zeros(12, np.uint8)), scratch=0)
+    >>> iov[:, 1].tolist(), fds.tolist(), first.tolist(), off.tolist(), count.tolist(), want.tolist()
+    ([4, 4, 4, 4], [9, 9], [0, 3], [0, 36], [3, 1], [12, 4])
+    """
+    columns, starts, pl, flat = job
+    rb = next(iter(columns.values())).row_bytes
+    bounds = np.asarray(pl.starts, np.int64)
+    req = np.repeat(np.arange(bounds.size - 1), np.diff(bounds))  # each segment's request
+    files = np.asarray(pl.files, np.int64)
+    at = (np.asarray(pl.rows, np.int64) - np.asarray(starts, np.int64)[files[req]]) * rb  # each segment's offset
+    size = np.asarray(pl.lens, np.int64) * rb
+    gap = np.zeros(at.size, np.int64)
+    gap[1:] = at[1:] - (at[:-1] + size[:-1])
+    gap[bounds[:-1]] = 0  # a request's first segment starts it
+    per = 1 + (gap > 0)  # entries a segment takes
+    data = np.cumsum(per) - 1  # its data entry's number (its gap's, if any, just before)
+    iov = np.empty((int(per.sum()), 2), np.uint64)
+    iov[data, 0] = flat.ctypes.data + np.asarray(pl.pos, np.int64) * rb
+    iov[data, 1] = size
+    g = gap > 0
+    iov[data[g] - 1, 0], iov[data[g] - 1, 1] = scratch, gap[g]
+    first = (data - per + 1)[bounds[:-1]]
+    count = np.add.reduceat(per, bounds[:-1]) if at.size else np.zeros(0, np.int64)
+    want = np.add.reduceat(size + gap, bounds[:-1]) if at.size else np.zeros(0, np.int64)
+    fds = np.array([columns[f].fd for f in pl.files], np.int32)
+    return iov, fds, first.astype(np.int64), at[bounds[:-1]].astype(np.uint64), count.astype(np.uint32), want
 
 
 def read_fully(column: ColumnFile, bufs: list[memoryview], offset: int) -> None:

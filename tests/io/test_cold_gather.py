@@ -1,5 +1,6 @@
 """Gathers that read rows from the files (rayrb.io.gather) return exactly what a copy out of the maps returns, and a
-file cut short or failing under a live dataset is a ChunkError naming chunk and key, never a wrong row."""
+file cut short or failing under a live dataset is a ChunkError naming chunk and key, never a wrong row: through
+io_uring and through the threads (where io_uring is refused), each test once with each."""
 from __future__ import annotations
 
 import errno
@@ -8,10 +9,19 @@ import os
 import numpy as np
 import pytest
 
-from rayrb.io import gather
+from rayrb.io import gather, uring
 from rayrb.io.chunks import ChunkDataset, ChunkError, write_dataset
 
 ROWS = 301
+
+
+@pytest.fixture(autouse=True, params=["ring", "threads"])
+def engine(request, monkeypatch) -> str:
+    """How cold batches are read in this test: through this thread's io_uring, or by the threads."""
+    if request.param == "ring" and not uring.available():
+        pytest.skip("io_uring is refused here")
+    monkeypatch.setattr(gather, "USE_RING", request.param == "ring")
+    return request.param
 
 
 def columns(rows: int = ROWS) -> dict[str, np.ndarray]:
@@ -131,14 +141,23 @@ def test_a_file_cut_after_the_size_check_is_a_chunk_error_not_a_wrong_row(tmp_pa
 def test_a_read_error_is_a_chunk_error_naming_chunk_and_key(tmp_path, monkeypatch):
     ds, _ = dataset(tmp_path, 100)
     ds.reads = "read"
-    real = gather._preadv
+    real, real_ring = gather._preadv, uring.Ring.read
+
+    def obs(fd: int) -> bool:
+        return os.path.basename(os.readlink(f"/proc/self/fd/{fd}")) == "obs.memmap"
 
     def failing(fd, bufs, offset):
-        if os.path.basename(os.readlink(f"/proc/self/fd/{fd}")) == "obs.memmap":
+        if obs(fd):
             raise OSError(errno.EIO, os.strerror(errno.EIO))
         return real(fd, bufs, offset)
 
+    def failing_ring(self, fds, *args):  # the kernel's answer for a request that failed: -errno
+        got = real_ring(self, fds, *args)
+        got[[obs(int(fd)) for fd in fds]] = -errno.EIO
+        return got
+
     monkeypatch.setattr(gather, "_preadv", failing)
+    monkeypatch.setattr(uring.Ring, "read", failing_ring)
     with pytest.raises(ChunkError, match=r"chunk chunk-0000[0-3]: key 'obs': expected to read \d+ bytes at offset "
                                          r"\d+, the read failed: \[Errno 5\] Input/output error"):
         ds.gather(np.arange(0, ROWS, 3))
@@ -198,3 +217,26 @@ def test_an_unknown_read_mode_is_refused(tmp_path):
     ds, _ = dataset(tmp_path, None)
     with pytest.raises(ValueError, match=r"reads must be one of \('auto', 'map', 'read'\), got 'mmap'"):
         ds.reads = "mmap"
+
+
+def test_a_ring_that_fails_leaves_the_batch_to_the_threads(tmp_path, monkeypatch, engine):
+    if engine != "ring":
+        pytest.skip("the ring's own failure")
+    ds, data = dataset(tmp_path, 64)
+    ds.reads = "read"
+    entered = []
+
+    def broken(self, submit, wait):  # the first call submits, then fails: what the kernel took is waited for
+        entered.append(submit)
+        if len(entered) == 1:
+            real_enter(self, submit, 0)
+            raise uring.RingError(errno.ENOMEM, "io_uring_enter: out of memory")
+        return real_enter(self, submit, wait)
+
+    real_enter = uring.Ring._enter
+    monkeypatch.setattr(uring.Ring, "_enter", broken)
+    idx = np.random.default_rng(8).integers(0, ROWS, 300)
+    got = ds.gather(idx)
+    assert len(entered) >= 2, "expected the requests in flight waited for after the failure"
+    for k, v in data.items():
+        np.testing.assert_array_equal(got[k], v[idx], err_msg=k)
