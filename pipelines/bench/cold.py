@@ -25,9 +25,9 @@ from pathlib import Path
 import numpy as np
 
 COLD = dict(gib=36.0, row_bytes=[256, 28672], batches=[256, 4096], seconds=4.0, warm_mib=1024, drop_caches=True,
-            disk_threads=32, seq_threads=8)
+            disk_depth=32, seq_depth=8, deep_depth=256)
 COLD_SMOKE = dict(gib=0.01, row_bytes=[256, 28672], batches=[256], seconds=0.05, warm_mib=2, drop_caches=False,
-                  disk_threads=4, seq_threads=2)
+                  disk_depth=4, seq_depth=2, deep_depth=8)
 PEERS = ("rayrb", "rayrb_threads", "take", "torchrl_1_threads", "torchrl_2_threads")
 REPO = Path(__file__).resolve().parents[2]
 
@@ -121,6 +121,8 @@ def probe(p: dict) -> dict:
     """One measurement in this process: the sampler built, the cache dropped (cold), batches for ``seconds``."""
     if p["peer"] == "disk_random":
         return disk(p, random=True)
+    if p["peer"] == "disk_random_rows":
+        return disk(dict(p, disk_depth=p.get("depth", p["disk_depth"])), random=True, block=max(p["row_bytes"]))
     if p["peer"] == "disk_sequential":
         return disk(p, random=False)
     fn = sampler(p)
@@ -137,35 +139,61 @@ def probe(p: dict) -> dict:
             "p50_ms": float(np.median(lat) * 1e3), "private_mib_before": before, "private_mib_after": private_mib()}
 
 
-def disk(p: dict, random: bool) -> dict:
-    """The disk's limit, ``O_DIRECT`` (no page cache): 4 KiB reads at random aligned offsets from
-    ``disk_threads`` threads (reads/s), or 1 MiB reads in order from ``seq_threads`` threads (bytes/s)."""
-    size, threads = os.path.getsize(p["file"]), p["disk_threads" if random else "seq_threads"]
-    block = 4096 if random else 1 << 20
-    fd = os.open(p["file"], os.O_RDONLY | os.O_DIRECT)
-    done, stop, lock = [0] * threads, time.perf_counter() + p["seconds"], threading.Lock()
-    nxt = [int(np.random.default_rng(1).integers(0, max(1, size // 2 // block))) * block]
+def disk(p: dict, random: bool, block: int = 4096) -> dict:
+    """The disk's limit, ``O_DIRECT`` (no page cache): ``block``-byte reads at random aligned offsets, ``disk_depth``
+    in flight (reads/s), or 1 MiB reads in order, ``seq_depth`` in flight (bytes/s). Through io_uring where the
+    kernel allows it (the depth held all along, no GIL per read: the disk's figure, not Python's), else threads."""
+    from rayrb.io import uring
 
-    def run(t: int) -> None:
-        buf, rng = mmap.mmap(-1, block), np.random.default_rng(100 + t)  # page-aligned, as O_DIRECT needs
+    size, depth = os.path.getsize(p["file"]), p["disk_depth" if random else "seq_depth"]
+    block = block if random else 1 << 20
+    fd = os.open(p["file"], os.O_RDONLY | os.O_DIRECT)
+    stop = time.perf_counter() + p["seconds"]
+    rng = np.random.default_rng(1)
+    nxt = int(rng.integers(0, max(1, size // 2 // block))) * block
+    t0, done = time.perf_counter(), 0
+    if uring.available():
+        ring, buf = uring.Ring(entries=depth), mmap.mmap(-1, block * depth)  # page-aligned, as O_DIRECT needs
+        iov = np.empty((depth, 2), np.uint64)
+        iov[:, 0] = np.frombuffer(buf, np.uint8).ctypes.data + np.arange(depth, dtype=np.uint64) * block
+        iov[:, 1] = block
+        n = depth * 16  # requests a call: the ring keeps ``depth`` in flight, refilling as each completes
+        slot = np.arange(n) % depth
+        addrs = (iov.ctypes.data + 16 * slot).astype(np.uint64)
         while time.perf_counter() < stop:
             if random:
-                at = int(rng.integers(0, size // block)) * block
+                at = rng.integers(0, size // block, n) * block
             else:
-                with lock:
-                    at, nxt[0] = nxt[0], (nxt[0] + block) % (size // block * block)
-            done[t] += os.preadv(fd, [buf], at)
+                at = (nxt + np.arange(n, dtype=np.int64) * block) % (size // block * block)
+                nxt = int(at[-1]) + block
+            got = ring.read(np.full(n, fd, np.int32), at.astype(np.uint64), addrs, np.ones(n, np.uint32))
+            done += int(got[got > 0].sum())
+        ring.close()
+        engine = "io_uring"
+    else:
+        counts, lock = [0] * depth, threading.Lock()
+        cursor = [nxt]
 
-    t0 = time.perf_counter()
-    workers = [threading.Thread(target=run, args=(t,)) for t in range(threads)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
+        def run(t: int) -> None:
+            buf, trng = mmap.mmap(-1, block), np.random.default_rng(100 + t)  # page-aligned, as O_DIRECT needs
+            while time.perf_counter() < stop:
+                if random:
+                    at = int(trng.integers(0, size // block)) * block
+                else:
+                    with lock:
+                        at, cursor[0] = cursor[0], (cursor[0] + block) % (size // block * block)
+                counts[t] += os.preadv(fd, [buf], at)
+
+        workers = [threading.Thread(target=run, args=(t,)) for t in range(depth)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        done, engine = sum(counts), "threads"
     took = time.perf_counter() - t0
     os.close(fd)
-    return {"reads_per_s": sum(done) / block / took, "mib_per_s": sum(done) / 2**20 / took, "threads": threads,
-            "block_bytes": block}
+    return {"reads_per_s": done / block / took, "mib_per_s": done / 2**20 / took, "depth": depth,
+            "block_bytes": block, "engine": engine}
 
 
 def run_probe(p: dict) -> dict:
@@ -211,7 +239,9 @@ def measure(c: dict, roots: dict[int, Path], cold: bool) -> dict:
 
 def built_with_limits(c: dict, root: Path) -> tuple[dict[int, Path], str, float, dict[str, dict]]:
     """A section's dataset built under ``root`` (``build``: its views by row size), its file, the seconds the build
-    took, and the disk's limits measured on that file: ``random_4k`` (reads/s) and ``sequential`` (MiB/s)."""
+    took, and the disk's limits measured on that file: ``random_4k`` (reads/s), ``sequential`` (MiB/s) and
+    ``random_rows`` (random reads of the largest row size: what uniform rows of that size can get at best),
+    with ``disk_depth`` reads in flight and (``random_rows_deep``) with ``deep_depth``, as many as rayrb's ring."""
     t0 = time.perf_counter()
     roots = build(root, c["gib"], c["row_bytes"])
     built_s = time.perf_counter() - t0
@@ -219,9 +249,14 @@ def built_with_limits(c: dict, root: Path) -> tuple[dict[int, Path], str, float,
     print(f"  built {os.path.getsize(file) / 2**30:.1f} GiB in {built_s:.0f} s", flush=True)
     base = dict(c, file=file)
     limits = {"random_4k": run_probe(dict(base, peer="disk_random")),
-              "sequential": run_probe(dict(base, peer="disk_sequential"))}
+              "sequential": run_probe(dict(base, peer="disk_sequential")),
+              "random_rows": run_probe(dict(base, peer="disk_random_rows")),
+              "random_rows_deep": run_probe(dict(base, peer="disk_random_rows", depth=c["deep_depth"]))}
     print(f"  disk: {limits['random_4k']['reads_per_s']:,.0f} random 4 KiB reads/s, "
-          f"{limits['sequential']['mib_per_s']:,.0f} MiB/s in order", flush=True)
+          f"{limits['sequential']['mib_per_s']:,.0f} MiB/s in order, random reads of "
+          f"{limits['random_rows']['block_bytes']:,} bytes: {limits['random_rows']['mib_per_s']:,.0f} MiB/s "
+          f"({c['disk_depth']} in flight), {limits['random_rows_deep']['mib_per_s']:,.0f} MiB/s "
+          f"({c['deep_depth']} in flight)", flush=True)
     return roots, file, built_s, limits
 
 
@@ -237,6 +272,9 @@ def bench_cold(cfg: dict, root: str, results: dict) -> None:
         row["rayrb_vs_disk_random_reads"] = row["rayrb"]["rows_per_s"] / limits["random_4k"]["reads_per_s"]
         row["rayrb_vs_disk_sequential_bytes"] = row["rayrb"]["rows_per_s"] * rb / 2**20 / limits["sequential"][
             "mib_per_s"]
+        if rb == limits["random_rows"]["block_bytes"]:
+            row["rayrb_vs_disk_random_row_reads"] = row["rayrb"]["rows_per_s"] / max(
+                limits["random_rows"]["reads_per_s"], limits["random_rows_deep"]["reads_per_s"])
     results["cold"] = {
         "dataset_bytes": os.path.getsize(file), "build_s": built_s, "limits": limits, "cold": cold, "warm": warm,
         "row_sizes": {"small": small, "large": large}, "machine_mem_gib": os.sysconf("SC_PAGE_SIZE") * os.sysconf(

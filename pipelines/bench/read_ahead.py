@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 
 AHEAD = dict(gib=8.0, row_bytes=[256, 28672], batches=[256, 4096], compute_ms=[0, 20], seconds=4.0,
-             drop_caches=True, disk_threads=32, seq_threads=8)
+             drop_caches=True, disk_depth=32, seq_depth=8, deep_depth=256)
 AHEAD_SMOKE = dict(gib=0.01, row_bytes=[256], batches=[64], compute_ms=[0, 2], seconds=0.3, drop_caches=False,
-                   disk_threads=4, seq_threads=2)
+                   disk_depth=4, seq_depth=2, deep_depth=8)
 
 
 def loop(root: Path, batch: int, compute_ms: float, seconds: float, seed: int, hints: bool, c: dict) -> dict:

@@ -3,8 +3,10 @@ in flight.
 
 A random row outside the page cache costs a page fault when it is copied out of a map, and one thread takes its
 faults one at a time: a batch of ``B`` cold rows waits ``B`` disk latencies in turn, at queue depth 1. Here a
-batch's cold rows are instead read with ``preadv`` from a small thread pool (the GIL is released in the call), so
-up to ``threads`` requests are in flight and the disk works at its random-read limit.
+batch's cold rows are instead read with every request in flight at once, so the disk works at its random-read
+limit: through the calling thread's io_uring (``rayrb.io.uring``, one system call to send them all, one to reap),
+or, where the kernel refuses it, with ``preadv`` from a small thread pool (the GIL released in each call; up to
+``threads`` in flight).
 
 The reads of one key are planned (``plan``) before any is made, over all the chunks' files a batch touches: the rows are sorted by offset and read once
 each (a repeat is copied from its first copy afterwards); rows that follow each other on disk and in the batch
