@@ -177,8 +177,8 @@ class OnlineReader(Reader):
         before = gen[idx]
         if not whole(before):
             return None  # a row being written, or left torn by a crash: the shard applies the same rule
-        for k, v in maps["rows"].items():
-            v.take(idx, axis=0, out=out[k])
+        for k, v in maps["rows"].items():  # idx in range (gen[idx] above): "clip" copies straight into out
+            v.take(idx, axis=0, out=out[k], mode="clip")
         if not (gen[idx] == before).all():
             return None  # overwritten during the copy
         if self._key is not None and not self._sampler.whole((before - 1) * self._capacity + idx, out[self._key]):

@@ -9,6 +9,7 @@ import os
 import numpy as np
 import pytest
 
+from rayrb.errors import RowIndexError
 from rayrb.io import gather, uring
 from rayrb.io.chunks import ChunkDataset, ChunkError, write_dataset
 
@@ -240,3 +241,11 @@ def test_a_ring_that_fails_leaves_the_batch_to_the_threads(tmp_path, monkeypatch
     assert len(entered) >= 2, "expected the requests in flight waited for after the failure"
     for k, v in data.items():
         np.testing.assert_array_equal(got[k], v[idx], err_msg=k)
+
+
+@pytest.mark.parametrize("bad", [ROWS, ROWS + 40, -1])
+def test_an_unchecked_index_out_of_range_is_an_error_not_a_clipped_row(tmp_path, bad):
+    ds, _ = dataset(tmp_path, None)
+    ds.reads = "map"  # copied out of the maps, where a clipped index would be a wrong row
+    with pytest.raises(RowIndexError, match=r"expected row indices in \[0, 301\)"):
+        ds.gather(np.array([0, bad, 5]), checked=False)
