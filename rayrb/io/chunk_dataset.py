@@ -19,7 +19,7 @@ import numpy as np
 
 from rayrb.core.schema import SEP, RowSpec
 from rayrb.errors import ChunkError, InvalidArgumentError, ReadOnlyError, RowIndexError
-from rayrb.io.gather import READ_THREADS, ColdReads, ColumnFile, ReadPolicy, open_columns
+from rayrb.io.gather import READ_THREADS, ColdReads, ColumnFile, ReadPolicy, copy_out, open_columns
 from rayrb.io.hashing import hash_algorithm, hash_arrays
 from rayrb.io.manifest import MANIFEST, ChunkInfo, read_manifest
 from rayrb.io.read_ahead import Ahead
@@ -197,15 +197,8 @@ class ChunkDataset:
             local = indices - self._starts[chunks[0]] if chunks[0] else indices
             if not checked and local.size and (local.min() < 0 or local.max() >= self.chunks[chunks[0]].rows):
                 raise RowIndexError(f"expected row indices in [0, {len(self)}), got range [{indices.min()}, "
-                                    f"{indices.max()}]")  # clipped below, they would be wrong rows, not an error
-            for k in out:  # in range: "clip" copies straight into out; "raise" copies into a buffer first (2-3x)
-                cols[chunks[0]][k].array.take(local, axis=0, out=out[k], mode="clip")
-        else:
-            for c in chunks:
-                sel = np.nonzero(chunk_of == c)[0]
-                local = indices[sel] - self._starts[c]
-                for k in out:
-                    out[k][sel] = cols[c][k].array[local]
+                                    f"{indices.max()}]")  # clipped, they would be wrong rows, not an error
+        copy_out(cols, chunks, chunk_of, indices, self._starts, out)
         self._policy.copied(indices.size, time.perf_counter() - t0)
         return out
 
@@ -246,6 +239,9 @@ class ChunkDataset:
             return {0: self._columns(0)}, None, [0]
         chunk_of = np.searchsorted(self.offsets, indices, side="right") - 1
         chunks = np.unique(chunk_of).tolist()
+        if chunks and (chunks[0] < 0 or chunks[-1] >= len(self.chunks)):  # indices not checked by the caller
+            raise RowIndexError(f"expected row indices in [0, {len(self)}), got range [{indices.min()}, "
+                                f"{indices.max()}]")
         return {c: self._columns(c) for c in chunks}, chunk_of, chunks  # each file's size checked before any read
 
     def _columns(self, i: int) -> dict[str, ColumnFile]:

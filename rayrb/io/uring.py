@@ -185,6 +185,34 @@ def _close(fd: int) -> None:
     descriptors.held(-1)
 
 
+def requests(at: np.ndarray, size: np.ndarray, dest: np.ndarray, bounds: np.ndarray, scratch: int
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Segments as ``readv`` requests: segment ``s`` is ``size[s]`` bytes at file offset ``at[s]`` into address
+    ``dest[s]``; request ``q`` reads segments ``bounds[q]`` to ``bounds[q + 1]``, in offset order. Returns the
+    ``iovec`` entries (``[n, 2]``: address, length; a gap between two segments of a request is read into
+    ``scratch``, not kept), and by request its first entry's number, its file offset, its entries' count and the
+    bytes it reads.
+
+    >>> iov, first, off, count, want = requests(np.array([0, 8, 36]), np.array([4, 4, 4]),
+    ...                                         np.array([100, 104, 108]), np.array([0, 2, 3]), scratch=7)
+    >>> iov.tolist(), first.tolist(), off.tolist(), count.tolist(), want.tolist()
+    ([[100, 4], [7, 4], [104, 4], [108, 4]], [0, 3], [0, 36], [3, 1], [12, 4])
+    """
+    gap = np.zeros(at.size, np.int64)
+    gap[1:] = at[1:] - (at[:-1] + size[:-1])
+    gap[bounds[:-1]] = 0  # a request's first segment starts it
+    per = 1 + (gap > 0)  # entries a segment takes
+    data = np.cumsum(per) - 1  # its data entry's number (its gap's, if any, just before)
+    iov = np.empty((int(per.sum()), 2), np.uint64)
+    iov[data, 0], iov[data, 1] = dest, size
+    g = gap > 0
+    iov[data[g] - 1, 0], iov[data[g] - 1, 1] = scratch, gap[g]
+    if not at.size:
+        return iov, np.zeros(0, np.int64), np.zeros(0, np.uint64), np.zeros(0, np.uint32), np.zeros(0, np.int64)
+    return (iov, (data - per + 1)[bounds[:-1]].astype(np.int64), at[bounds[:-1]].astype(np.uint64),
+            np.add.reduceat(per, bounds[:-1]).astype(np.uint32), np.add.reduceat(size + gap, bounds[:-1]))
+
+
 _local = threading.local()
 _state = {"ok": None}  # None: not tried yet; False: refused here (kernel, switch or seccomp)
 

@@ -243,9 +243,10 @@ def test_a_ring_that_fails_leaves_the_batch_to_the_threads(tmp_path, monkeypatch
         np.testing.assert_array_equal(got[k], v[idx], err_msg=k)
 
 
+@pytest.mark.parametrize("chunk_rows", [None, 64])
 @pytest.mark.parametrize("bad", [ROWS, ROWS + 40, -1])
-def test_an_unchecked_index_out_of_range_is_an_error_not_a_clipped_row(tmp_path, bad):
-    ds, _ = dataset(tmp_path, None)
+def test_an_unchecked_index_out_of_range_is_an_error_not_a_clipped_row(tmp_path, bad, chunk_rows):
+    ds, _ = dataset(tmp_path, chunk_rows)
     ds.reads = "map"  # copied out of the maps, where a clipped index would be a wrong row
     with pytest.raises(RowIndexError, match=r"expected row indices in \[0, 301\)"):
         ds.gather(np.array([0, bad, 5]), checked=False)
