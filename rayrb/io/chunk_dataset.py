@@ -180,9 +180,10 @@ class ChunkDataset:
         Rows in the page cache are copied out of the maps; a batch whose rows are not is read from the files with
         many requests in flight (``rayrb.io.gather``; ``reads`` picks: ``"auto"``, ``"map"`` or ``"read"``)."""
         indices = np.asarray(indices, dtype=np.int64)
-        if checked and indices.size and (indices.min() < 0 or indices.max() >= len(self)):
-            raise RowIndexError(
-                f"expected row indices in [0, {len(self)}), got range [{indices.min()}, {indices.max()}]")
+        # unchecked over several chunks, the chunks the indices fall in tell (_columns_of): a row out of range would
+        # be copied as a clipped one (copy_out), never an error, so one chunk's are checked here either way
+        if (checked or len(self.chunks) == 1) and indices.size and (indices.min() < 0 or indices.max() >= len(self)):
+            raise self._out_of_range(indices)
         if out is None:
             out = {k: np.empty((indices.size, *f.shape), dtype=f.dtype) for k, f in self.spec.items()}
         cols, chunk_of, chunks = self._columns_of(indices)
@@ -193,11 +194,6 @@ class ChunkDataset:
             reads.run()
             return out
         t0 = time.perf_counter()
-        if len(chunks) == 1:
-            local = indices - self._starts[chunks[0]] if chunks[0] else indices
-            if not checked and local.size and (local.min() < 0 or local.max() >= self.chunks[chunks[0]].rows):
-                raise RowIndexError(f"expected row indices in [0, {len(self)}), got range [{indices.min()}, "
-                                    f"{indices.max()}]")  # clipped, they would be wrong rows, not an error
         copy_out(cols, chunks, chunk_of, indices, self._starts, out)
         self._policy.copied(indices.size, time.perf_counter() - t0)
         return out
@@ -240,9 +236,12 @@ class ChunkDataset:
         chunk_of = np.searchsorted(self.offsets, indices, side="right") - 1
         chunks = np.unique(chunk_of).tolist()
         if chunks and (chunks[0] < 0 or chunks[-1] >= len(self.chunks)):  # indices not checked by the caller
-            raise RowIndexError(f"expected row indices in [0, {len(self)}), got range [{indices.min()}, "
-                                f"{indices.max()}]")
+            raise self._out_of_range(indices)
         return {c: self._columns(c) for c in chunks}, chunk_of, chunks  # each file's size checked before any read
+
+    def _out_of_range(self, indices: np.ndarray) -> RowIndexError:
+        return RowIndexError(f"expected row indices in [0, {len(self)}), got range [{indices.min()}, "
+                             f"{indices.max()}]")
 
     def _columns(self, i: int) -> dict[str, ColumnFile]:
         """Chunk ``i``'s files, each open and mapped once, after checking that none of them has become shorter

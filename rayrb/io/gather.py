@@ -294,7 +294,8 @@ class ColdReads:
         scratch = np.empty(self.max_gap, np.uint8)  # the gaps' bytes: read, not kept (requests may share it)
         parts = [_requests(self._jobs[j], scratch.ctypes.data) for j in range(len(self._jobs))]
         iov = np.concatenate([p[0] for p in parts])
-        first_iov = np.concatenate([p[2] + sum(len(x[0]) for x in parts[:i]) for i, p in enumerate(parts)])
+        before = np.cumsum([0] + [len(p[0]) for p in parts])  # each job's entries after the jobs before it
+        first_iov = np.concatenate([p[2] + before[i] for i, p in enumerate(parts)])
         fds, offsets, counts, want = (np.concatenate([p[k] for p in parts]) for k in (1, 3, 4, 5))
         try:
             got = ring.read(fds, offsets, (iov.ctypes.data + 16 * first_iov).astype(np.uint64), counts)

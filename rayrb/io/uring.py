@@ -155,7 +155,7 @@ class Ring:
             if r >= 0:
                 return int(r)
             e = ctypes.get_errno()
-            if e != 4:  # EINTR: a signal came while waiting; the requests stand, wait again
+            if e != errno.EINTR:  # a signal came while waiting: the requests stand, wait again
                 raise RingError(e, f"io_uring_enter: {os.strerror(e)}")
             submit = 0
 
