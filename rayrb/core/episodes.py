@@ -150,6 +150,24 @@ class Slices:
         before = self._ends - self.counts  # slices in the episodes before each
         return np.arange(self.total, dtype=np.int64) + np.repeat(self.episodes.starts - before, self.counts)
 
+    def starts_at(self, steps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Whether a valid slice starts at each of ``steps`` (held steps), and its number where one does.
+
+        >>> s = Slices(Episodes(np.array([0, 5]), np.array([5, 12])), 3)
+        >>> valid, number = s.starts_at(np.array([2, 3, 5, 9, 10]))
+        >>> valid.tolist(), number[valid].tolist()
+        ([True, False, True, True, False], [2, 3, 7])
+        """
+        steps = np.asarray(steps, np.int64)
+        if not self.episodes.starts.size:
+            return np.zeros(steps.size, bool), np.zeros(steps.size, np.int64)
+        e = np.maximum(np.searchsorted(self.episodes.starts, steps, side="right") - 1, 0)
+        first, stop = self.episodes.starts[e], self.episodes.stops[e]
+        valid = (steps >= first) & (steps < stop) & (stop - steps >= self.slice_len)
+        if not self.strict_length:  # an episode shorter than a slice: one slice, at its first step
+            valid |= (steps == first) & (stop - first < self.slice_len)
+        return valid, self._ends[e] - self.counts[e] + (steps - first)
+
     def locate(self, items: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(first step, length)`` of each slice numbered in ``items``."""
         items = np.asarray(items, np.int64)

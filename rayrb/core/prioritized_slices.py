@@ -15,8 +15,8 @@ by priority among the steps a valid slice starts at, as TorchRL's ``PrioritizedS
   starts of the side (TorchRL's ``(N * P(s)) ** -beta`` normalized by its largest value), in ``info["weight"]``.
 
 The split is planned in slices as for uniform slices: ``floor(f * num_slices + 1/2)`` offline, the rest online.
-The starts' tree is built again after each write (the valid starts move with the episodes, as the uniform slices'
-count does) and updated in place by priority updates.
+The starts' tree follows the episodes: a write updates it at the slots near its rows (``PrioritizedEpisodeSlices._moved``),
+anything else builds it again; priority updates change it in place.
 
 Examples:
     >>> import numpy as np
@@ -38,6 +38,8 @@ from typing import Any
 import numpy as np
 
 from rayrb.core.allocators import PrioritizedAllocator
+from rayrb.core.episode_stream import Stream
+from rayrb.core.episodes import Slices
 from rayrb.core.plans import Epoch
 from rayrb.core.priorities import PrioritizedSampler, SumTree
 from rayrb.core.slice_sampling import NAME_PRIORITIZED, EpisodeSlices
@@ -76,26 +78,50 @@ class PrioritizedEpisodeSlices(EpisodeSlices):
 
     def __init__(self, capacity: int = 0, alpha: float = ALPHA, eps: float = EPS, **options: Any):
         super().__init__(capacity, **options)
-        self._p = PrioritizedSampler(max(1, int(capacity)), alpha=alpha, eps=eps)
-        self._built: Any = None  # the slices the starts' tree was built for
-        self._starts = SumTree(max(1, int(capacity)))
-        self._start_slots = np.empty(0, np.int64)  # each valid slice's first slot, by slice number
-        self._item_of = np.full(max(1, int(capacity)), -1, np.int64)  # slot -> the slice it starts, or -1
+        n = max(1, int(capacity))
+        self._p = PrioritizedSampler(n, alpha=alpha, eps=eps)
+        self._built: Any = None  # the slices the starts' tree holds
+        self._starts = SumTree(n)  # p at the slots a valid slice starts at, 0 elsewhere
+        self._start_p = np.full(n, np.inf)  # the same, +inf elsewhere: its smallest is min p
+        self._valid = np.zeros(n, bool)  # slot -> whether a valid slice starts there
         self._min_p: float | None = None  # the smallest p of a valid start (None: to be found again)
 
     def _start_tree(self, size: int) -> Any:
         """The valid slices of the first ``size`` slots, with the starts' tree built for them."""
-        order, slices = self._slices(size)
+        slices = self._slices(size)
         if self._built is not slices:
-            self._start_slots = order[slices.first_steps()]
-            self._item_of = np.full(self._p.tree.capacity, -1, np.int64)
-            self._item_of[self._start_slots] = np.arange(slices.total, dtype=np.int64)
-            at_starts, p = np.zeros(self._p.tree.capacity), self._p.tree.values(self._start_slots)
-            at_starts[self._start_slots] = p
-            self._starts.fill(at_starts)
-            self._min_p = float(p.min()) if p.size else None
+            self._set_starts(self._slots(slices.first_steps()), None)
             self._built = slices
         return slices
+
+    def _set_starts(self, slots: np.ndarray, valid: np.ndarray | None) -> None:
+        """``slots`` start a valid slice where ``valid`` says; None: they are all the valid starts there are."""
+        p = self._p.tree.values(slots)
+        if valid is None:
+            self._valid[:] = False
+            self._valid[slots] = True
+            at = np.zeros(self._valid.size)
+            at[slots] = p
+            self._starts.fill(at)
+            self._start_p[:] = np.inf
+            self._start_p[slots] = p
+        else:
+            self._valid[slots] = valid
+            self._starts.update(slots, np.where(valid, p, 0.0))
+            self._start_p[slots] = np.where(valid, p, np.inf)
+        self._min_p = None
+
+    def _moved(self, before: tuple[Stream, Slices], after: tuple[Stream, Slices]) -> None:
+        """Rows appended: only the starts near them change (the new rows, whose slots the overwritten rows held;
+        the last ``slice_len`` rows before them, which may now start a slice; the first rows still held, which
+        start an episode cut short), so the tree is updated there, not built again."""
+        if self._built is not before[1]:
+            return
+        (old, _), (new, slices) = before, after
+        rows = np.union1d(np.arange(max(new.low, old.high - self._len), new.high, dtype=np.int64),
+                          np.arange(new.low, min(new.low + self._len, new.high), dtype=np.int64))
+        self._set_starts(self._slots(rows), slices.starts_at(rows)[0])
+        self._built = slices
 
     # what a write, a restore or an update changes ---------------------------------------------------------
     def on_write(self, idx: np.ndarray) -> None:
@@ -120,9 +146,8 @@ class PrioritizedEpisodeSlices(EpisodeSlices):
     def update_priority(self, idx: np.ndarray, priority: np.ndarray) -> None:
         idx = np.asarray(idx, np.int64)
         self._p.set_priority(idx, priority)  # refused whole before anything changes
-        starts = idx[self._item_of[idx] >= 0]  # steps that start a valid slice: their tree entry follows
-        self._starts.update(starts, self._p.tree.values(starts))
-        self._min_p = None
+        starts = idx[self._valid[idx]]  # steps that start a valid slice: their tree entry follows
+        self._set_starts(starts, np.ones(starts.size, bool))
 
     set_priority = update_priority
 
@@ -142,7 +167,7 @@ class PrioritizedEpisodeSlices(EpisodeSlices):
         if slices.total == 0:
             return 0.0, 1.0
         if self._min_p is None:
-            self._min_p = float(self._p.tree.values(self._start_slots).min())
+            self._min_p = float(self._start_p.min())
         return self._starts.total(), self._min_p
 
     def sample(self, count: int, size: int, rng: np.random.Generator | None, epoch: Epoch | None = None) -> np.ndarray:
@@ -154,12 +179,9 @@ class PrioritizedEpisodeSlices(EpisodeSlices):
         mass = self._starts.total()
         if k and not mass > 0:
             raise DrawError(f"cannot draw {k} slices by priority: the {total} valid slices here have no priority mass")
-        slots = self._starts.find(rng.uniform(0.0, mass, k) * (1.0 - 1e-12))
-        items = self._item_of[np.minimum(slots, self._item_of.size - 1)]
-        off = items < 0  # a float edge landed past the last start: the start before it
-        if off.any():
-            by_slot = np.argsort(self._start_slots)
-            at = np.searchsorted(self._start_slots[by_slot], slots[off], side="right") - 1
-            items[off] = by_slot[np.clip(at, 0, by_slot.size - 1)]
-        return items
-
+        slots = np.minimum(self._starts.find(rng.uniform(0.0, mass, k) * (1.0 - 1e-12)), self._valid.size - 1)
+        off = ~self._valid[slots]
+        if off.any():  # a float edge landed past the last start: the start before it
+            valid = np.flatnonzero(self._valid)
+            slots[off] = valid[np.clip(np.searchsorted(valid, slots[off], side="right") - 1, 0, valid.size - 1)]
+        return self._drawn[1].starts_at(self._rows(slots))[1]

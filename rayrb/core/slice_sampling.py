@@ -50,7 +50,8 @@ import numpy as np
 
 from rayrb.core.allocation import multinomial_counts
 from rayrb.core.allocators import Allocator, WithoutReplacementAllocator
-from rayrb.core.episodes import Slices, episodes_of, padded_steps, slice_count, steps, whole_slices
+from rayrb.core.episode_stream import ShardEpisodes, Stream
+from rayrb.core.episodes import Slices, padded_steps, slice_count, steps, whole_slices
 from rayrb.core.plans import OFFLINE, ONLINE, SIDES, Epoch
 from rayrb.core.sampler_base import Sampler
 from rayrb.core.schema import SEP
@@ -199,12 +200,8 @@ class EpisodeSlices(Sampler):
         self._len, self._key, self._ends = positive_int("slice_len", slice_len), slice_key, bool(slice_ends)
         self._strict = bool(slice_strict)  # False: short episodes are slices too, read padded (``padded_steps``)
         self._capacity = int(capacity)
-        self._column: np.ndarray | None = None
-        self._generation: np.ndarray | None = None
-        self._version = 0  # moved by each write: the episodes are found again
-        self._cache: tuple = (None, None, None)
-        self._firsts: tuple | None = None  # for ``info``: each slot's place and each episode's first row, by cache key
-        self._written: np.ndarray | None = None
+        self._held = ShardEpisodes(self._capacity, self._len, self._strict, self._ends, moved=self._moved)
+        self._drawn: tuple[int, Slices] | None = None  # the size and slices of the last draw, for ``info``
 
     @property
     def key(self) -> str | None:
@@ -214,12 +211,11 @@ class EpisodeSlices(Sampler):
     def bind(self, rows: Mapping[str, np.ndarray], generation: np.ndarray | None,
              written: np.ndarray | None = None) -> None:
         """The shard's rows and (online) generations; ``written``, its write count's one-element map, where
-        another process writes them (a handle reading the shard's files): the episodes are found again when it
-        moves, as the shard finds them again at each write (``on_write``)."""
+        another process writes them (a handle reading the shard's files): the rows up to it are appended to the
+        episodes as it moves, as the shard appends the rows of each write (``on_write``; ``ShardEpisodes``)."""
         if self._key not in rows:
             raise SchemaError(f"expected rows holding {self._key!r} to find episodes by, got keys {sorted(rows)}")
-        self._column, self._generation, self._written = rows[self._key], generation, written
-        self._version += 1
+        self._held.bind(rows[self._key], generation, written)
 
     def whole(self, rows: np.ndarray, column: np.ndarray) -> bool:
         """Whether a read's steps, copied by another process than the shard's while it may write (each step's
@@ -227,11 +223,12 @@ class EpisodeSlices(Sampler):
         return whole_slices(rows, column, self._len, self._ends, padded=not self._strict)
 
     def on_write(self, idx: np.ndarray) -> None:
-        self._version += 1
+        """Slots this shard wrote: the next read appends their rows to the episodes held, if they follow them."""
+        self._held.wrote(idx)
 
     def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
         """A restore (or a copy taken whole) replaced the rows: their episodes are found again."""
-        self._version += 1
+        self._held.forget()
 
     def info(self, idx: np.ndarray) -> dict[str, np.ndarray]:
         """Each drawn step's ``episode_start``: the row number, in this shard's write stream, of its episode's first
@@ -244,45 +241,38 @@ class EpisodeSlices(Sampler):
         >>> s.info(np.array([1, 2, 3, 4]))["episode_start"].tolist()  # episode 0 begins at step 0, 1 at step 3
         [0, 0, 3, 3]
         """
-        key, order, slices = self._cache
         idx = np.asarray(idx, np.int64)
-        if key is None or (idx.size and int(idx.max()) >= key[0]):
+        if self._drawn is None or (idx.size and int(idx.max()) >= self._drawn[0]):
             return {}  # not steps of a draw (a gather by index): no episodes were found over them
-        if self._firsts is None or self._firsts[0] != key:
-            place, first_rows = None, slices.episodes.starts  # not wrapped: a slot is its row and its place
-            if self._generation is not None and key[0] >= self._capacity > 0:  # wrapped: ``order`` sorts by row
-                rows = (np.abs(self._generation[:key[0]]) - 1) * self._capacity + np.arange(key[0])
-                place = np.empty(key[0], np.int64)
-                place[order] = np.arange(key[0], dtype=np.int64)  # each slot's place in the write order
-                first_rows = rows[order[slices.episodes.starts]]
-            self._firsts = (key, place, first_rows)
-        _, place, first_rows = self._firsts
-        at = idx if place is None else place[idx]
-        return {"episode_start": first_rows[np.searchsorted(slices.episodes.starts, at, side="right") - 1]}
+        starts = self._drawn[1].episodes.starts
+        if not starts.size:
+            return {"episode_start": np.zeros(idx.size, np.int64)}
+        at = np.searchsorted(starts, self._rows(idx), side="right") - 1
+        return {"episode_start": starts[np.maximum(at, 0)]}
 
-    def _slices(self, size: int) -> tuple[np.ndarray, Slices]:
-        """The slots of the first ``size`` in write order, and the valid slices over them (cached until a write)."""
-        key = (size, self._version, -1 if self._written is None else int(self._written[0]))
-        if self._cache[0] == key:
-            return self._cache[1], self._cache[2]
-        order = np.arange(size, dtype=np.int64)
-        if self._generation is not None and size >= self._capacity > 0:  # wrapped: the oldest row first
-            rows = (np.abs(self._generation[:size]) - 1) * self._capacity + order  # the row each slot holds
-            order = np.argsort(rows, kind="stable")
-        slices = Slices(episodes_of(self._column[order], self._ends), self._len, self._strict)
-        self._cache = (key, order, slices)
-        return order, slices
+    def _rows(self, slots: np.ndarray) -> np.ndarray:
+        return self._held.rows(slots)
+
+    def _slots(self, rows: np.ndarray) -> np.ndarray:
+        return self._held.slots(rows)
+
+    def _slices(self, size: int) -> Slices:
+        return self._held.slices(size)
+
+    def _moved(self, before: tuple[Stream, Slices], after: tuple[Stream, Slices]) -> None:
+        """The episodes held went from ``before`` to ``after`` by an append: what is built on them may follow."""
 
     def sample(self, count: int, size: int, rng: np.random.Generator | None, epoch: Epoch | None = None) -> np.ndarray:
         if count % self._len:
             raise DrawError(f"expected a read of whole slices ({self._len} rows each), got {count} rows")
         k = count // self._len
-        order, slices = self._slices(size)
+        slices = self._slices(size)
+        self._drawn = (size, slices)
         if k and slices.total == 0:
             raise DrawError(f"cannot draw {k} slices of {self._len} steps: no episode here holds "
                             f"{'that many' if self._strict else 'a step'}")
         starts, lengths = slices.locate(self._items(k, slices.total, rng, epoch))
-        return order[steps(starts, lengths)[0] if self._strict else padded_steps(starts, lengths, self._len)]
+        return self._slots(steps(starts, lengths)[0] if self._strict else padded_steps(starts, lengths, self._len))
 
     def _items(self, k: int, total: int, rng: np.random.Generator | None, epoch: Epoch | None) -> np.ndarray:
         """Which of the ``total`` valid slices a read of ``k`` draws: uniformly, with replacement."""
@@ -290,7 +280,7 @@ class EpisodeSlices(Sampler):
 
     def mass(self, size: int) -> tuple[float, float]:
         """The valid slices this shard holds: what the allocator spreads a side's slices by."""
-        return float(self._slices(size)[1].total), 1.0
+        return float(self._slices(size).total), 1.0
 
 
 class SlicesWithoutReplacementAllocator(WithoutReplacementAllocator):

@@ -1,0 +1,173 @@
+"""Episodes kept up to date write by write (``rayrb.core.episode_stream``, ``EpisodeSlices``) against episodes found
+again over every row: on random writes, wraps, writes out of order, rows left torn and restores, the two agree, and
+a shard and a reader of its files (another process, told only the write count) draw the same slices."""
+import numpy as np
+import pytest
+
+from rayrb.core.episode_stream import appended, scan
+from rayrb.core.samplers import make_sampler
+from rayrb.errors import InvalidArgumentError
+
+
+def episodes(stream):
+    return stream.episodes.starts.tolist(), stream.episodes.stops.tolist()
+
+
+def column_of(rng, n, ends):
+    """``n`` steps of random episodes (1 to 12 steps): end flags, or trajectory ids that may repeat apart."""
+    if ends:
+        return rng.random(n) < 0.15
+    return np.repeat(rng.integers(0, 4, n), 1)[:n]
+
+
+@pytest.mark.parametrize("ends", [False, True])
+@pytest.mark.parametrize("capacity", [0, 7, 40])
+def test_appending_writes_gives_the_episodes_a_scan_of_the_rows_held_gives(ends, capacity):
+    rng = np.random.default_rng(capacity + ends)
+    for _ in range(30):
+        column = column_of(rng, 200, ends)
+        cuts = np.sort(rng.choice(np.arange(1, 200), 25, replace=False))
+        stream = scan(column[:cuts[0]][-capacity:] if capacity else column[:cuts[0]],
+                      np.arange(max(0, cuts[0] - capacity) if capacity else 0, cuts[0]), ends)
+        for a, b in zip(cuts, [*cuts[1:], 200]):
+            if capacity and b - a >= capacity:
+                with pytest.raises(InvalidArgumentError, match="fewer than the capacity"):
+                    appended(stream, column[a:b], ends, capacity)
+                low = b - capacity
+                stream = scan(column[low:b], np.arange(low, b), ends)
+                continue
+            stream = appended(stream, column[a:b], ends, capacity)
+            low = max(0, b - capacity) if capacity else 0
+            expected = scan(column[low:b], np.arange(low, b), ends)
+            assert (stream.low, stream.high, stream.size) == (low, b, b - low)
+            assert episodes(stream) == episodes(expected)
+
+
+def test_a_missing_row_or_a_torn_one_ends_appending_and_cuts_the_episode():
+    gap = scan(np.array([1, 1, 1, 1]), np.array([3, 4, 6, 7]), ends=False)
+    assert episodes(gap) == ([3, 6], [5, 8]) and not gap.contiguous
+    torn = scan(np.array([1, 1]), np.array([0, 1]), ends=False, whole=False)
+    for stream in (gap, torn):
+        with pytest.raises(InvalidArgumentError, match="contiguous"):
+            appended(stream, np.array([1]), False, 0)
+    with pytest.raises(InvalidArgumentError, match="prefix"):
+        gap.prefix(2)
+
+
+class Ring:
+    """An online shard's slots as ``OnlineShard`` writes them: row ``w`` at slot ``w mod capacity``, generation
+    ``w // capacity + 1``, and its write count."""
+
+    def __init__(self, capacity, ends, kind="slice", slice_len=3, strict=True):
+        self.capacity, self.ends = capacity, ends
+        self.column = np.zeros(capacity, bool if ends else np.int64)
+        self.generation = np.zeros(capacity, np.int64)
+        self.written = np.zeros(1, np.int64)
+        opts = dict(slice_len=slice_len, slice_key="k", slice_ends=ends, slice_strict=strict)
+        self.shard = make_sampler(kind, capacity, **opts)
+        self.shard.bind({"k": self.column}, self.generation)
+        self.reader = make_sampler(kind, capacity, **opts)  # another process: told only the write count
+        self.reader.bind({"k": self.column}, self.generation, self.written)
+        self.opts, self.kind = opts, kind
+
+    def write(self, values, first=None, count=True):
+        first = int(self.written[0]) if first is None else first
+        w = first + np.arange(len(values))
+        slots = w % self.capacity
+        self.column[slots], self.generation[slots] = values, w // self.capacity + 1
+        self.shard.on_write(slots)
+        if count:
+            self.written[0] = max(int(self.written[0]), first + len(values))
+
+    def fresh(self):
+        s = make_sampler(self.kind, self.capacity, **self.opts)
+        s.bind({"k": self.column}, self.generation)
+        s.on_write(np.arange(self.size()))
+        return s
+
+    def size(self):
+        return min(int(self.written[0]), self.capacity)
+
+
+def slices_of(sampler, size):
+    s = sampler._slices(size)
+    return s.episodes.starts.tolist(), s.episodes.stops.tolist(), s.total
+
+
+@pytest.mark.parametrize("ends", [False, True])
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_shard_and_a_reader_of_its_files_keep_the_episodes_a_fresh_scan_finds(ends, strict):
+    rng = np.random.default_rng(7 + ends + 2 * strict)
+    ring = Ring(24, ends, strict=strict)
+    scans = {"shard": 0, "reader": 0}
+    for who in scans:  # counts how often each finds the episodes again over every slot
+        sampler = getattr(ring, who)
+        sampler._held._scan = (lambda scan_all, who: lambda size: scans.__setitem__(who, scans[who] + 1) or scan_all(size)
+                               )(sampler._held._scan, who)
+    early = 0
+    for step in range(300):
+        ring.write(column_of(rng, int(rng.integers(1, 9)), ends))
+        n = ring.size()
+        expected = slices_of(ring.fresh(), n)
+        assert slices_of(ring.shard, n) == expected and slices_of(ring.reader, n) == expected, step
+        if expected[2]:  # the same seed draws the same steps in both, as a fresh sampler does
+            k = 3 * int(rng.integers(1, 4))
+            draws = [s.sample(k, n, np.random.default_rng(step)) for s in (ring.shard, ring.reader, ring.fresh())]
+            assert all(np.array_equal(draws[0], d) for d in draws[1:])
+        if step % 17 == 0 and int(ring.written[0]) > 5:  # a read planned at an earlier count
+            m = min(int(ring.written[0]) - 3, ring.capacity)
+            assert slices_of(ring.shard, m) == slices_of(ring.fresh(), m)
+            early += 1
+    # found once at the start, then kept by appends (a read planned before the wrap may scan its own rows)
+    assert scans["reader"] == 1 and 1 <= scans["shard"] <= 1 + early, (scans, early)
+
+
+@pytest.mark.parametrize("kind", ["slice", "prioritized_slice"])
+def test_writes_out_of_order_torn_rows_and_restores_are_found_again(kind):
+    """A piece applied ahead of the one before it (a gap), a row left torn (a negative generation), a restore that
+    rewrote the slots: each time the kept episodes equal a fresh scan's, and never span the gap."""
+    rng = np.random.default_rng(3)
+    ring = Ring(16, ends=False, kind=kind, slice_len=2)
+    ring.write(np.repeat([1, 2], [6, 6]))
+    assert slices_of(ring.shard, 12) == slices_of(ring.fresh(), 12)
+    ring.write(np.full(3, 2), first=14, count=False)  # rows 14..16 ahead of rows 12..13 (held beyond the count)
+    ring.write(np.full(2, 2), first=12)  # the piece before them: the count moves over both
+    ring.written[0] = 17
+    assert slices_of(ring.shard, 16) == slices_of(ring.fresh(), 16)
+    assert slices_of(ring.reader, 16) == slices_of(ring.fresh(), 16)
+    ring.generation[5] = -ring.generation[5]  # row 21 being written (slot 5), another process's view
+    ring.column[5] = 9
+    ring.written[0] = 22
+    torn = slices_of(ring.reader, 16)
+    assert torn == slices_of(ring.fresh(), 16)
+    ring.generation[5] = -ring.generation[5]
+    ring.shard.on_write(np.array([5]))
+    ring.column[:] = rng.integers(0, 3, 16)  # a restore over the same slots at the same count
+    ring.shard.load_state_dict(ring.shard.state_dict() if kind != "slice" else {})
+    assert slices_of(ring.shard, 16) == slices_of(ring.fresh(), 16)
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_prioritized_starts_follow_writes_and_priority_updates_as_a_fresh_build_of_them(strict):
+    """The starts' tree updated near each write equals one built from nothing over the same rows and priorities:
+    the same valid starts, mass and smallest p; the same draws from the same seed; built once, then updated."""
+    rng = np.random.default_rng(11 + strict)
+    ring = Ring(32, ends=False, kind="prioritized_slice", slice_len=3, strict=strict)
+    builds = []
+    set_starts = ring.shard._set_starts
+    ring.shard._set_starts = lambda slots, valid: builds.append(valid is None) or set_starts(slots, valid)
+    for step in range(200):
+        ring.write(column_of(rng, int(rng.integers(1, 7)), False))
+        n = ring.size()
+        if step % 3 == 0:  # a learner's priorities for some held steps
+            idx = rng.choice(n, size=min(n, 5), replace=False)
+            ring.shard.update_priority(idx, rng.random(idx.size) * 10)
+        fresh = ring.fresh()
+        fresh.load_state_dict(ring.shard.state_dict())  # the same priorities, the tree built from them
+        mass, expected = ring.shard.mass(n), fresh.mass(n)
+        assert mass[0] == pytest.approx(expected[0]) and mass[1] == pytest.approx(expected[1]), step
+        assert np.array_equal(ring.shard._valid, fresh._valid), step
+        if expected[0] > 0:
+            got = ring.shard.sample(6, n, np.random.default_rng(step))
+            assert np.array_equal(got, fresh.sample(6, n, np.random.default_rng(step))), step
+    assert sum(builds) == 1, sum(builds)  # the first read built it; every write after only updated it
