@@ -77,7 +77,7 @@ SIZES = {
                   prefetch_sweep=[1, 2], consumers=[1, 2], consumer_batch=64,
                   draw_batches=[64], draw_consumers=1, draw_prefetch=[4], online_shards=1, writers=[1],
                   cluster_nodes=[2], idle_s=0.2, settle_s=0.1, start_delay_s=0.1, headline_consumer_s=0.1,
-                  slice_lens=[8]),
+                  slice_lens=[8], slice_write_steps=[4000]),
 }
 GPU = dict(n_off=COVERTYPE_ROWS, dim=54, n_on=100_000, batch_sizes=[4096, 65536, 262144], shards=[1, 2, 4],
            repeats=3, seconds=2.0, prefetch=16)

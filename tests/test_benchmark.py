@@ -73,6 +73,8 @@ def test_benchmark_smoke_of_the_other_sections(tmp_path):
     slices = results["slices"]["by_slice_len"]["8"]
     assert slices["rayrb_offline"]["median"] > 0 and slices["torchrl_slice_sampler"]["median"] > 0
     assert slices["rayrb_prioritized_half_online"]["median"] > 0
+    written = results["slices"]["while_written"]["by_steps"]["4000"]
+    assert all(written[f"{k}_ms"]["median"] > 0 for k in ("rayrb", "rayrb_rescan", "rayrb_prioritized", "torchrl"))
     startup = results["startup"]
     for kind in ("empty_actor", "torchrl_ray", "rayrb_default"):  # each started, ready, and what that cost
         assert startup[f"{kind}_ready_s"]["median"] > 0 and startup[f"{kind}_machine_cpu_s"]["median"] > 0, kind

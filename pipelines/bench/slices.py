@@ -4,7 +4,8 @@ episodes, in one run. rayrb's buffer draws all its slices offline (``offline_fra
 holds) and, as a second figure, half of them from an online side holding episodes too; as a third, the same half
 online by priority (``SliceSampler(prioritized=True)``, read by the shards; TorchRL's ``PrioritizedSliceSampler``
 needs its C++ extension, which the CPU torch build here does not load, so it has no peer in this run). TorchRL's
-buffer runs with 1 and with 2 torch threads, the better counting (``torchrl_slice_sampler``)."""
+buffer runs with 1 and with 2 torch threads, the better counting (``torchrl_slice_sampler``). Then what a write
+costs a shard drawing slices (``bench.slice_writes``)."""
 from __future__ import annotations
 
 import numpy as np
@@ -13,6 +14,7 @@ from tensordict import TensorDict
 
 from bench.harness import measure, med_ranges, medians_text, write_offline
 from bench.headline import at_threads
+from bench.slice_writes import bench_slice_writes
 
 SLICES_PER_BATCH = 32
 
@@ -74,3 +76,4 @@ def bench_slices(cfg: dict, root: str, results: dict) -> None:
     results["slices"] = {"slices_per_batch": SLICES_PER_BATCH, "by_slice_len": out,
                          "data": f"synthetic episodes of 20-400 steps, {cfg['n_off']} offline and {cfg['n_on']} "
                                  f"online rows x {cfg['dim']} float32 + int64 episode id (NOT real data)"}
+    bench_slice_writes(cfg, results)

@@ -81,14 +81,18 @@ def _window(eps: Episodes, low: int, high: int) -> Episodes:
     return Episodes(starts, stops)
 
 
-def scan(column: np.ndarray, rows: np.ndarray, ends: bool, whole: bool = True) -> Stream:
-    """The stream of held steps ``column`` (in row order) at rows ``rows`` (increasing). ``whole=False``: some of
-    them are being written or were left torn, so nothing is appended to this stream (it is found again)."""
-    rows = np.asarray(rows, np.int64)
-    n = int(rows.size)
+def scan(column: np.ndarray, rows: np.ndarray | int, ends: bool, whole: bool = True) -> Stream:
+    """The stream of held steps ``column`` (in row order) at rows ``rows`` (increasing; an int: the first of rows
+    one after another). ``whole=False``: some of them are being written or were left torn, so nothing is appended
+    to this stream (it is found again)."""
+    n = len(column)
     if n == 0:
         return Stream(0, 0, 0, Episodes(np.zeros(0, np.int64), np.zeros(0, np.int64)), None, True)
     eps = episodes_of(column, ends)  # positions 0 .. n - 1, every step in one
+    if isinstance(rows, (int, np.integer)):
+        low = int(rows)
+        return Stream(low, low + n, n, Episodes(eps.starts + low, eps.stops + low), _step(column, ends), bool(whole))
+    rows = np.asarray(rows, np.int64)
     gaps = np.flatnonzero(np.diff(rows) != 1) + 1  # a row missing before these positions: an episode ends there
     cuts = np.union1d(eps.starts, gaps) if gaps.size else eps.starts
     lengths = np.diff(np.append(cuts, n))
@@ -134,7 +138,7 @@ class ShardEpisodes:
     def __init__(self, capacity: int, slice_len: int, strict: bool, ends: bool,
                  moved: Callable[[tuple[Stream, Slices], tuple[Stream, Slices]], None] | None = None):
         self.capacity, self.slice_len, self.strict, self.ends = int(capacity), slice_len, strict, ends
-        self._tell = moved or (lambda before, after: None)
+        self._moved = moved
         self.column: np.ndarray | None = None
         self.generation: np.ndarray | None = None
         self.written: np.ndarray | None = None
@@ -172,19 +176,23 @@ class ShardEpisodes:
         return rows % self.capacity if self.generation is not None and self.capacity > 0 else rows
 
     def _scan(self, size: int) -> Stream:
-        """The episodes of the first ``size`` slots, ordered by the row each holds (``episode_stream.scan``)."""
-        slots = np.arange(size, dtype=np.int64)
+        """The episodes of the first ``size`` slots, ordered by the row each holds (``scan``). A ring written in
+        order (generation ``g`` from slot ``p`` on, ``g + 1`` before it) holds rows one after another from slot
+        ``p``'s: it is read in that order without sorting."""
         if self.generation is None or self.capacity <= 0:
-            return scan(self.column[:size], slots, self.ends)
+            return scan(self.column[:size], 0, self.ends)
         gen = self.generation[:size]
+        if size:
+            g = int(gen[0])
+            p = int(np.argmax(gen != g))  # the first slot of another generation (0: none)
+            if g > 0 and p == 0:  # one generation: slots are rows in order
+                return scan(self.column[:size], (g - 1) * self.capacity, self.ends)
+            if g > 1 and size == self.capacity and p > 0 and (gen[p:] == g - 1).all():  # wrapped at slot p
+                column = np.concatenate([self.column[p:size], self.column[:p]])
+                return scan(column, (g - 2) * self.capacity + p, self.ends)
+        slots = np.arange(size, dtype=np.int64)
         rows = self.rows(slots)
-        turns = np.flatnonzero(np.diff(rows) < 0)  # a ring written in order is sorted but for one turn
-        if turns.size == 0:
-            order = slots
-        elif turns.size == 1 and rows[-1] < rows[0]:
-            order = np.roll(slots, -int(turns[0] + 1))
-        else:
-            order = np.argsort(rows, kind="stable")
+        order = np.argsort(rows, kind="stable")
         return scan(self.column[order], rows[order], self.ends, whole=bool((gen > 0).all()))
 
     def _catch_up(self) -> None:
@@ -217,7 +225,8 @@ class ShardEpisodes:
         new = appended(stream, self.column[slots], self.ends, self.capacity if self.generation is not None else 0)
         before, self._other = self._main, (None, None)
         self._main = (new, Slices(new.episodes, self.slice_len, self.strict))
-        self._tell(before, self._main)
+        if self._moved is not None:
+            self._moved(before, self._main)
 
     def slices(self, size: int) -> Slices:
         """The valid slices over the first ``size`` slots in write order: the main stream's, kept up to date, or

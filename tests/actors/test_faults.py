@@ -96,9 +96,16 @@ def test_extend_to_a_dead_online_shard_raises_instead_of_returning_indices(make_
     rb.extend(online_rows(0, 10))
     shard = rb.rpc.shards[-1]
     ray.kill(shard)  # in-memory rows: this shard does not come back
-    # ray.kill returns before the process is gone: a write that reached it first would land (and die with it)
-    with pytest.raises(ray.exceptions.RayActorError):
-        ray.get(shard.__ray_ready__.remote(), timeout=30)
+    # ray.kill returns before the process is gone (a call sent after it may still be answered): a write that
+    # reached it first would land (and die with it), so wait until calls fail
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            ray.get(shard.__ray_ready__.remote(), timeout=30)
+        except ray.exceptions.RayActorError:
+            break
+        assert time.monotonic() < deadline, "the killed shard still answers after 30 s"
+        time.sleep(0.05)
     # the calls that send a write: the coordinator's extend, or the shards' append
     target, name = (rb.rpc, "call") if placed_by == "coordinator" else (rb._writer._direct, "send")
     real, asks = getattr(target, name), []

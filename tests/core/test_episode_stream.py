@@ -171,3 +171,18 @@ def test_prioritized_starts_follow_writes_and_priority_updates_as_a_fresh_build_
             got = ring.shard.sample(6, n, np.random.default_rng(step))
             assert np.array_equal(got, fresh.sample(6, n, np.random.default_rng(step))), step
     assert sum(builds) == 1, sum(builds)  # the first read built it; every write after only updated it
+
+
+@pytest.mark.parametrize("ends", [False, True])
+def test_a_ring_written_in_order_is_read_without_sorting_as_sorting_it_reads(ends):
+    rng = np.random.default_rng(5)
+    ring = Ring(20, ends)
+    for _ in range(60):
+        ring.write(column_of(rng, int(rng.integers(1, 9)), ends))
+        for n in sorted({ring.size(), max(1, ring.size() - 4)}):
+            rows = (ring.generation[:n] - 1) * 20 + np.arange(n)
+            order = np.argsort(rows, kind="stable")
+            expected = scan(ring.column[order], rows[order], ends)
+            got = ring.shard._held._scan(n)
+            assert (got.low, got.high, got.contiguous) == (expected.low, expected.high, expected.contiguous)
+            assert episodes(got) == episodes(expected)
