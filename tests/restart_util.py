@@ -1,5 +1,5 @@
 """What the restart tests share: tagged rows, the online rows the shards hold, a kill that waits for the new
-process, and a sampler that runs while things are killed, with a wait for its progress."""
+process (or, for good, until calls fail), and a sampler that runs while things are killed, with a wait for its progress."""
 import os
 import time
 
@@ -60,6 +60,22 @@ def kill_and_wait(actor, timeout: float = 60) -> None:
             if time.monotonic() > deadline:
                 raise
         assert time.monotonic() < deadline, f"the actor was not restarted within {timeout} s"
+        time.sleep(0.05)
+
+
+def kill_for_good(actor, timeout: float = 30) -> None:
+    """Kill the actor for good and wait until calls to it fail: ``ray.kill`` returns before the process is gone, and
+    a call sent meanwhile may still be answered by it."""
+    import ray
+
+    ray.kill(actor)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=timeout)
+        except ray.exceptions.RayActorError:
+            return
+        assert time.monotonic() < deadline, f"the killed actor still answers after {timeout} s"
         time.sleep(0.05)
 
 

@@ -7,6 +7,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from restart_util import kill_for_good
 from tensordict import TensorDict
 
 from rayrb import BufferUnavailableError, OfflineToOnlineReplayBuffer, SampleToInsertRatio
@@ -86,7 +87,6 @@ def test_a_killed_online_shard_restarts_with_every_acknowledged_row(make_buffer,
 
 @pytest.mark.parametrize("placed_by", ["shards", "coordinator"])
 def test_extend_to_a_dead_online_shard_raises_instead_of_returning_indices(make_buffer, ray_session, placed_by):
-    ray = ray_session
     # a rate limiter admits each write at the coordinator, which then places it; without one the shards place it
     limiter = {"rate_limiter": SampleToInsertRatio(1.0, 1, (-10_000, 10_000))} if placed_by == "coordinator" else {
         "write_path": "shards"}
@@ -95,17 +95,7 @@ def test_extend_to_a_dead_online_shard_raises_instead_of_returning_indices(make_
     assert rb._writer.shards_place is (placed_by == "shards")
     rb.extend(online_rows(0, 10))
     shard = rb.rpc.shards[-1]
-    ray.kill(shard)  # in-memory rows: this shard does not come back
-    # ray.kill returns before the process is gone (a call sent after it may still be answered): a write that
-    # reached it first would land (and die with it), so wait until calls fail
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            ray.get(shard.__ray_ready__.remote(), timeout=30)
-        except ray.exceptions.RayActorError:
-            break
-        assert time.monotonic() < deadline, "the killed shard still answers after 30 s"
-        time.sleep(0.05)
+    kill_for_good(shard)  # in-memory rows: it does not come back; a write that reached it first would have landed
     # the calls that send a write: the coordinator's extend, or the shards' append
     target, name = (rb.rpc, "call") if placed_by == "coordinator" else (rb._writer._direct, "send")
     real, asks = getattr(target, name), []

@@ -5,6 +5,7 @@ import time
 
 import pytest
 import torch
+from restart_util import kill_for_good
 from tensordict import TensorDict
 
 from rayrb import BufferUnavailableError, OfflineToOnlineReplayBuffer, SchemaError, prefill_replay_buffer
@@ -276,13 +277,12 @@ def test_bad_sample_calls_change_nothing(make_buffer):
 
 
 def test_dead_or_shut_down_handle_raises_instead_of_hanging(make_buffer, ray_session):
-    ray = ray_session
     rb = make_buffer(offline_rows(), online_capacity=10, seed=0)
     rb.shutdown()
     with pytest.raises(BufferUnavailableError, match="shut down"):
         rb.sample(4)
     rb2 = make_buffer(offline_rows(), online_capacity=10, seed=0, timeout=30)
-    ray.kill(rb2.rpc.coord)
+    kill_for_good(rb2.rpc.coord)
     t0 = time.monotonic()
     with pytest.raises(BufferUnavailableError, match="dead"):
         rb2.sample(4)

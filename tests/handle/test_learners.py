@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from restart_util import kill_for_good
 from tensordict import TensorDict
 
 from rayrb import OfflineToOnlineReplayBuffer
@@ -208,7 +209,7 @@ def test_dead_learner_gives_an_error_within_the_timeout(tmp_path, ray_session):
     try:
         rb.connect_learners([learner])
         assert len(rb.feed("update")[0][0]) == 8
-        ray.kill(learner)
+        kill_for_good(learner)
         t0 = time.monotonic()
         with pytest.raises(BufferUnavailableError, match="dead"):
             rb.feed("update")
