@@ -4,8 +4,11 @@ shard's own work, in one process and without Ray (what the shard actor does per 
 against TorchRL's in-process ``ReplayBuffer(LazyTensorStorage(N), SliceSampler(slice_len=32))`` doing the same
 ``extend`` and ``sample`` (its sampler finds the trajectories again at each ``sample``; ``cache_values`` is for
 storages that do not change). ``rayrb_rescan`` is rayrb's shard with its episodes found again over every step at
-each write, as before they were kept write by write."""
+each write, as before they were kept write by write. ``--buffer``: the same through a buffer on a local Ray
+(``buffer_writes``)."""
 from __future__ import annotations
+
+import time
 
 import numpy as np
 import torch
@@ -113,10 +116,59 @@ def bench_slice_writes(cfg: dict, results: dict) -> dict:
     return out
 
 
+def buffer_writes(n: int, prioritized: bool, iters: int = 300) -> dict[str, float]:
+    """The same through a buffer on a local Ray (``--buffer``): an online side of one shard of ``n`` steps, filled
+    1.5 times; then, ``iters`` times, two writes of one 16-step episode each, the shard's mass asked (what the
+    coordinator asks after writes) and a ``sample(256)`` of slices of 32, half offline. Milliseconds, p50 and p99."""
+    import ray
+
+    from rayrb import OfflineToOnlineReplayBuffer, SliceSampler
+
+    def table(rows: int, first: int, seed: int) -> TensorDict:
+        x, episode = stream(rows, 8, seed)
+        return TensorDict({"obs": torch.from_numpy(x), "episode": torch.from_numpy(episode + first)}, [rows])
+
+    rb = OfflineToOnlineReplayBuffer(table(20_000, 0, 0), online_capacity=n, num_online_shards=1, seed=0,
+                                     offline_fraction=0.5, batch_size=256,
+                                     sampler=SliceSampler(slice_len=SLICE_LEN, traj_key="episode",
+                                                          prioritized=prioritized))
+    try:
+        fill = table(n + n // 2, 10**6, 1)
+        for a in range(0, len(fill), 100_000):
+            rb.extend(fill[a:a + 100_000])
+        rb.sample(256)
+        shard, times = rb.rpc.shards[-1], {"extend": [], "mass": [], "sample": []}
+        for i in range(iters):
+            for j in range(2):
+                t = time.perf_counter()
+                rb.extend(table(WRITE, 10**8 + 2 * i + j, 2 + 2 * i + j))
+                times["extend"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            ray.get(shard.mass_stats.remote())
+            times["mass"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            rb.sample(256)
+            times["sample"].append(time.perf_counter() - t)
+    finally:
+        rb.shutdown()
+    return {f"{k}_p{q}_ms": float(np.percentile(v, q) * 1e3) for k, v in times.items() for q in (50, 99)}
+
+
 if __name__ == "__main__":  # this part alone: PYTHONPATH=pipelines python -m bench.slice_writes [steps,...] [repeats]
     import json
     import sys
 
+    if sys.argv[1:2] == ["--buffer"]:  # ... --buffer [steps] [uniform|prioritized]
+        import ray
+
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        steps = int(sys.argv[2]) if len(sys.argv) > 2 else 1_000_000
+        prioritized = len(sys.argv) > 3 and sys.argv[3] == "prioritized"
+        import rayrb
+
+        print(json.dumps({"steps": steps, "prioritized": prioritized, "rayrb": rayrb.__file__,
+                          **buffer_writes(steps, prioritized)}))
+        sys.exit(0)
     cfg = {"dim": 54, "repeats": int(sys.argv[2]) if len(sys.argv) > 2 else 1, "min_time": 1.0, "min_iters": 5,
            "slice_write_steps": [int(n) for n in (sys.argv[1] if len(sys.argv) > 1 else "100000,1000000").split(",")]}
     results: dict = {}
