@@ -179,6 +179,8 @@ class ShardEpisodes:
         """The episodes of the first ``size`` slots, ordered by the row each holds (``scan``). A ring written in
         order (generation ``g`` from slot ``p`` on, ``g + 1`` before it) holds rows one after another from slot
         ``p``'s: it is read in that order without sorting."""
+        if size > len(self.column):
+            raise InvalidArgumentError(f"expected at most the {len(self.column)} slots bound, got a read over {size}")
         if self.generation is None or self.capacity <= 0:
             return scan(self.column[:size], 0, self.ends)
         gen = self.generation[:size]
@@ -208,7 +210,8 @@ class ShardEpisodes:
             rows = np.arange(stream.high, count, dtype=np.int64)
             slots = self.slots(rows)
             fine = (stream.contiguous and count > stream.high and rows.size < max(self.capacity, 1)
-                    and (self.generation is None or (self.generation[slots] == rows // self.capacity + 1).all()))
+                    and (self.generation is None or (self.generation[slots] == rows // self.capacity + 1).all()
+                         and self._in_order(count)))
         else:
             if not self._touched:
                 return
@@ -227,6 +230,16 @@ class ShardEpisodes:
         self._main = (new, Slices(new.episodes, self.slice_len, self.strict))
         if self._moved is not None:
             self._moved(before, self._main)
+
+    def _in_order(self, count: int) -> bool:
+        """Whether every slot holds the row a ring written in order holds at write count ``count`` (generation
+        ``g + 1`` before slot ``count mod capacity``, ``g`` from it on, once wrapped): a reader's check that no
+        piece stored ahead of the count overwrote rows it holds (the shard is told of those by ``wrote``)."""
+        if count <= self.capacity:
+            return True  # a piece ahead lands past the rows held
+        g, p = divmod(count, self.capacity)
+        gen = self.generation
+        return bool((gen[:p] == g + 1).all() and (gen[p:] == g).all())
 
     def slices(self, size: int) -> Slices:
         """The valid slices over the first ``size`` slots in write order: the main stream's, kept up to date, or

@@ -186,3 +186,25 @@ def test_a_ring_written_in_order_is_read_without_sorting_as_sorting_it_reads(end
             got = ring.shard._held._scan(n)
             assert (got.low, got.high, got.contiguous) == (expected.low, expected.high, expected.contiguous)
             assert episodes(got) == episodes(expected)
+
+
+def test_a_reader_whose_count_moves_past_a_piece_stored_ahead_finds_the_overwritten_rows_gone():
+    """Capacity 8: rows 0-9 held at count 10; a piece of rows 14-15 stored ahead (slots 6-7: rows 6-7 overwritten),
+    then rows 10-11 land (count 12). The reader, told only the count, holds what a fresh scan holds and draws the
+    same slices, as the shard does."""
+    ring = Ring(8, ends=False, slice_len=2)
+    ring.write(np.ones(10, np.int64))
+    assert slices_of(ring.reader, 8) == slices_of(ring.fresh(), 8)
+    ring.write(np.full(2, 3), first=14, count=False)
+    ring.write(np.full(2, 2), first=10)
+    expected = slices_of(ring.fresh(), 8)
+    assert slices_of(ring.reader, 8) == expected == slices_of(ring.shard, 8)
+    draws = [s.sample(8, 8, np.random.default_rng(1)).tolist() for s in (ring.reader, ring.shard, ring.fresh())]
+    assert draws[0] == draws[1] == draws[2]
+
+
+def test_a_read_over_more_slots_than_bound_is_refused():
+    ring = Ring(4, ends=False, slice_len=2)
+    ring.write(np.ones(4, np.int64))
+    with pytest.raises(InvalidArgumentError, match="at most the 4 slots bound, got a read over 5"):
+        ring.shard.mass(5)
