@@ -48,7 +48,7 @@ class OnlineShard(ShardCopies, Shard):
         with lock.held():
             self._store = OnlineStorage(self._spec, self._capacity, state_dir)
             self._data, self._gen = self._store.rows, self._store.generation
-            self._sampler.bind(self._data, self._gen)
+            self._sampler.bind(self._data, self._gen, count=self._store.count_map)
             # writes applied beyond the write count (behind a piece still to come): first row -> end; a
             # restarted shard finds them again from the generations
             self._held: dict[int, int] = dict(held_runs(self._gen, self._store.written))

@@ -55,11 +55,17 @@ class Stream:
     episodes: Episodes
     tail: Any
     contiguous: bool
+    slots: int = -1  # the slots it was found over, where rows beyond the write count were left out (-1: size)
+
+    @property
+    def covers(self) -> int:
+        """How many slots a read over this stream names (its ``size``)."""
+        return self.size if self.slots < 0 else self.slots
 
     def prefix(self, size: int) -> Stream:
         """The first ``size`` rows of a stream that starts at row 0 (an online shard before its first wrap): what a
         read planned at an earlier write count draws over."""
-        if not (self.contiguous and self.low == 0 and 0 <= size <= self.size):
+        if not (self.contiguous and self.low == 0 and self.size == self.covers and 0 <= size <= self.size):
             raise InvalidArgumentError(f"expected a prefix of at most {self.size} rows of a stream from row 0, got "
                                        f"{size} rows of rows {self.low} .. {self.high - 1}")
         return Stream(0, size, size, _window(self.episodes, 0, size), None, True)
@@ -81,17 +87,18 @@ def _window(eps: Episodes, low: int, high: int) -> Episodes:
     return Episodes(starts, stops)
 
 
-def scan(column: np.ndarray, rows: np.ndarray | int, ends: bool, whole: bool = True) -> Stream:
+def scan(column: np.ndarray, rows: np.ndarray | int, ends: bool, whole: bool = True, slots: int = -1) -> Stream:
     """The stream of held steps ``column`` (in row order) at rows ``rows`` (increasing; an int: the first of rows
     one after another). ``whole=False``: some of them are being written or were left torn, so nothing is appended
-    to this stream (it is found again)."""
+    to this stream (it is found again). ``slots``: the slots they were found over, where some were left out."""
     n = len(column)
     if n == 0:
-        return Stream(0, 0, 0, Episodes(np.zeros(0, np.int64), np.zeros(0, np.int64)), None, True)
+        return Stream(0, 0, 0, Episodes(np.zeros(0, np.int64), np.zeros(0, np.int64)), None, True, slots)
     eps = episodes_of(column, ends)  # positions 0 .. n - 1, every step in one
     if isinstance(rows, (int, np.integer)):
         low = int(rows)
-        return Stream(low, low + n, n, Episodes(eps.starts + low, eps.stops + low), _step(column, ends), bool(whole))
+        return Stream(low, low + n, n, Episodes(eps.starts + low, eps.stops + low), _step(column, ends), bool(whole),
+                      slots)
     rows = np.asarray(rows, np.int64)
     gaps = np.flatnonzero(np.diff(rows) != 1) + 1  # a row missing before these positions: an episode ends there
     cuts = np.union1d(eps.starts, gaps) if gaps.size else eps.starts
@@ -99,7 +106,7 @@ def scan(column: np.ndarray, rows: np.ndarray | int, ends: bool, whole: bool = T
     starts = rows[cuts]
     low, high = int(rows[0]), int(rows[-1]) + 1
     return Stream(low, high, n, Episodes(starts, starts + lengths), _step(column, ends),
-                  bool(whole) and high - low == n)
+                  bool(whole) and high - low == n, slots)
 
 
 def appended(stream: Stream, column: np.ndarray, ends: bool, capacity: int) -> Stream:
@@ -142,14 +149,20 @@ class ShardEpisodes:
         self.column: np.ndarray | None = None
         self.generation: np.ndarray | None = None
         self.written: np.ndarray | None = None
+        self.count: np.ndarray | None = None  # the shard's write count (one-element array): no row at or past it
         self._main: tuple[Stream, Slices] | None = None  # the episodes held, kept up to date write by write
         self._touched: list[np.ndarray] = []  # slots written since (the shard's own writes)
         self._touched_rows = 0
         self._rescan = True  # rows changed otherwise (bind, restore, many writes): the episodes are found again
         self._other: tuple = (None, None)  # a read over another size than the main stream's: (key, slices)
 
-    def bind(self, column: np.ndarray, generation: np.ndarray | None, written: np.ndarray | None = None) -> None:
+    def bind(self, column: np.ndarray, generation: np.ndarray | None, written: np.ndarray | None = None,
+             count: np.ndarray | None = None) -> None:
+        """``written``: the write count of a shard another process writes (followed; ``count`` too); ``count``: the
+        count of the shard itself, which says what it wrote (``wrote``). Rows at or past it (a piece stored ahead of
+        one still to come, a row being written) are never held: they are not acknowledged."""
         self.column, self.generation, self.written = column, generation, written
+        self.count = written if written is not None else count
         self.forget()
 
     def wrote(self, idx: np.ndarray) -> None:
@@ -176,26 +189,32 @@ class ShardEpisodes:
         return rows % self.capacity if self.generation is not None and self.capacity > 0 else rows
 
     def _scan(self, size: int) -> Stream:
-        """The episodes of the first ``size`` slots, ordered by the row each holds (``scan``). A ring written in
-        order (generation ``g`` from slot ``p`` on, ``g + 1`` before it) holds rows one after another from slot
-        ``p``'s: it is read in that order without sorting."""
+        """The episodes of the first ``size`` slots, ordered by the row each holds (``scan``), without rows at or
+        past the write count. A ring written in order (generation ``g`` from slot ``p`` on, ``g + 1`` before it)
+        holds rows one after another from slot ``p``'s: it is read in that order without sorting."""
         if size > len(self.column):
             raise InvalidArgumentError(f"expected at most the {len(self.column)} slots bound, got a read over {size}")
         if self.generation is None or self.capacity <= 0:
             return scan(self.column[:size], 0, self.ends)
         gen = self.generation[:size]
+        count = None if self.count is None else int(self.count[0])
         if size:
             g = int(gen[0])
             p = int(np.argmax(gen != g))  # the first slot of another generation (0: none)
-            if g > 0 and p == 0:  # one generation: slots are rows in order
-                return scan(self.column[:size], (g - 1) * self.capacity, self.ends)
-            if g > 1 and size == self.capacity and p > 0 and (gen[p:] == g - 1).all():  # wrapped at slot p
-                column = np.concatenate([self.column[p:size], self.column[:p]])
-                return scan(column, (g - 2) * self.capacity + p, self.ends)
+            low = (g - 1) * self.capacity if p == 0 else (g - 2) * self.capacity + p
+            if count is None or low + size <= count:
+                if g > 0 and p == 0:  # one generation: slots are rows in order
+                    return scan(self.column[:size], low, self.ends)
+                if g > 1 and size == self.capacity and p > 0 and (gen[p:] == g - 1).all():  # wrapped at slot p
+                    return scan(np.concatenate([self.column[p:size], self.column[:p]]), low, self.ends)
         slots = np.arange(size, dtype=np.int64)
         rows = self.rows(slots)
+        if count is not None:  # rows not acknowledged (ahead of a piece still to come, being written): left out
+            keep = (rows < count) & (rows >= count - self.capacity)
+            if not keep.all():
+                slots, rows, gen = slots[keep], rows[keep], gen[keep]
         order = np.argsort(rows, kind="stable")
-        return scan(self.column[order], rows[order], self.ends, whole=bool((gen > 0).all()))
+        return scan(self.column[slots[order]], rows[order], self.ends, whole=bool((gen > 0).all()), slots=size)
 
     def _catch_up(self) -> None:
         """Bring the main stream to the rows written since it was found: the shard's own writes (``on_write``) or,
@@ -220,7 +239,8 @@ class ShardEpisodes:
             fine = stream.contiguous and (self.generation is None or (self.generation[slots] > 0).all())
             if fine:
                 rows = np.sort(self.rows(slots))
-                fine = bool(rows[0] == stream.high and rows[-1] == stream.high + rows.size - 1)
+                fine = bool(rows[0] == stream.high and rows[-1] == stream.high + rows.size - 1
+                            and (self.count is None or rows[-1] < int(self.count[0])))
                 slots = self.slots(rows)
         if not fine:
             self._rescan = True
@@ -250,13 +270,14 @@ class ShardEpisodes:
             self.forget()
             self._main, self._rescan = (stream, Slices(stream.episodes, self.slice_len, self.strict)), False
         stream, slices = self._main
-        if size == stream.size:
+        if size == stream.covers:
             return slices
         key = (size, id(stream))
         if self._other[0] != key:
-            if size > stream.size:  # more rows than the stream knows of, with no write said: found again
+            if size > stream.covers:  # more slots than the stream was found over, with no write said: again
                 self._rescan = True
                 return self.slices(size)
-            part = stream.prefix(size) if stream.low == 0 and stream.contiguous else self._scan(size)
+            whole = stream.low == 0 and stream.contiguous and stream.size == stream.covers
+            part = stream.prefix(size) if whole else self._scan(size)
             self._other = (key, Slices(part.episodes, self.slice_len, self.strict))
         return self._other[1]

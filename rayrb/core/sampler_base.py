@@ -52,5 +52,8 @@ class Sampler:
     def attach(self, priority: np.ndarray, max_priority: np.ndarray, reopened: bool) -> None:
         """Keep per-slot state in these (memory-mapped) arrays, reloading it from them if ``reopened``."""
 
-    def bind(self, rows: Mapping[str, np.ndarray], generation: np.ndarray | None) -> None:
-        """The shard's rows by key and (online) its slots' generations, for a kind that draws by what rows hold."""
+    def bind(self, rows: Mapping[str, np.ndarray], generation: np.ndarray | None, written: np.ndarray | None = None,
+             count: np.ndarray | None = None) -> None:
+        """The shard's rows by key and (online) its slots' generations, for a kind that draws by what rows hold;
+        its write count's one-element array, as ``written`` where another process writes (a handle reading the
+        shard's files) or as ``count`` in the shard itself."""

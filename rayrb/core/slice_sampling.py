@@ -209,13 +209,14 @@ class EpisodeSlices(Sampler):
         return self._key
 
     def bind(self, rows: Mapping[str, np.ndarray], generation: np.ndarray | None,
-             written: np.ndarray | None = None) -> None:
+             written: np.ndarray | None = None, count: np.ndarray | None = None) -> None:
         """The shard's rows and (online) generations; ``written``, its write count's one-element map, where
         another process writes them (a handle reading the shard's files): the rows up to it are appended to the
-        episodes as it moves, as the shard appends the rows of each write (``on_write``; ``ShardEpisodes``)."""
+        episodes as it moves, as the shard appends the rows of each write (``on_write``; ``ShardEpisodes``);
+        ``count``, the shard's own: no slice reads a row at or past it (not acknowledged)."""
         if self._key not in rows:
             raise SchemaError(f"expected rows holding {self._key!r} to find episodes by, got keys {sorted(rows)}")
-        self._held.bind(rows[self._key], generation, written)
+        self._held.bind(rows[self._key], generation, written, count)
 
     def whole(self, rows: np.ndarray, column: np.ndarray) -> bool:
         """Whether a read's steps, copied by another process than the shard's while it may write (each step's

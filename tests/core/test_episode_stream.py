@@ -56,7 +56,7 @@ def test_a_missing_row_or_a_torn_one_ends_appending_and_cuts_the_episode():
 
 class Ring:
     """An online shard's slots as ``OnlineShard`` writes them: row ``w`` at slot ``w mod capacity``, generation
-    ``w // capacity + 1``, and its write count."""
+    ``w // capacity + 1``, and its write count (the shard's sampler and a fresh one bound with it as ``count``)."""
 
     def __init__(self, capacity, ends, kind="slice", slice_len=3, strict=True):
         self.capacity, self.ends = capacity, ends
@@ -65,7 +65,7 @@ class Ring:
         self.written = np.zeros(1, np.int64)
         opts = dict(slice_len=slice_len, slice_key="k", slice_ends=ends, slice_strict=strict)
         self.shard = make_sampler(kind, capacity, **opts)
-        self.shard.bind({"k": self.column}, self.generation)
+        self.shard.bind({"k": self.column}, self.generation, count=self.written)
         self.reader = make_sampler(kind, capacity, **opts)  # another process: told only the write count
         self.reader.bind({"k": self.column}, self.generation, self.written)
         self.opts, self.kind = opts, kind
@@ -81,7 +81,7 @@ class Ring:
 
     def fresh(self):
         s = make_sampler(self.kind, self.capacity, **self.opts)
-        s.bind({"k": self.column}, self.generation)
+        s.bind({"k": self.column}, self.generation, count=self.written)
         s.on_write(np.arange(self.size()))
         return s
 
@@ -208,3 +208,19 @@ def test_a_read_over_more_slots_than_bound_is_refused():
     ring.write(np.ones(4, np.int64))
     with pytest.raises(InvalidArgumentError, match="at most the 4 slots bound, got a read over 5"):
         ring.shard.mass(5)
+
+
+@pytest.mark.parametrize("kind", ["slice", "prioritized_slice"])
+def test_no_slice_reads_a_row_at_or_past_the_write_count(kind):
+    """Contract 11: a piece stored ahead of one still to come (rows 12-13 while 10-11 are on their way: the count
+    stays 10) is not acknowledged; the shard, a reader of its files and a fresh build draw none of its rows, and
+    the rows it overwrote (rows 4-5) are gone: no slice spans them."""
+    ring = Ring(8, ends=False, kind=kind, slice_len=2)
+    ring.write(np.ones(10, np.int64))
+    ring.write(np.full(2, 2), first=12, count=False)
+    readers = [ring.reader] if kind == "slice" else []  # slices by priority are read by their shard only
+    for sampler in (ring.shard, *readers, ring.fresh()):
+        slots = sampler.sample(2 * 300, 8, np.random.default_rng(0))
+        rows = ((ring.generation[slots] - 1) * 8 + slots).reshape(-1, 2)
+        assert (rows < 10).all() and set(rows[:, 0].tolist()) == {2, 6, 7, 8}  # rows 2-3 and 6-9 held, whole
+        assert (np.diff(rows, axis=1) == 1).all()
