@@ -52,10 +52,16 @@ class Shard:
 
 
 def stream(n: int, dim: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """``n`` steps in episodes of 20 to 400 steps. NOT real data."""
+    """``n`` steps in episodes of 20 to 400 steps: ``(X, episode id)``. NOT real data."""
     rng = np.random.default_rng(seed)
     lengths = rng.integers(20, 400, size=n // 20 + 1)
     return rng.standard_normal((n, dim), dtype=np.float32), np.repeat(np.arange(lengths.size), lengths)[:n]
+
+
+def episodes_table(n: int, dim: int, seed: int, first: int = 0) -> TensorDict:
+    """``stream`` as rows (``X``, and ``episode`` numbered from ``first``). NOT real data."""
+    x, episode = stream(n, dim, seed)
+    return TensorDict({"X": torch.from_numpy(x), "episode": torch.from_numpy(episode.astype(np.int64) + first)}, [n])
 
 
 def bench_slice_writes(cfg: dict, results: dict) -> dict:
@@ -124,16 +130,12 @@ def buffer_writes(n: int, prioritized: bool, iters: int = 300) -> dict[str, floa
 
     from rayrb import OfflineToOnlineReplayBuffer, SliceSampler
 
-    def table(rows: int, first: int, seed: int) -> TensorDict:
-        x, episode = stream(rows, 8, seed)
-        return TensorDict({"obs": torch.from_numpy(x), "episode": torch.from_numpy(episode + first)}, [rows])
-
-    rb = OfflineToOnlineReplayBuffer(table(20_000, 0, 0), online_capacity=n, num_online_shards=1, seed=0,
+    rb = OfflineToOnlineReplayBuffer(episodes_table(20_000, 8, 0), online_capacity=n, num_online_shards=1, seed=0,
                                      offline_fraction=0.5, batch_size=256,
                                      sampler=SliceSampler(slice_len=SLICE_LEN, traj_key="episode",
                                                           prioritized=prioritized))
     try:
-        fill = table(n + n // 2, 10**6, 1)
+        fill = episodes_table(n + n // 2, 8, 1, first=10**6)
         for a in range(0, len(fill), 100_000):
             rb.extend(fill[a:a + 100_000])
         rb.sample(256)
@@ -141,7 +143,7 @@ def buffer_writes(n: int, prioritized: bool, iters: int = 300) -> dict[str, floa
         for i in range(iters):
             for j in range(2):
                 t = time.perf_counter()
-                rb.extend(table(WRITE, 10**8 + 2 * i + j, 2 + 2 * i + j))
+                rb.extend(episodes_table(WRITE, 8, 2 + 2 * i + j, first=10**8 + 2 * i + j))
                 times["extend"].append(time.perf_counter() - t)
             t = time.perf_counter()
             ray.get(shard.mass_stats.remote())

@@ -8,24 +8,11 @@ buffer runs with 1 and with 2 torch threads, the better counting (``torchrl_slic
 costs a shard drawing slices (``bench.slice_writes``)."""
 from __future__ import annotations
 
-import numpy as np
-import torch
-from tensordict import TensorDict
-
 from bench.harness import measure, med_ranges, medians_text, write_offline
 from bench.headline import at_threads
-from bench.slice_writes import bench_slice_writes
+from bench.slice_writes import bench_slice_writes, episodes_table
 
 SLICES_PER_BATCH = 32
-
-
-def episodes_table(n: int, dim: int, seed: int) -> TensorDict:
-    """Random rows in episodes of 20 to 400 steps (a trajectory id per step). NOT real data."""
-    rng = np.random.default_rng(seed)
-    lengths = rng.integers(20, 400, size=n // 20 + 1)
-    ids = np.repeat(np.arange(lengths.size), lengths)[:n]
-    return TensorDict({"X": torch.from_numpy(rng.standard_normal((n, dim), dtype=np.float32)),
-                       "episode": torch.from_numpy(ids.astype(np.int64))}, [n])
 
 
 def bench_slices(cfg: dict, root: str, results: dict) -> None:

@@ -112,14 +112,14 @@ class OnlineStorage:
     def written(self) -> int:
         return int(self._written[0])
 
+    @written.setter
+    def written(self, value: int) -> None:
+        self._written[0] = int(value)
+
     @property
     def count_map(self) -> np.ndarray:
         """The write count as the one-element array it is kept in (read where it moves, by a slice sampler)."""
         return self._written
-
-    @written.setter
-    def written(self, value: int) -> None:
-        self._written[0] = int(value)
 
     @property
     def restores(self) -> int:
