@@ -199,8 +199,7 @@ class EpisodeSlices(Sampler):
                  slice_ends: bool = False, slice_strict: bool = True, **options: Any):
         self._len, self._key, self._ends = positive_int("slice_len", slice_len), slice_key, bool(slice_ends)
         self._strict = bool(slice_strict)  # False: short episodes are slices too, read padded (``padded_steps``)
-        self._capacity = int(capacity)
-        self._held = ShardEpisodes(self._capacity, self._len, self._strict, self._ends, moved=self._moved)
+        self._held = ShardEpisodes(int(capacity), self._len, self._strict, self._ends, moved=self._moved)
         self._drawn: tuple[int, Slices] | None = None  # the size and slices of the last draw, for ``info``
 
     @property
