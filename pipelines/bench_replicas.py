@@ -6,7 +6,8 @@ this machine), and the bytes each row takes.
     python pipelines/bench_replicas.py --pipelined     # the same with writes that do not wait (then flush())
     python pipelines/bench_replicas.py --smoke         # tiny sizes (run by the tests)
 
-Prints one ``RAYRB_RESULT {json}`` line; ``pipelines/benchmark.py --sections replicas`` runs it and keeps it.
+Prints one ``RAYRB_RESULT {json}`` line (with the CPU seconds each kind of process used over the timed writes);
+``pipelines/benchmark.py --sections replicas`` runs it and keeps it.
 """
 from __future__ import annotations
 
@@ -24,9 +25,13 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 import numpy as np  # noqa: E402
 import ray  # noqa: E402
+from bench.harness import ROLES, cpu_by_role, cpu_times  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
 WORKER = {"num_cpus": 0.01}  # every actor asks for a little, so all of them run on the worker nodes
+# CPU seconds over the timed writes, by process: with every node's processes on this machine's cores, rows/s
+# follow the CPU a row costs in all of them together
+WRITE_ROLES = {"writers": ("ray::Writer",), **{role: keys for role, keys in ROLES.items() if role != "consumers"}}
 
 
 @ray.remote(**WORKER)
@@ -41,7 +46,12 @@ class Writer:
         for d in data:
             rb.extend(d, wait=not pipelined)
         rb.flush()
+        self.rb = rb
         return time.perf_counter() - t0
+
+    def went(self) -> dict[str, int]:
+        """How the last ``write``'s writes went: appended by this process, sent to a shard, told the coordinator."""
+        return {k: v for k, v in self.rb.stats().get("handle", {}).items() if k.startswith("writes_")}
 
 
 def workers_nodes() -> list[str]:
@@ -63,9 +73,11 @@ def one(replicas: int, args, writers: list, root: str) -> dict:
     rb = OfflineToOnlineReplayBuffer(offline, online_capacity=capacity, num_online_shards=2, seed=0, **placed,
                                      storage_dir=state, actor_options=WORKER,
                                      dataset_root=Path(tempfile.mkdtemp(dir=root)) / "ds")
-    t0 = time.perf_counter()
+    cpu0, t0 = cpu_times(WRITE_ROLES), time.perf_counter()
     ray.get([w.write.remote(rb, args.batches, args.rows, args.dim, i, args.pipelined) for i, w in enumerate(writers)])
     write_rate = capacity / (time.perf_counter() - t0)
+    cpu = {f"write_cpu_s_{role.replace(' ', '_')}": used for role, used in cpu_by_role(cpu0, WRITE_ROLES).items()}
+    went = ray.get([w.went.remote() for w in writers])
     assert rb.write_count == capacity
     copies = [r for s in rb.stats()["shards"] for r in s.get("replicas", [])]
     assert all(r["status"] == "live" for r in copies), copies
@@ -78,7 +90,8 @@ def one(replicas: int, args, writers: list, root: str) -> dict:
     disk = state_bytes(state)
     rb.shutdown()
     return {"extend_rows_per_s": write_rate, "sample_rows_per_s": sample_rate, "disk_bytes_per_row": disk / capacity,
-            "rebuilds": sum(r["rebuilds"] for r in copies)}
+            "rebuilds": sum(r["rebuilds"] for r in copies), **cpu, "write_cpu_s": sum(cpu.values()),
+            **{k: sum(w.get(k, 0) for w in went) for k in went[0] if k.startswith("writes_")}}
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -198,9 +198,9 @@ ROLES = {"consumers": ("ray::Consumer",), "shards": ("ray::OfflineShard", "ray::
                         "DashboardAgent")}
 
 
-def cpu_times() -> dict[tuple[int, float], tuple[str, float]]:
-    """CPU seconds each of this machine's processes has used so far, with its role (Ray sets actor titles), by
-    ``(pid, start time)``: a snapshot for ``cpu_by_role``."""
+def cpu_times(roles: dict[str, tuple[str, ...]] = ROLES) -> dict[tuple[int, float], tuple[str, float]]:
+    """CPU seconds each of this machine's processes has used so far, with its role (Ray sets actor titles; a
+    process matching none is ``other``), by ``(pid, start time)``: a snapshot for ``cpu_by_role``."""
     import psutil
 
     out = {}
@@ -210,17 +210,18 @@ def cpu_times() -> dict[tuple[int, float], tuple[str, float]]:
         except (psutil.Error, TypeError):
             continue
         if t is not None:
-            role = next((r for r, keys in ROLES.items() if any(k in line for k in keys)), "other")
+            role = next((r for r, keys in roles.items() if any(k in line for k in keys)), "other")
             out[(proc.pid, proc.info["create_time"])] = (role, t.user + t.system)
     return out
 
 
-def cpu_by_role(since: dict[tuple[int, float], tuple[str, float]]) -> dict[str, float]:
+def cpu_by_role(since: dict[tuple[int, float], tuple[str, float]],
+                roles: dict[str, tuple[str, ...]] = ROLES) -> dict[str, float]:
     """CPU seconds each role used after the snapshot ``since`` (``cpu_times``), process by process: a process that
     ended in between takes its seconds out of neither snapshot (another Ray instance on the machine stopping must
     not make a role's figure negative); one started in between counts whole."""
-    out = dict.fromkeys([*ROLES, "other"], 0.0)
-    for key, (role, used) in cpu_times().items():
+    out = dict.fromkeys([*roles, "other"], 0.0)
+    for key, (role, used) in cpu_times(roles).items():
         out[role] += used - since.get(key, (role, 0.0))[1]
     return out
 
