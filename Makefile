@@ -39,9 +39,11 @@ test-bench: install
 	$(PY) -m pip install -q -e '.[bench]'
 	$(PY) -m pytest -q -m bench tests/test_benchmark.py
 
-# The layers without Ray: pure decisions and durability (no actors), with their doctests. Seconds, not minutes.
+# The layers without Ray: pure decisions and durability (no actors), with their doctests. Seconds, not minutes:
+# on two workers 19 to 21 s here, against 25 to 29 s in one process (TEST_WORKERS=0).
 test-fast: install
-	$(PY) -m pytest -q -m "not ray" tests/core tests/durability rayrb/core rayrb/durability rayrb/errors.py
+	$(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS)) -m "not ray" tests/core tests/durability \
+		rayrb/core rayrb/durability rayrb/errors.py
 
 lint: install
 	$(PY) -m ruff check .
