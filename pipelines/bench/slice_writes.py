@@ -156,10 +156,39 @@ def buffer_writes(n: int, prioritized: bool, iters: int = 300) -> dict[str, floa
     return {f"{k}_p{q}_ms": float(np.percentile(v, q) * 1e3) for k, v in times.items() for q in (50, 99)}
 
 
+def tree_updates(sizes: tuple[int, ...] = (10_000, 100_000, 1_000_000), loops: int = 300) -> dict:
+    """Microseconds per call, in a loop of ``loops``: a sum tree's update of 16 slots in a run (a write) and of
+    256 scattered ones (a batch's priorities); a shard of prioritized rows told a 16-row write, then its mass."""
+    from rayrb.core.priorities import PrioritizedSampler, SumTree
+
+    rng, out = np.random.default_rng(0), {}
+    for n in sizes:
+        tree = SumTree(n)
+        tree.fill(rng.random(n))
+        run, scattered = np.arange(500, 516) % n, rng.integers(0, n, 256)
+        shard = PrioritizedSampler(n)
+        shard.on_write(np.arange(n))
+        shard.mass(n)
+        calls = {"update_run_16_us": lambda: tree.update(run, rng.random(16)),
+                 "update_scattered_256_us": lambda: tree.update(scattered, rng.random(256)),
+                 "write_16_and_mass_us": lambda: (shard.on_write(rng.integers(0, n - 16) + np.arange(16)),
+                                                  shard.mass(n))}
+        for name, call in calls.items():
+            t0 = time.perf_counter()
+            for _ in range(loops):
+                call()
+            out.setdefault(str(n), {})[name] = (time.perf_counter() - t0) / loops * 1e6
+    return out
+
+
 if __name__ == "__main__":  # this part alone: PYTHONPATH=pipelines python -m bench.slice_writes [steps,...] [repeats]
+    # (or --trees, or --buffer [steps] [uniform|prioritized])
     import json
     import sys
 
+    if sys.argv[1:2] == ["--trees"]:
+        print(json.dumps(tree_updates()))
+        sys.exit(0)
     if sys.argv[1:2] == ["--buffer"]:  # ... --buffer [steps] [uniform|prioritized]
         import ray
 

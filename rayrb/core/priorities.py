@@ -16,7 +16,70 @@ from rayrb.core.validation import ALPHA, EPS, positive_int, priority_options
 from rayrb.errors import DrawError, InvalidArgumentError, SavedStateError
 
 
-class SumTree:
+class _Tree:
+    """A complete binary tree over ``capacity`` values, each inner node ``combine`` of its two children (leaves
+    past ``capacity``, and values never set, hold ``empty``): O(log n) vectorized updates, O(n) rebuilds."""
+
+    combine: Any = None
+    empty = 0.0
+
+    def __init__(self, capacity: int):
+        self.capacity = positive_int("capacity", capacity)
+        self._n = 1 << (self.capacity - 1).bit_length()
+        self._tree = np.full(2 * self._n, self.empty, dtype=np.float64)
+
+    def update(self, idx: np.ndarray, values: np.ndarray) -> None:
+        """Set ``v[idx] = values`` (with repeated indices the last value wins) and the nodes above them. A write's
+        slots are one run: its parents at each level are one run too, combined with slices; scattered indices
+        (a batch's priorities) walk up their sorted distinct parents."""
+        idx = np.asarray(idx, dtype=np.int64)
+        if idx.size == 0:
+            return
+        self._tree[idx + self._n] = values
+        lo, hi = int(idx.min()) + self._n, int(idx.max()) + self._n
+        if hi - lo < 4 * idx.size + 64:  # one run (or close): every parent between, level by level
+            while hi > 1:
+                lo, hi = lo // 2, hi // 2
+                self.combine(self._tree[2 * lo:2 * hi + 2:2], self._tree[2 * lo + 1:2 * hi + 2:2],
+                             out=self._tree[lo:hi + 1])
+            return
+        pos = np.unique((idx + self._n) // 2)
+        while True:
+            self._tree[pos] = self.combine(self._tree[2 * pos], self._tree[2 * pos + 1])
+            if pos[0] <= 1:
+                return
+            pos //= 2
+            pos = pos[np.concatenate(([True], pos[1:] != pos[:-1]))]  # sorted, so repeats are neighbours
+
+    def fill(self, values: np.ndarray) -> None:
+        """Every value at once (``empty`` past ``len(values)``), level by level in O(n): a rebuild, not ``n``
+        updates."""
+        self._tree[:] = self.empty
+        self._tree[self._n:self._n + len(values)] = values
+        level = self._n
+        while level > 1:
+            self.combine(self._tree[level:2 * level:2], self._tree[level + 1:2 * level:2],
+                         out=self._tree[level // 2:level])
+            level //= 2
+
+    def _range(self, start: int, stop: int) -> float:
+        """``combine`` over ``v[start:stop]`` (``empty`` if none) in O(log n)."""
+        lo, hi, out = self._n + max(0, start), self._n + min(stop, self._n), self.empty
+        while lo < hi:
+            if lo & 1:
+                out = self.combine(out, self._tree[lo])
+                lo += 1
+            if hi & 1:
+                hi -= 1
+                out = self.combine(out, self._tree[hi])
+            lo, hi = lo // 2, hi // 2
+        return float(out)
+
+    def values(self, idx: np.ndarray) -> np.ndarray:
+        return self._tree[np.asarray(idx, dtype=np.int64) + self._n]
+
+
+class SumTree(_Tree):
     """Prefix sums over ``capacity`` non-negative values: O(log n) vectorized updates and lookups.
 
     Examples:
@@ -24,35 +87,11 @@ class SumTree:
         >>> t.update(np.array([0, 1, 2, 3]), np.array([1.0, 0.0, 2.0, 1.0]))
         >>> t.total(), t.find(np.array([0.5, 1.5, 3.5])).tolist()
         (4.0, [0, 2, 3])
-    """
-
-    def __init__(self, capacity: int):
-        self.capacity = positive_int("capacity", capacity)
-        self._n = 1 << (self.capacity - 1).bit_length()
-        self._tree = np.zeros(2 * self._n, dtype=np.float64)
-
-    def update(self, idx: np.ndarray, values: np.ndarray) -> None:
-        idx = np.asarray(idx, dtype=np.int64)
-        if idx.size == 0:
-            return
-        self._tree[idx + self._n] = values  # with repeated indices the last value wins
-        pos = np.unique((idx + self._n) // 2)
-        while pos.size:
-            self._tree[pos] = self._tree[2 * pos] + self._tree[2 * pos + 1]
-            pos = np.unique(pos[pos > 1] // 2)
-
-    def fill(self, values: np.ndarray) -> None:
-        """Every value at once (zero past ``len(values)``), level by level in O(n): a rebuild, not ``n`` updates.
-
         >>> t = SumTree(3); t.fill(np.array([1.0, 2.0, 4.0])); t.total(), t.range_sum(1, 3)
         (7.0, 6.0)
-        """
-        self._tree[:] = 0.0
-        self._tree[self._n:self._n + len(values)] = values
-        level = self._n
-        while level > 1:
-            np.add(self._tree[level:2 * level:2], self._tree[level + 1:2 * level:2], out=self._tree[level // 2:level])
-            level //= 2
+    """
+
+    combine = np.add
 
     def total(self) -> float:
         return float(self._tree[1])
@@ -64,21 +103,10 @@ class SumTree:
         >>> t.range_sum(0, 2), t.range_sum(1, 4), t.range_sum(3, 3)
         (3.0, 9.0, 0.0)
         """
-        lo, hi, out = self._n + max(0, start), self._n + min(stop, self._n), 0.0
-        while lo < hi:
-            if lo & 1:
-                out += self._tree[lo]
-                lo += 1
-            if hi & 1:
-                hi -= 1
-                out += self._tree[hi]
-            lo, hi = lo // 2, hi // 2
-        return float(out)
-
-    def values(self, idx: np.ndarray) -> np.ndarray:
-        return self._tree[np.asarray(idx, dtype=np.int64) + self._n]
+        return self._range(start, stop)
 
     def min(self, size: int) -> float:
+        """``min(v[:size])`` by a pass over them (``MinTree`` keeps it in O(log n) per update)."""
         return float(self._tree[self._n:self._n + size].min()) if size else 0.0
 
     def find(self, prefix: np.ndarray) -> np.ndarray:
@@ -92,6 +120,25 @@ class SumTree:
             u = np.where(right, u - lv, u)
             pos = np.where(right, left + 1, left)
         return pos - self._n
+
+
+class MinTree(_Tree):
+    """Range minima over ``capacity`` values, ``+inf`` where none was set: the smallest ``p`` a shard holds, read
+    in O(log n) after each write instead of a pass over every slot.
+
+    >>> t = MinTree(5); t.update(np.array([0, 1, 2]), np.array([3.0, 1.0, 2.0]))
+    >>> t.min(), t.range_min(0, 1), t.range_min(2, 5), t.range_min(3, 5)
+    (1.0, 3.0, 2.0, inf)
+    """
+
+    combine = np.minimum
+    empty = np.inf
+
+    def min(self) -> float:
+        return float(self._tree[1])
+
+    def range_min(self, start: int, stop: int) -> float:
+        return self._range(start, stop)
 
 
 # The largest p_i = (|priority| + eps) ** alpha a shard stores. A sum of 2**63 of them stays under float64's
@@ -141,12 +188,15 @@ class PrioritizedSampler(Sampler):
     def __init__(self, capacity: int, alpha: float = ALPHA, eps: float = EPS, **options: Any):
         opts = priority_options(alpha=alpha, eps=eps)
         self.tree = SumTree(capacity)
+        self._low: MinTree | None = None  # the same values' minima, made at the first ``mass`` (slices never ask)
         self.alpha, self.eps = opts["alpha"], opts["eps"]
         self.max_priority = 1.0
         self._mirror: tuple[np.ndarray, np.ndarray] | None = None
 
     def _set(self, idx: np.ndarray, values: np.ndarray) -> None:
         self.tree.update(idx, values)
+        if self._low is not None:
+            self._low.update(idx, values)
         if self._mirror is not None:  # the mapped copy that a restarted shard reloads
             self._mirror[0][np.asarray(idx, dtype=np.int64)] = values
             self._mirror[1][0] = self.max_priority
@@ -155,6 +205,7 @@ class PrioritizedSampler(Sampler):
         everything = np.arange(self.tree.capacity)
         if reopened:
             self.tree.update(everything, np.asarray(priority[:self.tree.capacity]))
+            self._low = None  # made again from the tree when asked
             self.max_priority = float(max_priority[0])
         else:
             priority[:self.tree.capacity] = self.tree.values(everything)
@@ -189,7 +240,12 @@ class PrioritizedSampler(Sampler):
 
     def mass(self, size: int) -> tuple[float, float]:
         """Total and smallest ``p_i`` over the first ``size`` rows."""
-        return self._total(size), self.tree.min(size)
+        if size <= 0:
+            return self._total(size), 0.0
+        if self._low is None:
+            self._low = MinTree(self.tree.capacity)
+            self._low.fill(self.tree.values(np.arange(self.tree.capacity)))
+        return self._total(size), self._low.range_min(0, size)
 
     def sample(self, count: int, size: int, rng: np.random.Generator, epoch: Epoch | None = None) -> np.ndarray:
         total = self._total(size)

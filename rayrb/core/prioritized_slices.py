@@ -41,7 +41,7 @@ from rayrb.core.allocators import PrioritizedAllocator
 from rayrb.core.episode_stream import Stream
 from rayrb.core.episodes import Slices
 from rayrb.core.plans import Epoch
-from rayrb.core.priorities import PrioritizedSampler, SumTree
+from rayrb.core.priorities import MinTree, PrioritizedSampler, SumTree
 from rayrb.core.slice_sampling import NAME_PRIORITIZED, EpisodeSlices
 from rayrb.core.validation import ALPHA, BETA, EPS, positive_int
 from rayrb.errors import DrawError
@@ -82,9 +82,8 @@ class PrioritizedEpisodeSlices(EpisodeSlices):
         self._p = PrioritizedSampler(n, alpha=alpha, eps=eps)
         self._built: Any = None  # the slices the starts' tree holds
         self._starts = SumTree(n)  # p at the slots a valid slice starts at, 0 elsewhere
-        self._start_p = np.full(n, np.inf)  # the same, +inf elsewhere: its smallest is min p
+        self._start_low = MinTree(n)  # the same, +inf elsewhere: its root is min p
         self._valid = np.zeros(n, bool)  # slot -> whether a valid slice starts there
-        self._min_p: float | None = None  # the smallest p of a valid start (None: to be found again)
 
     def _start_tree(self, size: int) -> Any:
         """The valid slices of the first ``size`` slots, with the starts' tree built for them."""
@@ -103,13 +102,13 @@ class PrioritizedEpisodeSlices(EpisodeSlices):
             at = np.zeros(self._valid.size)
             at[slots] = p
             self._starts.fill(at)
-            self._start_p[:] = np.inf
-            self._start_p[slots] = p
+            at[:] = np.inf
+            at[slots] = p
+            self._start_low.fill(at)
         else:
             self._valid[slots] = valid
             self._starts.update(slots, np.where(valid, p, 0.0))
-            self._start_p[slots] = np.where(valid, p, np.inf)
-        self._min_p = None
+            self._start_low.update(slots, np.where(valid, p, np.inf))
 
     def _moved(self, before: tuple[Stream, Slices], after: tuple[Stream, Slices]) -> None:
         """Rows appended: only the starts near them change (the new rows, whose slots the overwritten rows held;
@@ -166,9 +165,7 @@ class PrioritizedEpisodeSlices(EpisodeSlices):
         slices = self._start_tree(size)
         if slices.total == 0:
             return 0.0, 1.0
-        if self._min_p is None:
-            self._min_p = float(self._start_p.min())
-        return self._starts.total(), self._min_p
+        return self._starts.total(), self._start_low.min()
 
     def sample(self, count: int, size: int, rng: np.random.Generator | None, epoch: Epoch | None = None) -> np.ndarray:
         self._start_tree(size)
