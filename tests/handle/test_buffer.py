@@ -166,7 +166,10 @@ def test_concurrent_writers_and_a_learner(make_buffer, writer_cls, ray_session):
     assert rb.write_count == total
     assert len(rb) == 600 + total
     sizes = rb.sizes()
-    assert abs(sizes["online"][0] - sizes["online"][1]) <= 37  # writes spread evenly
+    # writes spread evenly: each goes to the shard least written as its writer sees the counts, and the writes
+    # of the others still on their way are not counted yet, so three writers placing at once may each pick the
+    # same shard: at most one write each apart
+    assert abs(sizes["online"][0] - sizes["online"][1]) <= len(writers) * 37
     batch = rb.sample(4000)
     online_ids = batch["id"][batch["id"] >= 1_000_000] - 1_000_000
     assert {i // 100_000 for i in online_ids.tolist()} == {0, 1, 2}
