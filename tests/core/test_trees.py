@@ -55,11 +55,8 @@ def test_a_tree_is_the_same_whichever_way_its_values_came():
     rng = np.random.default_rng(0)
     capacity = 777
     by_updates, rebuilt = SumTree(capacity), SumTree(capacity)
-    values = np.zeros(capacity)
     for _ in range(100):
-        idx, v = _updates(rng, capacity)
-        by_updates.update(idx, v)
-        values[idx] = v  # numpy's fancy assignment: the last repeat wins, as in the tree
+        by_updates.update(*_updates(rng, capacity))
     rebuilt.fill(by_updates.values(np.arange(capacity)))
     assert np.array_equal(by_updates._tree, rebuilt._tree)
     u = rng.uniform(0, by_updates.total(), 1000)
