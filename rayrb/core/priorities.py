@@ -105,10 +105,6 @@ class SumTree(_Tree):
         """
         return self._range(start, stop)
 
-    def min(self, size: int) -> float:
-        """``min(v[:size])`` by a pass over them (``MinTree`` keeps it in O(log n) per update)."""
-        return float(self._tree[self._n:self._n + size].min()) if size else 0.0
-
     def find(self, prefix: np.ndarray) -> np.ndarray:
         """Index ``i`` with ``sum(v[:i]) <= u < sum(v[:i+1])`` for each ``u`` in ``prefix``."""
         u = np.asarray(prefix, dtype=np.float64).copy()
