@@ -38,8 +38,8 @@ _deferred = False
 def register_imported(context: Any, addons: dict[str, tuple[str, str]] = ADDONS,
                       registered: set[str] = _registered) -> bool:
     """Register with ``context`` the add-ons of each library in ``addons`` imported by now and not in
-    ``registered`` yet; return whether all are registered. Called before each pickling until then (a few
-    ``sys.modules`` lookups).
+    ``registered`` yet; return whether all are registered. Called before each pickling until then: a few
+    ``sys.modules`` lookups, and the lock only when a library has come since the last call.
 
     Examples:
         >>> done = set()
@@ -49,6 +49,8 @@ def register_imported(context: Any, addons: dict[str, tuple[str, str]] = ADDONS,
         >>> register_imported("ctx", {"json": ("builtins", "print")}, done)  # once only
         True
     """
+    if all(name in registered or name not in sys.modules for name in addons):
+        return registered.issuperset(addons)
     with _lock:
         for name, (module, function) in addons.items():
             if name in registered:
@@ -60,6 +62,16 @@ def register_imported(context: Any, addons: dict[str, tuple[str, str]] = ADDONS,
             getattr(importlib.import_module(module), function)(context)
             registered.add(name)
         return registered.issuperset(addons)
+
+
+def installed(addons: dict[str, tuple[str, str]] = ADDONS) -> dict[str, tuple[str, str]]:
+    """The add-ons whose library is installed here (found, not imported): one that is not can never be imported,
+    so nothing waits for it.
+
+    >>> sorted(installed({"json": ("m", "f"), "no_such_module": ("m", "f")}))
+    ['json']
+    """
+    return {name: where for name, where in addons.items() if importlib.util.find_spec(name) is not None}
 
 
 def ray_keeps_addons_here() -> bool:
@@ -92,11 +104,13 @@ def defer_serialization_addons() -> bool:
         if worker.global_worker.mode != worker.WORKER_MODE or not ray_keeps_addons_here():
             return False
 
+        waited_for = installed()
+
         def apply(context: Any) -> None:
             pickle5 = context._serialize_to_pickle5
 
             def serialize_to_pickle5(metadata: Any, value: Any) -> Any:
-                if register_imported(context):
+                if register_imported(context, waited_for):
                     context._serialize_to_pickle5 = pickle5  # all registered: Ray's method again, unwrapped
                 return pickle5(metadata, value)
 
