@@ -23,6 +23,22 @@ def test_the_add_ons_deferred_are_every_one_this_ray_registers():
     assert called == {function for _, function in ADDONS.values()}
 
 
+def test_another_ray_or_a_moved_registration_keeps_rays_rule(monkeypatch):
+    import ray
+
+    from rayrb.actors import worker_imports
+
+    monkeypatch.setattr(ray, "__version__", "2.61.0")
+    assert not ray_keeps_addons_here()
+    monkeypatch.setattr(ray, "__version__", "2.60.0")
+    assert ray_keeps_addons_here()
+    moved = {**ADDONS, "pyarrow": ("ray._private.arrow_serialization", "register_arrow_serializers")}
+    monkeypatch.setattr(worker_imports, "ADDONS", moved)
+    assert not ray_keeps_addons_here()
+    monkeypatch.setattr(worker_imports, "ADDONS", {**ADDONS, "pydantic": ("ray._common.no_such_module", "f")})
+    assert not ray_keeps_addons_here()
+
+
 def test_a_driver_keeps_rays_rule():
     import ray.util.serialization_addons as addons
 
