@@ -154,6 +154,7 @@ class ShardEpisodes:
         self._touched: list[np.ndarray] = []  # slots written since (the shard's own writes)
         self._touched_rows = 0
         self._rescan = True  # rows changed otherwise (bind, restore, many writes): the episodes are found again
+        self._at = -1  # the write count the main stream holds every acknowledged row of (-1: no count bound)
         self._other: tuple = (None, None)  # a read over another size than the main stream's: (key, slices)
 
     def bind(self, column: np.ndarray, generation: np.ndarray | None, written: np.ndarray | None = None,
@@ -197,7 +198,7 @@ class ShardEpisodes:
         if self.generation is None or self.capacity <= 0:
             return scan(self.column[:size], 0, self.ends)
         gen = self.generation[:size]
-        count = None if self.count is None else int(self.count[0])
+        count = self._count()
         if size:
             g = int(gen[0])
             p = int(np.argmax(gen != g))  # the first slot of another generation (0: none)
@@ -216,6 +217,9 @@ class ShardEpisodes:
         order = np.argsort(rows, kind="stable")
         return scan(self.column[slots[order]], rows[order], self.ends, whole=bool((gen > 0).all()), slots=size)
 
+    def _count(self) -> int | None:
+        return None if self.count is None else int(self.count[0])
+
     def _catch_up(self) -> None:
         """Bring the main stream to the rows written since it was found: the shard's own writes (``on_write``) or,
         read from another process, its write count's move; found again unless they are the next rows, whole."""
@@ -224,28 +228,34 @@ class ShardEpisodes:
         stream = self._main[0]
         if self.written is not None:  # another process writes: the rows up to its count
             count = int(self.written[0])
-            if count == stream.high:
-                return
+            if count == self._at:
+                return  # (a piece stored ahead of the count since is caught by the reader's copy: ``forget``)
             rows = np.arange(stream.high, count, dtype=np.int64)
             slots = self.slots(rows)
             fine = (stream.contiguous and count > stream.high and rows.size < max(self.capacity, 1)
                     and (self.generation is None or (self.generation[slots] == rows // self.capacity + 1).all()
                          and self._in_order(count)))
         else:
+            count = self._count()
             if not self._touched:
+                if count is not None and count != self._at:
+                    self._rescan = True  # the count passed rows held ahead of it, whose writes said so earlier
                 return
             slots = np.unique(np.concatenate(self._touched))
             self._touched, self._touched_rows = [], 0
             fine = stream.contiguous and (self.generation is None or (self.generation[slots] > 0).all())
             if fine:
                 rows = np.sort(self.rows(slots))
+                # the rows up to the count exactly: one at or past it is not acknowledged, and a count beyond
+                # them passed rows stored ahead of it earlier (found again with them)
                 fine = bool(rows[0] == stream.high and rows[-1] == stream.high + rows.size - 1
-                            and (self.count is None or rows[-1] < int(self.count[0])))
+                            and (count is None or rows[-1] + 1 == count))
                 slots = self.slots(rows)
         if not fine:
             self._rescan = True
             return
         new = appended(stream, self.column[slots], self.ends, self.capacity if self.generation is not None else 0)
+        self._at = -1 if count is None else count
         before, self._other = self._main, (None, None)
         self._main = (new, Slices(new.episodes, self.slice_len, self.strict))
         if self._moved is not None:
@@ -255,10 +265,10 @@ class ShardEpisodes:
         """Whether every slot holds the row a ring written in order holds at write count ``count`` (generation
         ``g + 1`` before slot ``count mod capacity``, ``g`` from it on, once wrapped): a reader's check that no
         piece stored ahead of the count overwrote rows it holds (the shard is told of those by ``wrote``)."""
-        if count <= self.capacity:
-            return True  # a piece ahead lands past the rows held
-        g, p = divmod(count, self.capacity)
         gen = self.generation
+        if count <= self.capacity:  # rows 0 .. count - 1 in their slots; a piece ahead may have wrapped over some
+            return bool((gen[:count] == 1).all())
+        g, p = divmod(count, self.capacity)
         return bool((gen[:p] == g + 1).all() and (gen[p:] == g).all())
 
     def slices(self, size: int) -> Slices:
@@ -266,9 +276,11 @@ class ShardEpisodes:
         a prefix of it (a read planned at an earlier count, before the shard wrapped), else found for that size."""
         self._catch_up()
         if self._rescan or self._main is None:
+            count = self._count()  # read first: a count moved during the scan only finds the rows again
             stream = self._scan(size)
             self.forget()
             self._main, self._rescan = (stream, Slices(stream.episodes, self.slice_len, self.strict)), False
+            self._at = -1 if count is None else count
         stream, slices = self._main
         if size == stream.covers:
             return slices

@@ -228,6 +228,11 @@ class EpisodeSlices(Sampler):
 
     def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
         """A restore (or a copy taken whole) replaced the rows: their episodes are found again."""
+        self.forget()
+
+    def forget(self) -> None:
+        """The rows changed in a way no write said (a reader found a row stored ahead of the write count where
+        its episodes held an older one): their episodes are found again at the next read."""
         self._held.forget()
 
     def info(self, idx: np.ndarray) -> dict[str, np.ndarray]:

@@ -204,6 +204,39 @@ def test_a_reader_whose_count_moves_past_a_piece_stored_ahead_finds_the_overwrit
     assert draws[0] == draws[1] == draws[2]
 
 
+@pytest.mark.parametrize("kind", ["slice", "prioritized_slice"])
+def test_pieces_landing_in_any_order_leave_the_episodes_a_fresh_scan_finds(kind):
+    """Pieces of writes land in any order, as a shard applies them (``OnlineShard._store_rows``): a slot keeps the
+    newest row, so a late piece whose every slot already holds newer rows keeps none, and the count moves over the
+    pieces up to the first still to come. After every landing the shard's episodes equal a fresh scan's (so its
+    mass counts the rows a count passed that were stored ahead of it), and so do a reader's once the count moved."""
+    rng = np.random.default_rng(21)
+    ring = Ring(8, ends=False, kind=kind, slice_len=2)
+    evicted = 0
+    for _ in range(120):
+        start = int(ring.written[0])
+        bounds = start + np.concatenate([[0], np.cumsum(rng.integers(1, 7, size=rng.integers(1, 5)))])
+        pieces = list(zip(bounds[:-1].tolist(), bounds[1:].tolist()))
+        landed = set()
+        for i in rng.permutation(len(pieces)).tolist():
+            a, b = pieces[i]
+            w = np.arange(a, b)
+            slots, gen = w % 8, w // 8 + 1
+            fresh = ring.generation[slots] < gen
+            evicted += not fresh.any()
+            ring.column[slots[fresh]], ring.generation[slots[fresh]] = rng.integers(0, 2), gen[fresh]
+            ring.shard.on_write(slots[fresh])
+            landed.add(i)
+            before = int(ring.written[0])
+            ring.written[0] = bounds[next((j for j in range(len(pieces)) if j not in landed), len(pieces))]
+            n = ring.size()
+            expected = slices_of(ring.fresh(), n)
+            assert slices_of(ring.shard, n) == expected
+            if int(ring.written[0]) != before and kind == "slice":
+                assert slices_of(ring.reader, n) == expected
+    assert evicted > 5  # late pieces that kept no slot
+
+
 def test_a_read_over_more_slots_than_bound_is_refused():
     ring = Ring(4, ends=False, slice_len=2)
     ring.write(np.ones(4, np.int64))
