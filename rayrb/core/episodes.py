@@ -181,25 +181,28 @@ class Slices:
 
 
 def whole_ranges(ranges: Sequence[tuple[int, int]], starts: Sequence[int]) -> list[tuple[int, int]]:
-    """Contiguous row ranges (offline shards') with each cut moved to an episode's first row (``starts``, sorted):
-    the next one at or after it, else the one before it, so that every shard holds whole episodes. Where an episode
-    is longer than the shards around it, the cut stays (no shard is left empty): slices never cross it either.
+    """Contiguous row ranges (offline shards') with each cut moved to an episode's first row (``starts``, sorted),
+    so that every shard holds whole episodes: the nearest one between the cuts around it (the previous cut as
+    moved, and the next as given; at equal distance the later), so no shard is left empty and no cut runs off to a
+    far episode, leaving the ones after it no room. Where no episode begins there (one longer than the shards
+    around it), the cut stays: slices never cross it.
 
     >>> whole_ranges([(0, 5), (5, 10), (10, 15)], [0, 4, 7, 12])
-    [(0, 7), (7, 12), (12, 15)]
+    [(0, 4), (4, 12), (12, 15)]
     >>> whole_ranges([(0, 5), (5, 10)], [0])  # one episode over both: the cut stays
     [(0, 5), (5, 10)]
+    >>> whole_ranges([(0, 250), (250, 500), (500, 750), (750, 1000)], [0, 100, 990])  # the last episode kept whole
+    [(0, 100), (100, 500), (500, 990), (990, 1000)]
     """
     starts = np.asarray(starts, np.int64)
-    total, cuts = ranges[-1][1], []
-    for _, cut in ranges[:-1]:
-        low = cuts[-1] if cuts else ranges[0][0]
-        at = int(np.searchsorted(starts, cut))
-        options = [int(starts[at])] if at < starts.size else []
-        options += [int(starts[at - 1])] if at > 0 else []
-        cuts.append(next((c for c in options if low < c < total), cut if low < cut else low + 1))
-    bounds = [ranges[0][0], *cuts, total]
-    return list(zip(bounds[:-1], bounds[1:]))
+    bounds = [ranges[0][0], *(cut for _, cut in ranges[:-1]), ranges[-1][1]]
+    moved = [bounds[0]]
+    for i in range(1, len(bounds) - 1):
+        low, high, cut = max(moved[-1], bounds[i - 1]), bounds[i + 1], bounds[i]
+        inside = starts[(starts > low) & (starts < high)]  # every choice leaves both shards around it rows
+        moved.append(int(inside[np.argmin(np.abs(inside - cut) * 2 - (inside >= cut))]) if inside.size else cut)
+    moved.append(bounds[-1])
+    return list(zip(moved[:-1], moved[1:]))
 
 
 def slice_counts(num_slices: int, offline_fraction: float, offline: Sequence[int], online: Sequence[int],

@@ -8,8 +8,17 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from rayrb.core.allocation import hypergeometric_counts
-from rayrb.core.episodes import Episodes, Slices, from_ends, from_ids, slice_count, slice_counts, steps
+from rayrb.core.allocation import hypergeometric_counts, row_ranges
+from rayrb.core.episodes import (
+    Episodes,
+    Slices,
+    from_ends,
+    from_ids,
+    slice_count,
+    slice_counts,
+    steps,
+    whole_ranges,
+)
 from rayrb.errors import InvalidArgumentError
 
 
@@ -153,3 +162,29 @@ def test_torchrls_slice_sampler_draws_the_same_set_of_slices_on_the_same_episode
         for a, b in zip(np.concatenate([[0], cuts[:-1]]), cuts):
             theirs.add((step[a], int(b - a)))
     assert theirs == set(every_slice(Slices(from_ids(ids), slice_len=length, strict_length=strict)))
+
+
+def test_offline_shards_hold_whole_episodes_and_none_is_left_empty():
+    """Each cut moves to the nearest episode start between the cuts around it: no shard is empty, and an episode
+    no longer than half the smallest shard is never cut; a cut stays only inside an episode with no start near it.
+    (Moving each cut to the next start, however far, left [(0, 990), (990, 991), (991, 992), (992, 1000)] for
+    episodes [0, 100), [100, 990), [990, 1000) over 4 shards: a 10-step episode over three, one shard with 99 %.)"""
+    def shard_of(ranges, row):
+        return next(i for i, (a, b) in enumerate(ranges) if a <= row < b)
+
+    assert whole_ranges(row_ranges(1000, 4), [0, 100, 990]) == [(0, 100), (100, 500), (500, 990), (990, 1000)]
+    assert whole_ranges(row_ranges(15, 3), [0, 14]) == [(0, 5), (5, 14), (14, 15)]
+    assert whole_ranges(row_ranges(5, 5), [0, 2, 3]) == [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5)]
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        k = int(rng.integers(2, 6))
+        lens = rng.integers(1, 40, int(rng.integers(k, 30)))
+        starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
+        nominal = row_ranges(int(lens.sum()), k)
+        out = whole_ranges(nominal, starts.tolist())
+        assert out[0][0] == 0 and out[-1][1] == lens.sum() and all(b > a for a, b in out), (nominal, out)
+        assert all(out[i][1] == out[i + 1][0] for i in range(k - 1))
+        shortest = min(b - a for a, b in nominal)
+        for s, n in zip(starts.tolist(), lens.tolist()):
+            if n <= shortest // 2:
+                assert len({shard_of(out, r) for r in range(s, s + n)}) == 1, (nominal, starts.tolist(), out, s)
