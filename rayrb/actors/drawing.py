@@ -110,9 +110,7 @@ class Drawing:
         if stream is not None and served is not None:
             self.ahead.served(stream, int(served))
         num_batches = positive_int("num_batches", num_batches)
-        batch_size = positive_int("batch_size", batch_size)
-        if not 1 <= slices <= batch_size:
-            raise InvalidArgumentError(f"num_slices must be in [1, batch_size={batch_size}], got {slices}")
+        batch_size = self.planner.check_parts(batch_size, slices)
         if owing is not None or (self.ahead.orphans and slices == 1):  # batches no handle will serve go first
             adopted = self._adopt(batch_size, num_batches, stream, version, sizes, owing)
             if adopted is not None or owing is not None:

@@ -144,9 +144,7 @@ class Planner:
         ``checked``: the caller checked ``batch_size`` and ``num_slices`` (once for a group).
         """
         if not checked:
-            batch_size = positive_int("batch_size", batch_size)
-            if not 1 <= num_slices <= batch_size:
-                raise InvalidArgumentError(f"num_slices must be in [1, batch_size={batch_size}], got {num_slices}")
+            batch_size = self.check_parts(batch_size, num_slices)
         saved = self.snapshot()
         try:
             out = self._draw(batch_size, num_slices, sizes, totals)
@@ -155,6 +153,18 @@ class Planner:
             raise
         self.last_snapshot = saved  # the state before the draw that just succeeded
         return out
+
+    def check_parts(self, batch_size: Any, num_slices: int) -> int:
+        """``batch_size``, checked, for a batch cut into ``num_slices`` parts (learners' shares): each part holds
+        at least one row, or with slices of episodes one slice."""
+        batch_size = positive_int("batch_size", batch_size)
+        unit = self.alloc.unit
+        if unit == 1 and not 1 <= num_slices <= batch_size:
+            raise InvalidArgumentError(f"num_slices must be in [1, batch_size={batch_size}], got {num_slices}")
+        if unit > 1 and not 1 <= num_slices <= batch_size // unit:
+            raise InvalidArgumentError(f"num_slices must be in [1, {batch_size // unit}] (a part of at least one of "
+                                       f"the batch's {batch_size // unit} slices of {unit} steps), got {num_slices}")
+        return batch_size
 
     def _draw(self, batch_size: int, num_slices: int, sizes: Sizes,
               totals: tuple[int, int] | None) -> list[tuple[BatchPlan, Reads]]:

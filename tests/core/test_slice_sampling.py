@@ -24,6 +24,18 @@ def planner(fraction=0.3, slice_len=4, masses=((10.0, 5.0), (6.0,))):
 SIZES = {OFFLINE: np.array([100, 100]), ONLINE: np.array([100])}
 
 
+def test_a_batch_of_slices_is_cut_for_at_most_as_many_learners_as_it_has_slices():
+    """Learners' parts hold whole slices: 2 slices of 4 steps go to at most 2 learners, each its own slice; more
+    learners are refused before anything is drawn (rows would refuse more learners than rows the same way)."""
+    p = planner(slice_len=4)
+    parts = p.draw(8, num_slices=2, sizes=SIZES)
+    assert [plan.n_offline + plan.n_online for plan, _ in parts] == [4, 4]
+    state = p.snapshot()
+    with pytest.raises(InvalidArgumentError, match=r"num_slices must be in \[1, 2\] .* 2 slices of 4 steps\), got 5"):
+        p.draw(8, num_slices=5, sizes=SIZES)
+    assert p.snapshot() == state
+
+
 @pytest.mark.parametrize("fraction", [0.0, 0.3, 0.5, 0.9, 1.0])
 def test_a_batch_is_planned_in_slices_with_an_exact_offline_share(fraction):
     p = planner(fraction)
