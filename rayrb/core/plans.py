@@ -313,7 +313,7 @@ def route_priorities(offline: Any, shard: Any, index: Any, generation: Any, prio
     """
     offline = _flags("offline", offline)
     shard, index, generation = _integers("shard", shard), _integers("index", index), _integers("generation", generation)
-    priority = np.asarray(priority, np.float64).reshape(-1)
+    priority = _reals("priority", priority)
     lengths = [len(offline), len(shard), len(index), len(generation), len(priority)]
     if len(set(lengths)) != 1:
         raise InvalidArgumentError(
@@ -359,6 +359,23 @@ def _integers(name: str, values: Any) -> np.ndarray:
         if not -(2**63) <= low <= high < 2**63:  # int64 would wrap them around
             raise InvalidArgumentError(f"{name} must hold int64 integers, got {high if high >= 2**63 else low!r}")
     return a.astype(np.int64)
+
+
+def _reals(name: str, values: Any) -> np.ndarray:
+    """``values`` as float64, refused where one is not a real number (a string, or a complex number whose
+    imaginary part a cast would drop).
+
+    >>> _reals("priority", [1.5, "a"])
+    Traceback (most recent call last):
+    rayrb.errors.InvalidArgumentError: priority must hold real numbers, got '1.5' (<U32)
+    >>> _reals("priority", np.array([1 + 2j]))
+    Traceback (most recent call last):
+    rayrb.errors.InvalidArgumentError: priority must hold real numbers, got (1+2j) (complex128)
+    """
+    a = np.asarray(values).reshape(-1)
+    if a.dtype.kind not in "biuf" and a.size:
+        raise InvalidArgumentError(f"{name} must hold real numbers, got {_show(a[0])} ({a.dtype})")
+    return a.astype(np.float64)
 
 
 def _flags(name: str, values: Any) -> np.ndarray:

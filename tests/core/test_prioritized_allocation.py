@@ -183,6 +183,10 @@ def test_priority_updates_go_to_the_owning_shard_and_a_bad_row_stops_them_all():
         coord.update_priority([True, True], [0, 0], [0, 1], [0, 0], [1.0])
     with pytest.raises(ValueError, match="priorities must be finite numbers, got \\[inf\\]"):
         coord.update_priority([True], [0], [0], [0], [np.inf])
+    for bad, shown in (([1.0, "a"], "'1.0' \\(<U32\\)"), (np.array([1 + 2j, 1.0]), "\\(1\\+2j\\) \\(complex128\\)"),
+                       ([1.0, None], "1.0 \\(object\\)")):  # a cast would raise deep inside, or drop 2j
+        with pytest.raises(ValueError, match=f"priority must hold real numbers, got {shown}"):
+            coord.update_priority([True, True], [0, 0], [0, 1], [0, 0], bad)
     assert [len(s.updates) for s in off + on] == [1, 1, 1, 0]  # no refused call reached any shard
     uniform = Coordinator([StandInShard()], [4], [], [], sampler="uniform")
     with pytest.raises(ValueError, match="update_priority needs sampler='prioritized', this buffer samples 'uniform'"):
