@@ -93,7 +93,7 @@ class Shard:
     # sampling -----------------------------------------------------------------
     def _info(self, idx: np.ndarray, generation: np.ndarray | None = None) -> Info:
         gen = self._generation(idx) if generation is None else generation
-        return {"index": idx, "generation": gen, **self._sampler.info(idx)}
+        return {"index": idx, "generation": gen, **self._sampler.info(idx, gen)}
 
     def _whole(self, idx: np.ndarray) -> np.ndarray | None:
         """The generations of the slots at ``idx``, or None if one holds a row a crash left half written

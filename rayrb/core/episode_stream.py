@@ -179,11 +179,19 @@ class ShardEpisodes:
         """The rows changed otherwise than by appends: their episodes are found again at the next read."""
         self._rescan, self._touched, self._touched_rows, self._other = True, [], 0, (None, None)
 
-    def rows(self, slots: np.ndarray) -> np.ndarray:
-        """The row of the write stream each slot holds (offline: the slot)."""
+    def rows(self, slots: np.ndarray, generation: np.ndarray | None = None) -> np.ndarray:
+        """The row of the write stream each slot holds (offline: the slot), by ``generation`` (the slots' as a read
+        found them) or the slots' generations now."""
         if self.generation is None or self.capacity <= 0:
             return slots
-        return (np.abs(self.generation[slots]) - 1) * self.capacity + slots
+        gen = self.generation[slots] if generation is None else np.asarray(generation, np.int64)
+        return (np.abs(gen) - 1) * self.capacity + slots
+
+    def held_size(self) -> int:
+        """The slots holding rows the write count acknowledged (an offline shard's: all bound)."""
+        if self.generation is None or self.capacity <= 0 or self.count is None:
+            return len(self.column)
+        return min(int(self.count[0]), self.capacity, len(self.column))
 
     def slots(self, rows: np.ndarray) -> np.ndarray:
         """The slot each row of the write stream sits in."""

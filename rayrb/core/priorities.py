@@ -213,7 +213,7 @@ class PrioritizedSampler(Sampler):
 
     on_write = add
 
-    def info(self, idx: np.ndarray) -> dict[str, np.ndarray]:
+    def info(self, idx: np.ndarray, generation: np.ndarray | None = None) -> dict[str, np.ndarray]:
         return {"priority": self.tree.values(idx)}  # p_i, for importance weights
 
     def check_priority(self, idx: np.ndarray, priority: np.ndarray) -> None:

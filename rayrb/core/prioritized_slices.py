@@ -151,13 +151,13 @@ class PrioritizedEpisodeSlices(EpisodeSlices):
     set_priority = update_priority
 
     # what a read answers ---------------------------------------------------------------------------------
-    def info(self, idx: np.ndarray) -> dict[str, np.ndarray]:
+    def info(self, idx: np.ndarray, generation: np.ndarray | None = None) -> dict[str, np.ndarray]:
         """Each step's episode (``EpisodeSlices.info``) and its slice's ``p``: a read is whole slices of
         ``slice_len`` steps (short ones padded), each first step the start it was drawn by."""
         idx = np.asarray(idx, np.int64)
         if idx.size % self._len:
-            return {**super().info(idx), "priority": self._p.tree.values(idx)}
-        return {**super().info(idx),
+            return {**super().info(idx, generation), "priority": self._p.tree.values(idx)}
+        return {**super().info(idx, generation),
                 "priority": np.repeat(self._p.tree.values(idx.reshape(-1, self._len)[:, 0]), self._len)}
 
     def mass(self, size: int) -> tuple[float, float]:
@@ -168,6 +168,7 @@ class PrioritizedEpisodeSlices(EpisodeSlices):
         return self._starts.total(), self._start_low.min()
 
     def sample(self, count: int, size: int, rng: np.random.Generator | None, epoch: Epoch | None = None) -> np.ndarray:
+        size = self._over(size, count)
         self._start_tree(size)
         return super().sample(count, size, rng, epoch)
 

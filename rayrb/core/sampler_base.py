@@ -28,8 +28,9 @@ class Sampler:
     def on_write(self, idx: np.ndarray) -> None:
         """Slots ``idx`` now hold new rows."""
 
-    def info(self, idx: np.ndarray) -> dict[str, np.ndarray]:
-        """Per-row provenance beyond index and generation."""
+    def info(self, idx: np.ndarray, generation: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        """Per-row provenance beyond index and generation; ``generation``: the slots' generations as the read
+        found them (a reader copying while another process writes), else read now."""
         return {}
 
     def mass(self, size: int) -> tuple[float, float]:

@@ -235,10 +235,11 @@ class EpisodeSlices(Sampler):
         its episodes held an older one): their episodes are found again at the next read."""
         self._held.forget()
 
-    def info(self, idx: np.ndarray) -> dict[str, np.ndarray]:
+    def info(self, idx: np.ndarray, generation: np.ndarray | None = None) -> dict[str, np.ndarray]:
         """Each drawn step's ``episode_start``: the row number, in this shard's write stream, of its episode's first
-        step still held (offline: that step's index in the shard), by the episodes the draw was made over. The
-        steps of one slice share it; two episodes held at once never do.
+        step still held (offline: that step's index in the shard), by the episodes the draw was made over and the
+        rows the read found in the slots (``generation``, else the slots' now). The steps of one slice share it;
+        two episodes held at once never do.
 
         >>> s = EpisodeSlices(capacity=6, slice_len=2, slice_key="e")
         >>> s.bind({"e": np.array([0, 0, 0, 1, 1, 2])}, None)
@@ -252,7 +253,7 @@ class EpisodeSlices(Sampler):
         starts = self._drawn[1].episodes.starts
         if not starts.size:
             return {"episode_start": np.zeros(idx.size, np.int64)}
-        at = np.searchsorted(starts, self._rows(idx), side="right") - 1
+        at = np.searchsorted(starts, self._held.rows(idx, generation), side="right") - 1
         return {"episode_start": starts[np.maximum(at, 0)]}
 
     def _rows(self, slots: np.ndarray) -> np.ndarray:
@@ -267,10 +268,22 @@ class EpisodeSlices(Sampler):
     def _moved(self, before: tuple[Stream, Slices], after: tuple[Stream, Slices]) -> None:
         """The episodes held went from ``before`` to ``after`` by an append: what is built on them may follow."""
 
+    def _over(self, size: int, count: int) -> int:
+        """The slots a read of ``count`` rows draws over: the ``size`` it was planned over or, where a read planned
+        before the shard had filled its slots finds no whole slice left among them (rows written since overwrote
+        them), every slot the shard holds now. The plan's count of slices stands; only the shard they come from
+        was chosen by the slices it held then."""
+        if count and size < self._held.capacity and self._slices(size).total == 0:
+            now = self._held.held_size()
+            if now > size:
+                return now
+        return size
+
     def sample(self, count: int, size: int, rng: np.random.Generator | None, epoch: Epoch | None = None) -> np.ndarray:
         if count % self._len:
             raise DrawError(f"expected a read of whole slices ({self._len} rows each), got {count} rows")
         k = count // self._len
+        size = self._over(size, count)
         slices = self._slices(size)
         self._drawn = (size, slices)
         if k and slices.total == 0:

@@ -193,7 +193,7 @@ class OnlineReader(Reader):
         now = time.monotonic()
         if now - self._checked >= TRUST and self._current(now) is not maps:
             return None  # the copy outlasted the check: the files may have been made afresh meanwhile
-        return {"index": idx, "generation": before, **self._sampler.info(idx)}
+        return {"index": idx, "generation": before, **self._sampler.info(idx, before)}
 
 
 def slice_options(layout: ShardLayout) -> dict[str, Any]:

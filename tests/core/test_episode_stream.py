@@ -6,7 +6,7 @@ import pytest
 
 from rayrb.core.episode_stream import appended, scan
 from rayrb.core.samplers import make_sampler
-from rayrb.errors import InvalidArgumentError
+from rayrb.errors import DrawError, InvalidArgumentError
 
 
 def episodes(stream):
@@ -235,6 +235,32 @@ def test_pieces_landing_in_any_order_leave_the_episodes_a_fresh_scan_finds(kind)
             if int(ring.written[0]) != before and kind == "slice":
                 assert slices_of(ring.reader, n) == expected
     assert evicted > 5  # late pieces that kept no slot
+
+
+@pytest.mark.parametrize("kind", ["slice", "prioritized_slice"])
+def test_a_read_planned_before_the_shard_filled_whose_slices_were_all_overwritten_draws_over_what_it_holds(kind):
+    """Capacity 8, slices of 3: a read planned at count 4 (rows 0-3, one episode: 2 slices) reaches the shard at
+    count 10, when rows 8-9 (two episodes of one step) overwrote slots 0-1: the 4 slots it was planned over hold
+    no whole slice. It draws its slices over every slot held instead (rows 4-7, one episode), as the shard and a
+    reader of its files both do, and each step's ``episode_start`` is that of the rows the read found."""
+    ring = Ring(8, ends=False, kind=kind, slice_len=3)
+    ring.write(np.ones(4, np.int64))
+    readers = [ring.shard, ring.reader] if kind == "slice" else [ring.shard]
+    for sampler in readers:
+        assert sampler.mass(4)[0] > 0
+    ring.write(np.array([2, 2, 2, 2, 3, 4]))
+    assert slices_of(ring.fresh(), 4)[2] == 0 and slices_of(ring.fresh(), 8)[2] == 2
+    draws = []
+    for sampler in readers:
+        slots = sampler.sample(3 * 5, 4, np.random.default_rng(0))
+        rows = (ring.generation[slots] - 1) * 8 + slots
+        assert set(rows.tolist()) <= {4, 5, 6, 7} and (np.diff(rows.reshape(-1, 3), axis=1) == 1).all()
+        assert sampler.info(slots, ring.generation[slots])["episode_start"].tolist() == [4] * 15
+        draws.append(slots.tolist())
+    assert all(d == draws[0] for d in draws)
+    ring.write(np.array([5, 6, 7, 8, 9, 10, 11, 12]))  # every slot a one-step episode: nothing to draw anywhere
+    with pytest.raises(DrawError, match="no episode here holds that many"):
+        ring.shard.sample(3, 4, np.random.default_rng(0))
 
 
 def test_a_read_over_more_slots_than_bound_is_refused():
