@@ -101,6 +101,12 @@ class SliceSampler:
     prioritized: bool = False
 
     def __post_init__(self) -> None:
+        for name in ("strict_length", "replacement", "prioritized"):  # numpy's booleans as Python's
+            if isinstance(getattr(self, name), np.bool_):
+                object.__setattr__(self, name, bool(getattr(self, name)))
+        for name in ("traj_key", "end_key"):  # a nested key as a list: a tuple, so the sampler hashes and compares
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
         if self.prioritized is not False and (self.prioritized is not True or not self.replacement):
             raise InvalidArgumentError(f"expected prioritized=True with replacement=True, or prioritized=False, got "
                                        f"prioritized={self.prioritized!r}, replacement={self.replacement!r}")

@@ -263,3 +263,22 @@ def test_without_replacement_each_valid_slice_of_each_offline_shard_comes_once_a
             assert sorted(got) == sorted(expected)  # each once
         else:
             assert len(got) == len(set(got)) and set(got) <= set(expected)  # once at most: the rest dropped
+
+
+def test_numpy_booleans_and_list_keys_are_taken_as_their_python_values():
+    """Options as a config file or numpy gives them: ``np.False_`` is False, a key as a list is its tuple (so the
+    sampler hashes, compares equal to the same sampler, and resolves the same key)."""
+    a = SliceSampler(slice_len=2, end_key=["next", "done"], strict_length=np.False_, replacement=np.True_)
+    b = SliceSampler(slice_len=2, end_key=("next", "done"), strict_length=False)
+    assert a == b and hash(a) == hash(b) and a.strict_length is False and a.replacement is True
+    assert a.resolve(["next/done", "obs"], None) == b.resolve(["next/done", "obs"], None)
+
+
+def test_a_planner_of_slices_needs_no_import_of_the_shards_samplers_first():
+    import subprocess
+    import sys
+
+    code = ("from rayrb.core.planner import Planner\nfrom rayrb.core.plans import OFFLINE, ONLINE\n"
+            "print(type(Planner({OFFLINE: 1, ONLINE: 1}, sampler='slice', slice_len=2, seed=0).alloc).__name__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "SliceAllocator", out.stderr[-2000:]
