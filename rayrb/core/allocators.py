@@ -315,8 +315,6 @@ def register_allocator(name: str, cls: type[Allocator]) -> None:
 
 
 def allocator_class(name: str) -> type[Allocator]:
-    if isinstance(name, str) and name not in ALLOCATORS:
-        import rayrb.core.samplers  # noqa: F401  (registers the kinds whose two halves are registered together)
     if not isinstance(name, str) or name not in ALLOCATORS:
         raise InvalidArgumentError(f"sampler must be one of {tuple(ALLOCATORS)}, got {name!r}")
     return ALLOCATORS[name]

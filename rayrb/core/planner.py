@@ -38,9 +38,9 @@ from typing import Any
 import numpy as np
 
 from rayrb.core.allocation import split_checked, split_slices, whole_items
-from rayrb.core.allocators import make_allocator
 from rayrb.core.plans import OFFLINE, ONLINE, SIDES, BatchPlan, Part
 from rayrb.core.rate_limiter import ALL_OFFLINE, WAIT, make_rate_limiter
+from rayrb.core.samplers import make_allocator  # with every kind registered (both halves: rayrb.core.samplers)
 from rayrb.core.sampling_state import checked_state
 from rayrb.core.schedules import Constant, Linear, make_schedule, value_at
 from rayrb.core.validation import BETA, non_negative_int, positive_int
