@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from rayrb.errors import InvalidArgumentError
+from rayrb.io.arrow import COLUMNS
 from rayrb.io.chunk_dataset import ChunkDataset
 
 
@@ -24,13 +25,21 @@ def export_parquet(dataset: ChunkDataset | str | os.PathLike, dest: str | os.Pat
     """Write a chunk dataset as Parquet, one file per chunk, for Ray Data and pandas users.
 
     Multi-dimensional rows become (nested) fixed-size lists; nested keys become
-    ``a.b`` column names; the row spec is kept in the schema metadata, so
-    ``arrow_to_arrays`` restores shapes and dtypes exactly.
+    ``a.b`` column names; the row spec and each column's key are kept in the schema
+    metadata, so ``arrow_to_arrays`` restores keys, shapes and dtypes exactly. Two
+    keys that would name one column (``a.b`` and ``a/b``) are refused.
     """
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     ds = dataset if isinstance(dataset, ChunkDataset) else ChunkDataset.open(dataset)
+    columns: dict[str, str] = {}
+    for k in ds.spec:
+        if k.replace("/", ".") in columns:
+            raise InvalidArgumentError(f"keys {columns[k.replace('/', '.')]!r} and {k!r}: expected keys that name "
+                                       f"one Parquet column each, got both as column {k.replace('/', '.')!r}")
+        columns[k.replace("/", ".")] = k
+    metadata = {b"rayrb.spec": json.dumps(ds.spec.to_json()).encode(), COLUMNS: json.dumps(columns).encode()}
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -43,7 +52,7 @@ def export_parquet(dataset: ChunkDataset | str | os.PathLike, dest: str | os.Pat
             for dim in reversed(f.shape):
                 col = pa.FixedSizeListArray.from_arrays(col, dim)
             cols[k.replace("/", ".")] = col
-        table = pa.table(cols).replace_schema_metadata({b"rayrb.spec": json.dumps(ds.spec.to_json()).encode()})
+        table = pa.table(cols).replace_schema_metadata(metadata)
         path = dest / f"{c.path}.parquet"
         pq.write_table(table, path)
         paths.append(path)
