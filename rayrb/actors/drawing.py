@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from rayrb.core.ahead import AheadLog, GiveBack
-from rayrb.core.planner import Planner
+from rayrb.core.planner import Planner, parts_checked
 from rayrb.core.plans import OFFLINE, ONLINE, SIDES, BatchPlan, GroupPlan, Part, route_priorities
 from rayrb.core.rate_limiter import CALLS
 from rayrb.core.samplers import stored_priorities
@@ -110,7 +110,7 @@ class Drawing:
         if stream is not None and served is not None:
             self.ahead.served(stream, int(served))
         num_batches = positive_int("num_batches", num_batches)
-        batch_size = self.planner.check_parts(batch_size, slices)
+        batch_size = parts_checked(batch_size, slices, self.planner.alloc.unit)
         if owing is not None or (self.ahead.orphans and slices == 1):  # batches no handle will serve go first
             adopted = self._adopt(batch_size, num_batches, stream, version, sizes, owing)
             if adopted is not None or owing is not None:

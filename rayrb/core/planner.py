@@ -144,7 +144,7 @@ class Planner:
         ``checked``: the caller checked ``batch_size`` and ``num_slices`` (once for a group).
         """
         if not checked:
-            batch_size = self.check_parts(batch_size, num_slices)
+            batch_size = parts_checked(batch_size, num_slices, self.alloc.unit)
         saved = self.snapshot()
         try:
             out = self._draw(batch_size, num_slices, sizes, totals)
@@ -153,18 +153,6 @@ class Planner:
             raise
         self.last_snapshot = saved  # the state before the draw that just succeeded
         return out
-
-    def check_parts(self, batch_size: Any, num_slices: int) -> int:
-        """``batch_size``, checked, for a batch cut into ``num_slices`` parts (learners' shares): each part holds
-        at least one row, or with slices of episodes one slice."""
-        batch_size = positive_int("batch_size", batch_size)
-        unit = self.alloc.unit
-        if unit == 1 and not 1 <= num_slices <= batch_size:
-            raise InvalidArgumentError(f"num_slices must be in [1, batch_size={batch_size}], got {num_slices}")
-        if unit > 1 and not 1 <= num_slices <= batch_size // unit:
-            raise InvalidArgumentError(f"num_slices must be in [1, {batch_size // unit}] (a part of at least one of "
-                                       f"the batch's {batch_size // unit} slices of {unit} steps), got {num_slices}")
-        return batch_size
 
     def _draw(self, batch_size: int, num_slices: int, sizes: Sizes,
               totals: tuple[int, int] | None) -> list[tuple[BatchPlan, Reads]]:
@@ -319,3 +307,20 @@ def items(alloc: Any, batch_size: int, sizes: Sizes, online: int, fraction: floa
     if alloc.unit == 1:
         return batch_size, fraction, online
     return whole_items(batch_size, alloc.unit), fraction, alloc.drawable(ONLINE, sizes[ONLINE])
+
+
+def parts_checked(batch_size: Any, num_slices: int, unit: int = 1) -> int:
+    """``batch_size``, checked, for a batch cut into ``num_slices`` parts (learners' shares): each part holds at
+    least one row, or with slices of ``unit`` steps one slice.
+
+    >>> parts_checked(8, 3, unit=4)
+    Traceback (most recent call last):
+    rayrb.errors.InvalidArgumentError: num_slices must be in [1, 2] (a part of at least one of the batch's 2 slices of 4 steps), got 3
+    """
+    batch_size = positive_int("batch_size", batch_size)
+    if unit == 1 and not 1 <= num_slices <= batch_size:
+        raise InvalidArgumentError(f"num_slices must be in [1, batch_size={batch_size}], got {num_slices}")
+    if unit > 1 and not 1 <= num_slices <= batch_size // unit:
+        raise InvalidArgumentError(f"num_slices must be in [1, {batch_size // unit}] (a part of at least one of the "
+                                   f"batch's {batch_size // unit} slices of {unit} steps), got {num_slices}")
+    return batch_size
