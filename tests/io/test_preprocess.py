@@ -10,6 +10,7 @@ import torch
 from conftest import run_marked
 from tensordict import TensorDict
 
+import rayrb.io.preprocess as preprocess_module
 from rayrb import ChunkDataset, OfflineToOnlineReplayBuffer, PreprocessError, export_parquet, preprocess, write_dataset
 from rayrb.io.preprocess import arrow_to_arrays
 
@@ -75,7 +76,7 @@ def make_flaky(control):
     return flaky
 
 
-def test_resume_recomputes_only_missing_or_corrupt_chunks(tmp_path):
+def test_resume_recomputes_only_missing_or_corrupt_chunks(tmp_path, monkeypatch):
     src = source(tmp_path, n=200)  # 5 input chunks of 40 rows
     log, control = tmp_path / "calls.log", tmp_path / "control.json"
     flaky = make_flaky(str(control))
@@ -87,7 +88,19 @@ def test_resume_recomputes_only_missing_or_corrupt_chunks(tmp_path):
         return preprocess(src, flaky, tmp_path / "out", batched=True, chunk_rows=40, num_workers=1, pbar=False)
 
     with pytest.raises(PreprocessError, match=r"chunk-00002 \(rows 80..119\): RuntimeError: worker lost"):
-        run(fail=[80])  # the run dies at its third chunk
+        run(fail=[80])  # fn raises at its third chunk
+    assert not (tmp_path / "out").exists()  # a run that raised leaves dest as it found it (contract 9)
+    check_spec = preprocess_module._check_spec
+
+    def interrupted(infos, i):  # Ctrl-C once two chunks are done: an interrupted run keeps them
+        check_spec(infos, i)
+        if len(infos) == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(preprocess_module, "_check_spec", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run(fail=[])
+    monkeypatch.setattr(preprocess_module, "_check_spec", check_spec)
     assert not (tmp_path / "out" / "manifest.json").exists()
     done_before = sorted(p.name for p in (tmp_path / "out").glob("*.done.json"))
     assert "chunk-00002.done.json" not in done_before and "chunk-00000.done.json" in done_before
