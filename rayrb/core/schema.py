@@ -46,6 +46,20 @@ def key_str(key: str | tuple[str, ...]) -> str:
     return key if isinstance(key, str) else SEP.join(key)
 
 
+_UNSAFE = frozenset('/<>:"|?*\\ \0%' + "".join(map(chr, range(32))) + chr(127))
+MAX_FILE_NAME = 255 - len(".memmap")  # bytes of a key part's file name (a file system's limit on a name)
+
+
+def file_part(name: str) -> str:
+    """The file (or directory) name a chunk gives key part ``name``: tensordict's, with each character a file
+    name cannot hold (or that the encoding itself uses) as ``%XX``.
+
+    >>> file_part("sepal length"), file_part("ratio%"), file_part("obs")
+    ('sepal%20length', 'ratio%25', 'obs')
+    """
+    return "".join(f"%{ord(c):02X}" if c in _UNSAFE else c for c in name)
+
+
 def field_spec(key: Any, shape: Any, dtype: Any) -> "FieldSpec":
     """One key's ``FieldSpec``, after checking what files and tensors are made of it: a key whose ``/``-parts
     name directories inside a chunk (none empty, ``.`` or ``..``), a shape of non-negative ints, a stored dtype.
@@ -60,6 +74,10 @@ def field_spec(key: Any, shape: Any, dtype: Any) -> "FieldSpec":
     if not isinstance(key, str) or any(p in ("", ".", "..") or "\0" in p for p in key.split(SEP)):
         raise SchemaError(f"key {key!r}: expected a key of /-separated names, none empty, '.' or '..' "
                           f"(they name files), got {key!r}")
+    long = [p for p in key.split(SEP) if len(file_part(p).encode()) > MAX_FILE_NAME]
+    if long:
+        raise SchemaError(f"key {key[:60]!r}: expected names of at most {MAX_FILE_NAME} bytes as files (they name "
+                          f"files), got {len(file_part(long[0]).encode())} for {long[0][:40]!r}...")
     if not isinstance(shape, (list, tuple)) or not all(type(s) is int and s >= 0 for s in shape):
         raise SchemaError(f"key {key!r}: expected a shape of non-negative integers, got {shape!r}")
     if math.prod(shape) > MAX_ROW_VALUES:  # numpy could not make an array of even one such row
@@ -88,6 +106,12 @@ class RowSpec:
         if not fields:
             raise SchemaError("a row spec needs at least one key, got none")
         self._fields = dict(sorted((key_str(k), v) for k, v in fields.items()))
+        for b in self._fields:
+            parts = b.split(SEP)
+            a = next((SEP.join(parts[:i]) for i in range(1, len(parts)) if SEP.join(parts[:i]) in self._fields), None)
+            if a is not None:
+                raise SchemaError(f"keys {a!r} and {b!r}: expected a key to be a value or hold keys under it, got "
+                                  "both (they name one file and one directory)")
 
     # construction -------------------------------------------------------------
     @classmethod

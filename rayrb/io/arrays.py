@@ -70,6 +70,8 @@ def to_numpy_dict(data: Any) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
 
     def visit(prefix: str, value: Any) -> None:
+        if prefix in out:  # "a/b" and {"a": {"b": ...}}: one of them would be dropped
+            raise SchemaError(f"key {prefix!r}: expected it once, got it twice (as a flat key and nested)")
         if isinstance(value, Mapping) or is_tensordict(value):
             for k in value.keys():
                 visit(f"{prefix}{SEP}{k}" if prefix else str(k), value[k])

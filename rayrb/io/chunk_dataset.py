@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from rayrb.core.schema import SEP, RowSpec
+from rayrb.core.schema import SEP, RowSpec, file_part
 from rayrb.errors import ChunkError, InvalidArgumentError, ReadOnlyError, RowIndexError
 from rayrb.io.gather import READ_THREADS, ColdReads, ColumnFile, ReadPolicy, copy_out, open_columns
 from rayrb.io.hashing import hash_algorithm, hash_arrays
@@ -39,13 +39,23 @@ def map_chunk(directory: str | os.PathLike, spec: RowSpec, rows: int, mode: str 
     return out
 
 
+def key_file(directory: str | os.PathLike, key: str) -> Path:
+    """The file of ``key`` in a chunk: its parts named as tensordict names them (``rayrb.core.schema.file_part``),
+    or as they are, as a tensordict that did not encode them wrote them."""
+    *parents, leaf = parts = key.split(SEP)
+    encoded = Path(directory).joinpath(*map(file_part, parents), f"{file_part(leaf)}.memmap")
+    if all(file_part(p) == p for p in parts) or encoded.exists():
+        return encoded
+    raw = Path(directory).joinpath(*parents, f"{leaf}.memmap")
+    return raw if raw.exists() else encoded
+
+
 def _chunk_files(directory: str | os.PathLike, spec: RowSpec, rows: int) -> dict[str, tuple[Path, tuple, np.dtype]]:
     """Each key's ``(file, shape, dtype)`` in one chunk, after checking the file exists with its exact size."""
     directory = Path(directory)
     out = {}
     for k, f in spec.items():
-        *parents, leaf = k.split(SEP)
-        path = directory.joinpath(*parents, f"{leaf}.memmap")
+        path = key_file(directory, k)
         shape = (rows, *f.shape)
         want = math.prod(shape) * np.dtype(f.dtype).itemsize  # exact: a manifest's shape may be huge, never wraps
         try:

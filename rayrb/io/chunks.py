@@ -53,7 +53,8 @@ from rayrb.errors import (
     InvalidArgumentError,
     ReadOnlyError,  # noqa: F401  (re-exported)
 )
-from rayrb.io.chunk_dataset import ChunkDataset, map_chunk  # noqa: F401  (re-exported)
+from rayrb.io.chunk_dataset import ChunkDataset, key_file, map_chunk  # noqa: F401  (re-exported)
+from rayrb.io.claim import Claim
 from rayrb.io.files import pwrite_all, reserve
 from rayrb.io.hashing import (  # noqa: F401  (re-exported)
     DEFAULT_HASH,
@@ -114,8 +115,7 @@ def write_chunk(arrays: Mapping[str, np.ndarray], directory: str | os.PathLike, 
         h.header(k, a.dtype, a.shape)
         if a.nbytes == 0:
             continue
-        *parents, leaf = k.split(SEP)
-        fd = os.open(directory.joinpath(*parents, f"{leaf}.memmap"), os.O_WRONLY)
+        fd = os.open(key_file(directory, k), os.O_WRONLY)
         try:
             reserve(fd, a.nbytes)
             offset = 0
@@ -127,19 +127,17 @@ def write_chunk(arrays: Mapping[str, np.ndarray], directory: str | os.PathLike, 
             os.close(fd)
     return ChunkInfo(path=directory.name, rows=rows, hash=h.hexdigest())
 
-def new_dataset_root(root: str | os.PathLike, overwrite: bool = False) -> Path:
-    """Make ``root`` ready for a new dataset: it must be absent or empty, unless ``overwrite`` clears it."""
-    root = Path(root)
-    if root.exists() and not root.is_dir():  # never removed, even with overwrite: it is not a dataset
-        raise DirectoryNotEmptyError(f"expected an absent or empty directory for a new chunk dataset, got a file at "
-                                     f"{root}")
-    if root.exists() and any(root.iterdir()):
+def new_dataset_root(root: str | os.PathLike, overwrite: bool = False) -> Claim:
+    """``root`` held for a new dataset (``rayrb.io.claim``): it must be absent or empty, unless ``overwrite`` clears
+    it. The caller releases the claim when its write ends (``undo=True`` where it failed)."""
+    claim = Claim(root)
+    if claim.others():
         if not overwrite:
+            claim.release()
             raise DirectoryNotEmptyError(
-                f"expected an absent or empty directory for a new chunk dataset, got non-empty {root}")
-        shutil.rmtree(root)
-    root.mkdir(parents=True, exist_ok=True)
-    return root
+                f"expected an absent or empty directory for a new chunk dataset, got non-empty {claim.root}")
+        claim.clear()
+    return claim
 
 
 def flat_arrays(data: Any) -> dict[str, np.ndarray]:
@@ -169,8 +167,10 @@ def write_dataset(
 ) -> "ChunkDataset":
     """Write rows (a TensorDict or a flat/nested dict of arrays) as a chunk dataset under ``root``.
 
-    ``root`` must be absent or empty unless ``overwrite=True``. The manifest is
-    written after the last chunk, so an interrupted call leaves no dataset. ``pbar``
+    ``root`` must be absent or empty unless ``overwrite=True``, and written by one
+    writer at a time (``rayrb.io.claim``). The manifest is written after the last
+    chunk, so an interrupted call leaves no dataset; one that raises leaves ``root``
+    as it found it (removed, where it made it). ``pbar``
     shows a progress bar over chunks. Rows that do not fit in memory: ``write_batches``
     (``rayrb.io.streaming``) writes the same chunks from a stream of batches, resumably.
     """
@@ -184,7 +184,8 @@ def write_dataset(
     from rayrb.core.validation import positive_int
 
     chunk_rows = positive_int("chunk_rows", chunk_rows)
-    root = new_dataset_root(root, overwrite)
+    claim = new_dataset_root(root, overwrite)
+    root = claim.root
     from rayrb.io.progress import progress
 
     bar = progress(-(-rows // chunk_rows), unit="chunks", desc=f"write {root.name}", enabled=pbar)
@@ -193,7 +194,11 @@ def write_dataset(
         for i, block in enumerate(iter_row_blocks(arrays, rows, chunk_rows)):
             chunks.append(write_chunk(block, root / chunk_name(i), spec))
             bar.update(1)
+        write_manifest(root, spec, chunks, source=source, recipe=recipe)
+    except BaseException:  # a write that fails leaves the directory as it found it (or none)
+        claim.release(undo=True)
+        raise
     finally:
         bar.close()
-    write_manifest(root, spec, chunks, source=source, recipe=recipe)
+    claim.release()
     return ChunkDataset.open(root)

@@ -24,8 +24,6 @@ Examples:
 """
 from __future__ import annotations
 
-import hashlib
-import inspect
 import json
 import math
 import os
@@ -57,10 +55,9 @@ from rayrb.io.chunks import (
     write_chunk,
     write_manifest,
 )
+from rayrb.io.destination import entries, fn_fingerprint, prepare_dest, roll_back
 from rayrb.io.files import replace_file
 from rayrb.io.parquet import export_parquet, parquet_files  # noqa: F401  (export_parquet: re-exported)
-
-JOB_FILE = ".rayrb-job.json"
 
 
 # ---------------------------------------------------------------------------- sources
@@ -163,24 +160,6 @@ def _process(unit: tuple, index: int, fn: Callable, batched: bool, dest: str) ->
 
 
 # ---------------------------------------------------------------------------- the driver
-def _fn_fingerprint(fn: Callable) -> str:
-    """``fn`` by its name, its source and what the tasks are sent of it (its pickle: the values a closure or a
-    default captured, which one source text shares across ``make_fn(2)`` and ``make_fn(3)``), so a run resumes
-    only the chunks the same function made."""
-    from ray import cloudpickle
-
-    try:
-        body = inspect.getsource(fn).encode()
-    except (OSError, TypeError):
-        body = repr(fn).encode()
-    try:
-        body += cloudpickle.dumps(fn)
-    except Exception:  # not picklable: the tasks cannot be sent it either, and say so
-        pass
-    name = f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
-    return name + ":" + hashlib.sha256(body).hexdigest()[:16]
-
-
 def _finished(dest: Path, index: int) -> dict[str, Any] | None:
     """The recorded info of a finished chunk whose files still match its hash, else None."""
     marker = dest / f"{chunk_name(index)}.done.json"
@@ -219,15 +198,12 @@ def preprocess(
             ``[n]`` rows out (the fast path). The output spec is taken from the first
             chunk and every chunk must match it.
         dest: the new dataset's directory: absent, empty, or an interrupted run of the
-            same job (which is resumed). A run that raises (``fn`` raised, a chunk's task
-            failed) leaves it as it was: what the run made is removed; an interruption
-            (Ctrl-C, a killed driver) keeps its finished chunks for the next run.
+            same job, resumed (``rayrb.io.destination``: a run that raises leaves it as it was).
         num_workers: tasks running at once (default: the cluster's CPUs).
         chunk_rows: input rows per task and output chunk.
         num_frames: transform only the first ``num_frames`` rows (to debug ``fn``).
         pbar: show a progress bar over rows (rows/s, ETA).
-        resume: keep finished chunks of an interrupted run; False recomputes them, and
-            may start over a ``dest`` an unfinished run of another job left (no manifest).
+        resume: keep finished chunks of an interrupted run; False recomputes them (even another job's).
         task_options: extra ``.options(...)`` for the tasks (default ``num_cpus=1``,
             spread over nodes).
     """
@@ -251,7 +227,7 @@ def preprocess(
     units, fingerprint, owned = _units(source, chunk_rows, num_workers, num_frames)
     if not units:
         raise InvalidArgumentError("expected at least one row to preprocess, got 0")
-    job = {"source": fingerprint, "fn": _fn_fingerprint(fn), "batched": bool(batched),
+    job = {"source": fingerprint, "fn": fn_fingerprint(fn), "batched": bool(batched),
            "units": [list(u[2:]) for u in units], "num_frames": num_frames}
     try:
         return _run(units, job, fn, dest, batched, num_workers, pbar, resume, task_options or {})
@@ -266,49 +242,6 @@ def _source_root(source: Any) -> Path | None:
     if isinstance(source, (str, os.PathLike)) and Path(source).exists():
         return Path(source).resolve()
     return None
-
-
-def _prepare_dest(dest: Path, job: dict, resume: bool) -> None:
-    job_file = dest / JOB_FILE
-    if dest.exists() and any(dest.iterdir()):
-        try:
-            previous = json.loads(job_file.read_text())
-        except (OSError, ValueError):
-            previous = None
-        if previous != job and not (previous is not None and not resume and _unfinished_run(dest)):
-            raise InvalidArgumentError(
-                f"dest {dest} is not empty and is not an interrupted run of this job "
-                f"({'no ' + JOB_FILE if previous is None else 'different source, fn or arguments'}); "
-                "choose an empty directory"
-            )
-        if not resume:
-            for p in dest.iterdir():
-                shutil.rmtree(p) if p.is_dir() else p.unlink()
-    dest.mkdir(parents=True, exist_ok=True)
-    if not job_file.exists():
-        replace_file(job_file, json.dumps(job))
-
-
-def _unfinished_run(dest: Path) -> bool:
-    """Whether ``dest`` holds only what an unfinished preprocess run leaves (its job file, chunks and their
-    markers; no manifest): what ``resume=False`` may clear for another job."""
-    return all(p.name == JOB_FILE or p.name.startswith("chunk-") for p in dest.iterdir())
-
-
-def _entries(dest: Path) -> set[str] | None:
-    """What ``dest`` holds before a run (None: it does not exist)."""
-    return set(os.listdir(dest)) if dest.is_dir() else None
-
-
-def _roll_back(dest: Path, before: set[str] | None) -> None:
-    """A run that raised leaves ``dest`` as it found it (contract 9): what it made goes (``dest`` too, where it
-    made it); an earlier run's finished chunks, kept for a resume, stay."""
-    if before is None:
-        shutil.rmtree(dest, ignore_errors=True)
-        return
-    for name in set(os.listdir(dest)) - before if dest.is_dir() else ():
-        path = dest / name
-        shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
 
 
 def _check_spec(infos: dict[int, dict], i: int) -> None:
@@ -349,12 +282,12 @@ def in_flight_limit(num_workers: int, cluster_cpus: float, task_cpus: float) -> 
 def _run(units, job, fn, dest: Path, batched, num_workers, pbar, resume, task_options) -> ChunkDataset:
 
 
-    before = _entries(dest)
-    _prepare_dest(dest, job, resume)
+    before = entries(dest)
+    prepare_dest(dest, job, resume)
     try:
         return _map(units, job, fn, dest, batched, num_workers, pbar, resume, task_options)
     except Exception:  # an interruption (Ctrl-C, a killed driver) keeps what was made, for a resumed run
-        _roll_back(dest, before)
+        roll_back(dest, before)
         raise
 
 

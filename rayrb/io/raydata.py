@@ -21,7 +21,6 @@ import functools
 import json
 import math
 import os
-import shutil
 import uuid
 from collections.abc import Iterable
 from pathlib import Path
@@ -164,7 +163,8 @@ def write_ray_dataset(
     if not isinstance(dataset, ray.data.Dataset):
         raise InvalidArgumentTypeError(f"expected a ray.data.Dataset, got {type(dataset).__name__}")
     chunk_rows = optional_positive_int("chunk_rows", chunk_rows)
-    root = new_dataset_root(Path(root).resolve(), overwrite)
+    claim = new_dataset_root(Path(root).resolve(), overwrite)
+    root = claim.root
     written = dataset.map_batches(_write_block, batch_format="pyarrow", batch_size=chunk_rows,
                                   fn_kwargs={"root": str(root)}, zero_copy_batch=True)
     options = written.context.execution_options  # shared with `dataset`: set only while this runs
@@ -187,8 +187,9 @@ def write_ray_dataset(
                                   "shapes and dtypes")
         write_manifest(root, specs[0], [ChunkInfo(**i) for i in infos], source=source or {"kind": SOURCE_KIND})
     except BaseException:
-        shutil.rmtree(root, ignore_errors=True)
+        claim.release(undo=True)
         raise
     finally:
         options.preserve_order = preserve
+    claim.release()
     return ChunkDataset.open(root)

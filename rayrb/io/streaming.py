@@ -33,9 +33,10 @@ import numpy as np
 
 from rayrb.core.schema import RowSpec
 from rayrb.core.validation import positive_int
-from rayrb.errors import InvalidArgumentError, SchemaError
+from rayrb.errors import DirectoryNotEmptyError, InvalidArgumentError, SchemaError
 from rayrb.io.chunk_dataset import ChunkDataset
-from rayrb.io.chunks import default_chunk_rows, flat_arrays, new_dataset_root, write_chunk
+from rayrb.io.chunks import default_chunk_rows, flat_arrays, write_chunk
+from rayrb.io.claim import Claim
 from rayrb.io.manifest import MANIFEST, ChunkInfo, chunk_name, read_manifest, write_manifest
 from rayrb.io.progress import progress
 
@@ -66,15 +67,34 @@ def write_batches(batches: Iterable[Any] | Callable[[int], Iterable[Any]], root:
     root = Path(root)
     if resume and (root / MANIFEST).is_file():
         return ChunkDataset.open(root)
+    claim = Claim(root)  # one writer at a time, from here to the end (rayrb.io.claim)
+    try:
+        return _write_stream(claim, batches, chunk_rows, rows, resume, overwrite, pbar, source, recipe)
+    finally:
+        claim.release()
+
+
+def _write_stream(claim: Claim, batches: Any, chunk_rows: int | None, rows: int | None, resume: bool,
+                  overwrite: bool, pbar: bool, source: Any, recipe: Any) -> ChunkDataset:
+    root = claim.root
+    if resume and (root / MANIFEST).is_file():  # finished by a writer that held it a moment ago
+        return ChunkDataset.open(root)
     done = _recorded(root) if resume else None
-    if done is None:
-        root = new_dataset_root(root, overwrite)
+    if done is None and claim.others():
+        # a write killed within its first chunk leaves chunks and no record: resumed from row 0
+        if overwrite or (resume and all(p.name.startswith("chunk-") for p in claim.others())):
+            claim.clear()
+        else:
+            raise DirectoryNotEmptyError(f"expected an absent or empty directory for a new chunk dataset, or a "
+                                         f"write to resume, got non-empty {root}")
     spec, chunks = done if done is not None else (None, [])
     start = sum(c.rows for c in chunks)
-    if chunks and chunk_rows is not None and chunks[0].rows != chunk_rows:
+    # a stream shorter than one chunk, ended: its one chunk holds every row, fewer than chunk_rows
+    short = len(chunks) == 1 and chunk_rows is not None and chunks[0].rows < chunk_rows
+    if chunks and chunk_rows is not None and chunks[0].rows != chunk_rows and not short:
         raise InvalidArgumentError(f"expected chunk_rows={chunks[0].rows} to resume the write at {root} (its "
                                    f"chunks hold that many rows), got {chunk_rows}")
-    chunk_rows = chunks[0].rows if chunks else chunk_rows
+    chunk_rows = chunks[0].rows if chunks and not short else chunk_rows
     ended = bool(chunks) and chunks[-1].rows < chunk_rows  # the recorded stream ended with a short chunk
     stream = _from(batches, start)
     bar = progress(rows or 0, desc=f"write {root.name}", unit="rows", initial=start, enabled=pbar)

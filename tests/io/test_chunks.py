@@ -101,9 +101,15 @@ def test_crash_between_chunks_and_manifest_leaves_no_dataset(tmp_path, monkeypat
     monkeypatch.setattr(chunks, "write_manifest", crash)
     with pytest.raises(KeyboardInterrupt):
         write_dataset({"x": np.arange(8.0)}, tmp_path / "ds", chunk_rows=4)
-    assert (tmp_path / "ds" / "chunk-00001").is_dir()  # the chunks were written...
-    with pytest.raises(ChunkError, match="found none"):  # ...but there is no dataset
-        ChunkDataset.open(tmp_path / "ds")
+    assert not (tmp_path / "ds").exists()  # an interrupted call takes back what it made
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(KeyboardInterrupt):
+        write_dataset({"x": np.arange(8.0)}, tmp_path / "empty", chunk_rows=4)
+    assert list((tmp_path / "empty").iterdir()) == []
+    # a process killed there leaves its chunks (nothing runs to take them back), and no dataset
+    chunks.write_chunk({"x": np.arange(4.0)}, tmp_path / "killed" / "chunk-00000")
+    with pytest.raises(ChunkError, match="found none"):
+        ChunkDataset.open(tmp_path / "killed")
 
 
 def test_manifest_write_is_atomic(tmp_path, monkeypatch):
