@@ -312,7 +312,7 @@ def route_priorities(offline: Any, shard: Any, index: Any, generation: Any, prio
     [('offline', 1, [3, 0]), ('online', 0, [2])]
     """
     offline = _flags("offline", offline)
-    shard, index, generation = _integers("shard", shard), _integers("index", index), _integers("generation", generation)
+    shard, index, generation = checked_integers("shard", shard), checked_integers("index", index), checked_integers("generation", generation)
     priority = _reals("priority", priority)
     lengths = [len(offline), len(shard), len(index), len(generation), len(priority)]
     if len(set(lengths)) != 1:
@@ -334,16 +334,16 @@ def route_priorities(offline: Any, shard: Any, index: Any, generation: Any, prio
     return routes
 
 
-def _integers(name: str, values: Any) -> np.ndarray:
+def checked_integers(name: str, values: Any) -> np.ndarray:
     """``values`` as int64, refused where one is not a whole number (an index of 45.5 is not row 45).
 
-    >>> _integers("index", [3.0, 45.5])
+    >>> checked_integers("index", [3.0, 45.5])
     Traceback (most recent call last):
     rayrb.errors.InvalidArgumentError: index must hold integers, got 45.5 (float64)
-    >>> _integers("index", np.array([2**64 - 4], np.uint64))
+    >>> checked_integers("index", np.array([2**64 - 4], np.uint64))
     Traceback (most recent call last):
     rayrb.errors.InvalidArgumentError: index must hold int64 integers, got 18446744073709551612
-    >>> _integers("index", np.array([3, "a"], object))
+    >>> checked_integers("index", np.array([3, "a"], object))
     Traceback (most recent call last):
     rayrb.errors.InvalidArgumentError: index must hold integers, got 3 (object)
     """

@@ -123,10 +123,14 @@ class BufferClient:
     def __iter__(self):
         """Batches of ``batch_size``, as TorchRL's datasets iterate: until the offline side's epoch without
         replacement ends (its last batch short, by default), or without end when it samples with replacement."""
+        return self.iter_epoch()
+
+    def iter_epoch(self, return_info: bool = False):
+        """The batches iteration gives (``for batch in rb``); ``return_info``: ``(batch, info)`` pairs."""
         batch_size = self.output.size(None)
         while True:
             held = self._sampling.loop(batch_size).next(batch_size)
-            yield self.output.finish_held(held, False)
+            yield self.output.finish_held(held, return_info)
             if self._sampling.ends_epoch(held):
                 return
 

@@ -48,11 +48,7 @@ from rayrb.errors import (
 )
 from rayrb.handle.direct import DirectWrites
 from rayrb.handle.rpc import node_id
-from rayrb.io.arrays import is_tensordict, rows_digest, to_numpy_dict
-
-
-def _numpy(x: Any) -> np.ndarray:
-    return x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
+from rayrb.io.arrays import as_numpy, is_tensordict, rows_digest, to_numpy_dict
 
 
 class Writer:
@@ -273,8 +269,8 @@ class Writer:
         if missing:
             raise InvalidArgumentError(f"info must come from sample(return_info=True); missing keys {missing}")
         n, acks = self.rpc.get(self.rpc.coord.update_priority.remote(
-            _numpy(info["offline"]), _numpy(info["shard"]), _numpy(info["index"]), _numpy(info["generation"]),
-            _numpy(priority).reshape(-1)))
+            as_numpy(info["offline"]), as_numpy(info["shard"]), as_numpy(info["index"]), as_numpy(info["generation"]),
+            as_numpy(priority).reshape(-1)))
         self.rpc.get(acks)
         return int(n)
 

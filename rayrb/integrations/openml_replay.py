@@ -21,134 +21,32 @@ Examples:
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+from tensordict import TensorDict, is_tensor_collection, is_tensorclass
+from tensordict.utils import expand_as_right
 
 from rayrb.core.allocation import row_ranges
-from rayrb.core.plans import OFFLINE_GENERATION
+from rayrb.core.plans import OFFLINE_GENERATION, checked_integers
 from rayrb.core.validation import positive_int
-from rayrb.errors import ImmutableDatasetError, InvalidArgumentError, InvalidArgumentTypeError, InvalidStateError
-
-# The buffer behind the dataset: every batch offline; its online side (rayrb's buffers have one) stays empty
-OFFLINE_ONLY = {"online_capacity": 1, "offline_fraction": 1.0}
-# TorchRL's ImmutableDatasetWriter's words, raised by every write
-WRITING_ERR = "This dataset doesn't allow writing."
-# Options that would give the buffer an online side: this is a dataset (compose it to have one)
-ONLINE_OPTIONS = ("online_capacity", "online_storage", "offline_fraction", "num_online_shards", "online_sampler",
-                  "online_nodes", "online_replicas", "rate_limiter", "offline_dataset", "num_offline_shards",
-                  "sampler", "offline_sampler", "epoch_end", "drop_last", "alpha", "beta", "eps", "transform")
-
-
-def sampler_options(sampler: Any) -> dict[str, Any]:
-    """rayrb's buffer options for TorchRL's sampler object (``None``: TorchRL's default,
-    ``SamplerWithoutReplacement()``). Only TorchRL's three plain samplers have a rayrb counterpart; any
-    other sampler, or an option rayrb's samplers do not have, is refused, named."""
-    from torchrl.data.replay_buffers import samplers as torchrl_samplers
-
-    kind = type(sampler)
-    if sampler is None:
-        return {"sampler": "without_replacement", "epoch_end": "short"}
-    if kind is torchrl_samplers.RandomSampler:
-        return {"sampler": "uniform"}
-    if kind is torchrl_samplers.SamplerWithoutReplacement:
-        if not sampler.shuffle:  # rayrb's epochs are always shuffled
-            raise InvalidArgumentError("expected SamplerWithoutReplacement(shuffle=True): rayrb's epochs visit "
-                                       "the rows in a shuffled order; got shuffle=False")
-        return {"sampler": "without_replacement", "epoch_end": "drop" if sampler.drop_last else "short"}
-    if kind is torchrl_samplers.PrioritizedSampler:
-        extra = {"reduction": (sampler.reduction, "max"),
-                 "max_priority_within_buffer": (sampler._max_priority_within_buffer, False)}
-        odd = {k: got for k, (got, want) in extra.items() if got != want}
-        if odd:
-            raise InvalidArgumentError(f"expected PrioritizedSampler with reduction='max' and "
-                                       f"max_priority_within_buffer=False (rayrb's sum trees), got {odd}")
-        return {"sampler": "prioritized", "alpha": sampler._alpha, "beta": sampler._beta, "eps": sampler._eps}
-    raise InvalidArgumentTypeError(
-        "expected sampler as None or one of TorchRL's RandomSampler, SamplerWithoutReplacement or "
-        f"PrioritizedSampler (rayrb's samplers: uniform, without replacement, prioritized), got {kind.__name__}")
-
-
-def check_writer(writer: Any) -> Any:
-    """TorchRL's ``ImmutableDatasetWriter`` (``None`` makes one): the offline rows never change."""
-    from torchrl.data.replay_buffers.writers import ImmutableDatasetWriter
-
-    if writer is None:
-        return ImmutableDatasetWriter()
-    if type(writer) is not ImmutableDatasetWriter:
-        raise InvalidArgumentTypeError(
-            "expected writer as None or TorchRL's ImmutableDatasetWriter: an OpenML table is immutable in rayrb "
-            f"(to write rows, compose it: OfflineToOnlineReplayBuffer(dataset, online_capacity=...)), got "
-            f"{type(writer).__name__}")
-    return writer
-
-
-def one_transform(transform: Any, invert: bool = False) -> Any:
-    """``transform`` as a TorchRL ``Transform`` in eval mode, as its replay buffers take one (a callable is
-    wrapped); ``invert``: wrapped so that its inverse runs on sampled batches."""
-    from torchrl.envs.transforms.transforms import Transform, _CallableTransform, _InvertTransform
-
-    if not isinstance(transform, Transform):
-        if not callable(transform):
-            raise InvalidArgumentTypeError(f"expected transform as a TorchRL Transform or a callable, got "
-                                           f"{type(transform).__name__}")
-        transform = _CallableTransform(transform)
-    transform.eval()
-    return _InvertTransform(transform) if invert else transform
-
-
-def make_transform(transform: Any) -> Any:
-    """TorchRL's ``Compose`` of ``transform`` (``None``: an empty one), as its replay buffers make it."""
-    from torchrl.envs.transforms.transforms import Compose
-
-    if transform is None or isinstance(transform, Compose):
-        composed = Compose() if transform is None else transform
-        composed.eval()
-        return composed
-    return Compose(one_transform(transform))
-
-
-def checked_options(given: dict[str, Any], own: dict[str, Any]) -> dict[str, Any]:
-    """The offline-only buffer's options, a user's ``given`` and those TorchRL's arguments set (``own``), checked
-    now as the buffer checks them, although it starts later: a bad option is refused when the dataset is made, not
-    at its first sample."""
-    import inspect
-
-    from rayrb.handle.owner import OfflineToOnlineReplayBuffer
-    from rayrb.handle.settings import checked_settings
-
-    refused = sorted(set(given) & set(ONLINE_OPTIONS))
-    if refused:
-        raise InvalidArgumentError(
-            f"OpenMLExperienceReplay is an offline dataset: it takes none of {refused} (TorchRL's sampler= and "
-            "transform= set its sampling; compose it with OfflineToOnlineReplayBuffer(dataset, online_capacity=...) "
-            "for an online side)")
-    takes = inspect.signature(OfflineToOnlineReplayBuffer.__init__).parameters
-    unknown = sorted(k for k in given if k not in takes or takes[k].kind is not inspect.Parameter.KEYWORD_ONLY)
-    if unknown:
-        raise InvalidArgumentTypeError(f"OpenMLExperienceReplay got unexpected keyword arguments {unknown}")
-    options = {**given, **own}
-    settings = inspect.signature(checked_settings).parameters
-    checked_settings(None, **OFFLINE_ONLY, **{k: v for k, v in options.items() if k in settings})
-    return options
-
-
-def chunk_rows_option(rows: int, chunksize: Any, num_chunks: Any) -> int | None:
-    """Rows per preprocess task from TorchRL's ``chunksize`` or ``num_chunks`` (not both, as tensordict's map).
-
-    >>> chunk_rows_option(1000, None, 3), chunk_rows_option(1000, 64, None), chunk_rows_option(10, None, None)
-    (334, 64, None)
-    """
-    if chunksize is not None and num_chunks is not None:
-        raise InvalidArgumentError(f"expected chunksize or num_chunks, not both; got chunksize={chunksize}, "
-                                   f"num_chunks={num_chunks}")
-    if num_chunks is not None:
-        return math.ceil(rows / positive_int("num_chunks", num_chunks))
-    return None if chunksize is None else positive_int("chunksize", chunksize)
+from rayrb.errors import ImmutableDatasetError, InvalidArgumentError, InvalidStateError
+from rayrb.integrations.torchrl_arguments import (
+    OFFLINE_ONLY,
+    WRITING_ERR,
+    check_writer,
+    checked_options,
+    chunk_rows_option,
+    default_sampler,
+    make_transform,
+    one_transform,
+    sampler_options,
+)
+from rayrb.io.arrays import as_numpy
 
 
 class OpenMLExperienceReplay:
@@ -190,7 +88,7 @@ class OpenMLExperienceReplay:
         own = {"num_offline_shards": num_shards, "seed": seed, "batch_size": self.batch_size,
                **({} if prefetch is None else {"prefetch": prefetch}), **sampler_options(sampler)}
         self._options = checked_options(buffer_options, own)
-        self._sampler = sampler if sampler is not None else _default_sampler()
+        self._sampler = sampler if sampler is not None else default_sampler()
         self._writer = check_writer(writer)
         self._collate_fn = callable_or_none("collate_fn", collate_fn)
         self._pin_memory = boolean("pin_memory", pin_memory)
@@ -228,29 +126,35 @@ class OpenMLExperienceReplay:
 
     # sampling -------------------------------------------------------------------------------------------------
     def sample(self, batch_size: int | None = None, return_info: bool = False) -> Any:
-        """A batch (``batch_size`` rows, default the dataset's), collated, transformed and pinned as TorchRL's;
-        with ``return_info``, ``(batch, info)``: ``info["index"]`` the rows' indices in the table and, sampling by
-        priority, ``info["priority_weight"]``."""
-        if not return_info:  # provenance is built only when asked for
-            return self._finish(self.buffer.sample(batch_size))
+        """A batch (``batch_size`` rows, default the dataset's), collated, transformed and pinned as TorchRL's,
+        holding TorchRL's bookkeeping keys: ``"index"`` (the rows' indices in the table) and, sampling by
+        priority, ``"priority_weight"`` (which TorchRL's losses weigh by); with ``return_info``,
+        ``(batch, info)``, ``info`` holding the same."""
         batch, info = self.buffer.sample(batch_size, return_info=True)
-        return self._finish(batch), self._info(info)
+        batch, info = self._finish(batch, self._info(info))
+        return (batch, info) if return_info else batch
 
     def __iter__(self):
         """Batches until the epoch without replacement ends (its last batch short unless ``drop_last``), or
-        without end with replacement, as TorchRL's datasets iterate."""
-        for batch in self.buffer:
-            yield self._finish(batch)
+        without end with replacement, as TorchRL's datasets iterate (each as ``sample`` gives it)."""
+        for batch, info in self.buffer.iter_epoch(return_info=True):
+            yield self._finish(batch, self._info(info))[0]
 
-    def _finish(self, batch: Any) -> Any:
+    def _finish(self, batch: Any, info: dict[str, torch.Tensor]) -> tuple[Any, dict[str, torch.Tensor]]:
+        """As TorchRL's ``TensorDictReplayBuffer.sample``: collated, transformed, then each of ``info`` set in the
+        batch (where it is a TensorDict; a collate_fn may have made it something else), then pinned."""
         if self._collate_fn is not None:
             batch = self._collate_fn(batch)
         if len(self._transform):
             with batch.unlock_() if hasattr(batch, "unlock_") else contextlib.nullcontext():
                 batch = self._transform(batch)
+        if is_tensor_collection(batch) and not is_tensorclass(batch):
+            with batch.unlock_() if batch.is_locked else contextlib.nullcontext():
+                for key, value in info.items():
+                    batch.set(key, expand_as_right(value, batch) if value.ndim < batch.ndim else value)
         if self._pin_memory and torch.cuda.is_available() and getattr(batch, "device", None) in (None, torch.device("cpu")):
             batch = batch.pin_memory()
-        return batch
+        return batch, info
 
     def _info(self, info: dict) -> dict[str, torch.Tensor]:
         starts = torch.tensor([a for a, _ in row_ranges(len(self), self._options["num_offline_shards"])])
@@ -261,8 +165,12 @@ class OpenMLExperienceReplay:
 
     def update_priority(self, index: Any, priority: Any) -> int:
         """TorchRL's: set the priorities of the rows at ``index`` (indices in the table, as ``info["index"]``
-        gives them), sampling by priority; the number of rows sent."""
-        index = torch.as_tensor(index, dtype=torch.int64).reshape(-1)
+        gives them; one priority, a number or a one-element tensor, is every row's), sampling by priority; the
+        number of rows sent."""
+        index = torch.from_numpy(checked_integers("index", as_numpy(index)))
+        priority = as_numpy(priority).reshape(-1)
+        if priority.size == 1 and len(index) != 1:  # TorchRL's "priority (Number or Tensor)"
+            priority = np.repeat(priority, len(index))
         if len(index) and (int(index.min()) < 0 or int(index.max()) >= len(self)):
             from rayrb.errors import RowIndexError
 
@@ -272,6 +180,55 @@ class OpenMLExperienceReplay:
         info = {"offline": torch.ones(len(index), dtype=torch.bool), "shard": shard, "index": index - starts[shard],
                 "generation": torch.full((len(index),), OFFLINE_GENERATION, dtype=torch.int64)}
         return self.buffer.update_priority(info, priority)
+
+    def update_tensordict_priority(self, data: Any) -> None:
+        """TorchRL's: the priorities of a sampled batch's rows from its ``"td_error"`` (the largest over a row's
+        own dimensions, TorchRL's ``reduction="max"``), at its ``"index"``; nothing unless sampling by priority."""
+        if self._options.get("sampler") != "prioritized":
+            return
+        priority = data.get("td_error").detach()
+        if priority.ndim > 1:
+            priority = priority.reshape(priority.shape[0], -1).amax(-1)
+        index = data.get("index")
+        while index.ndim > 1:
+            index = index[..., 0]
+        self.update_priority(index, priority)
+
+    # TorchRL's storage surface ----------------------------------------------------------------------------------
+    @property
+    def max_outcome_val(self) -> int:
+        """The largest label in the table (TorchRL's ``OpenMLEnv`` sizes its action space by it)."""
+        if not hasattr(self, "_max_outcome"):
+            self._max_outcome = int(self._chunks.column("y", 0, len(self)).max())
+        return self._max_outcome
+
+    write_count = property(lambda self: 0, doc="Rows written: none (an immutable dataset), as TorchRL's.")
+
+    def __getitem__(self, index: Any) -> Any:
+        """Rows of the table by index (an int, a slice, indices) as TorchRL's ``rb[index]``: collated (not for
+        one int) and transformed; a key (``rb["X"]``) gives that column of every row."""
+        if isinstance(index, str):
+            return self[:][index]
+        rows = self._chunks[index]
+        one = isinstance(index, (int, np.integer))
+        batch = TensorDict({k: torch.as_tensor(np.asarray(v)) for k, v in rows.items()},
+                           batch_size=[] if one else [len(next(iter(rows.values())))])
+        if not one and self._collate_fn is not None:
+            batch = self._collate_fn(batch)
+        return self._transform(batch) if len(self._transform) else batch
+
+    def set_sampler(self, sampler: Any) -> None:
+        raise InvalidArgumentError(f"set_sampler: expected the sampler at construction (OpenMLExperienceReplay"
+                                   f"({self.dataset_id!r}, batch_size, sampler=...)), got {type(sampler).__name__} "
+                                   "after: rayrb's shards were started with their sampler")
+
+    def set_storage(self, storage: Any, collate_fn: Callable | None = None) -> None:
+        raise ImmutableDatasetError(f"set_storage: the storage of an OpenML dataset is its prepared table; got "
+                                    f"{type(storage).__name__}")
+
+    def set_writer(self, writer: Any) -> None:
+        check_writer(writer)  # TorchRL's ImmutableDatasetWriter, or refused, named
+        self._writer = writer
 
     # transforms -----------------------------------------------------------------------------------------------
     def append_transform(self, transform: Any, *, invert: bool = False) -> OpenMLExperienceReplay:
@@ -382,9 +339,3 @@ class OpenMLExperienceReplay:
     def __repr__(self) -> str:
         return (f"OpenMLExperienceReplay(name={self.dataset_id!r}, rows={len(self)}, batch_size={self.batch_size}, "
                 f"sampler={type(self._sampler).__name__}, transform={self._transform}, data_path={str(self.data_path)!r})")
-
-
-def _default_sampler() -> Any:
-    from torchrl.data.replay_buffers import SamplerWithoutReplacement
-
-    return SamplerWithoutReplacement()

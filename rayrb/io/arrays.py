@@ -59,6 +59,12 @@ def numpy_dtype(dtype: torch.dtype | str | np.dtype) -> np.dtype:
     return np.dtype(dtype)
 
 
+def as_numpy(x: Any) -> np.ndarray:
+    """One array as numpy: a tensor detached and on the CPU first (a learner's priorities may need grad or sit on
+    a GPU), anything else through ``np.asarray``."""
+    return x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
+
+
 def to_numpy_dict(data: Any) -> dict[str, np.ndarray]:
     """Flatten a TensorDict, a (nested) dict of tensors/arrays into ``{"a/b": ndarray}``.
 

@@ -17,6 +17,7 @@ from torchrl.data.replay_buffers import RandomSampler, SamplerWithoutReplacement
 from torchrl.envs import Compose, DoubleToFloat, RenameTransform
 
 from rayrb import OpenMLExperienceReplay  # TorchRL: from torchrl.data.datasets.openml import OpenMLExperienceReplay
+from rayrb.errors import ImmutableDatasetError
 
 pytestmark = pytest.mark.usefixtures("ray_session", "rayrb_home", "sklearn_home")
 
@@ -191,7 +192,7 @@ def test_samplers_map_to_rayrbs_and_others_are_refused_by_name():
     from torchrl.data.replay_buffers import PrioritizedSampler, SliceSampler
     from torchrl.data.replay_buffers.writers import RoundRobinWriter
 
-    from rayrb.integrations.openml_replay import sampler_options
+    from rayrb.integrations.torchrl_arguments import sampler_options
 
     assert sampler_options(None) == {"sampler": "without_replacement", "epoch_end": "short"}
     assert sampler_options(RandomSampler()) == {"sampler": "uniform"}
@@ -224,10 +225,36 @@ def test_prioritized_sampling_and_update_priority_by_table_index():
     hot = torch.tensor([5, MUSHROOM_ROWS - 3])  # one row in each shard
     ds.update_priority(torch.arange(MUSHROOM_ROWS), torch.full((MUSHROOM_ROWS,), 1e-6))
     ds.update_priority(hot, torch.tensor([1e6, 1e6]))
-    _, info = ds.sample(return_info=True)
+    batch, info = ds.sample(return_info=True)
     assert set(info["index"].tolist()) == set(hot.tolist())
+    # TorchRL's bookkeeping keys in the batch itself: its losses weigh by "priority_weight"
+    assert torch.equal(batch["index"], info["index"]) and torch.equal(batch["priority_weight"], info["priority_weight"])
     with pytest.raises(IndexError):
         ds.update_priority(torch.tensor([MUSHROOM_ROWS]), torch.tensor([1.0]))
+    with pytest.raises(ValueError, match="index must hold integers, got 5.69"):  # never row 5
+        ds.update_priority(torch.tensor([5.7]), torch.tensor([1.0]))
+    # TorchRL's loop: the batch's "td_error" at its "index" (one number: every row's)
+    ds.update_priority(torch.arange(MUSHROOM_ROWS), 1e-6)
+    batch.set("td_error", torch.full((256, 3), 1e6, requires_grad=True))
+    ds.update_tensordict_priority(batch)
+    assert set(ds.sample()["index"].tolist()) <= set(hot.tolist())
+
+
+def test_batches_hold_torchrls_index_and_the_table_reads_by_index_as_torchrls():
+    ds = OpenMLExperienceReplay("mushroom_num", batch_size=64, seed=0)
+    batch = ds.sample()
+    assert sorted(batch.keys()) == ["X", "index", "y"]  # TorchRL's TensorDictReplayBuffer sets "index"
+    torch.testing.assert_close(batch["X"], ds[batch["index"]]["X"])
+    epoch = [batch, *ds]  # iteration goes on with the epoch the sample began
+    assert all("index" in b.keys() for b in epoch)
+    assert sorted(torch.cat([b["index"] for b in epoch]).tolist()) == list(range(MUSHROOM_ROWS))
+    assert ds[3]["X"].shape == (22,) and ds[0:3].batch_size == torch.Size([3]) and ds["y"].shape == (MUSHROOM_ROWS,)
+    assert ds.max_outcome_val == int(ds["y"].max()) == 1 and ds.write_count == 0
+    ds.update_tensordict_priority(batch)  # sampling without priority: nothing, as TorchRL's
+    with pytest.raises(ValueError, match="set_sampler: expected the sampler at construction"):
+        ds.set_sampler(RandomSampler())
+    with pytest.raises(ImmutableDatasetError, match="set_storage"):
+        ds.set_storage(None)
 
 
 def test_preprocess_as_torchrls_returns_a_storage_to_build_a_buffer_on(shared, tmp_path):
