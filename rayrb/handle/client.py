@@ -120,19 +120,15 @@ class BufferClient:
         held = self._sampling.loop(batch_size).next(batch_size)
         return self.output.finish_held(held, return_info)
 
-    def __iter__(self):
-        """Batches of ``batch_size``, as TorchRL's datasets iterate: until the offline side's epoch without
-        replacement ends (its last batch short, by default), or without end when it samples with replacement."""
-        return self.iter_epoch()
-
     def iter_epoch(self, return_info: bool = False):
-        """The batches iteration gives (``for batch in rb``); ``return_info``: ``(batch, info)`` pairs."""
-        batch_size = self.output.size(None)
-        while True:
+        """Batches as ``for batch in rb`` (TorchRL's iteration) gives them: to the end of the offline epoch without
+        replacement (a short last batch, by default), else without end; ``return_info``: ``(batch, info)`` pairs."""
+        batch_size, held = self.output.size(None), None
+        while held is None or not self._sampling.ends_epoch(held):
             held = self._sampling.loop(batch_size).next(batch_size)
             yield self.output.finish_held(held, return_info)
-            if self._sampling.ends_epoch(held):
-                return
+
+    __iter__ = iter_epoch
 
     @gives_back
     def iter_batches(self, batch_size: int | None = None, *, prefetch: int = 2, device: Any = None,

@@ -34,10 +34,10 @@ from tensordict.utils import expand_as_right
 from rayrb.core.allocation import row_ranges
 from rayrb.core.plans import OFFLINE_GENERATION, checked_integers
 from rayrb.core.validation import positive_int
-from rayrb.errors import ImmutableDatasetError, InvalidArgumentError, InvalidStateError
+from rayrb.errors import InvalidArgumentError, InvalidStateError
+from rayrb.integrations.immutable_dataset import ImmutableDataset
 from rayrb.integrations.torchrl_arguments import (
     OFFLINE_ONLY,
-    WRITING_ERR,
     check_writer,
     checked_options,
     chunk_rows_option,
@@ -49,7 +49,7 @@ from rayrb.integrations.torchrl_arguments import (
 from rayrb.io.arrays import as_numpy
 
 
-class OpenMLExperienceReplay:
+class OpenMLExperienceReplay(ImmutableDataset):
     """An experience replay for OpenML data: TorchRL's class, its rows in rayrb's shards.
 
     Args:
@@ -148,10 +148,7 @@ class OpenMLExperienceReplay:
         if len(self._transform):
             with batch.unlock_() if hasattr(batch, "unlock_") else contextlib.nullcontext():
                 batch = self._transform(batch)
-        if is_tensor_collection(batch) and not is_tensorclass(batch):
-            with batch.unlock_() if batch.is_locked else contextlib.nullcontext():
-                for key, value in info.items():
-                    batch.set(key, expand_as_right(value, batch) if value.ndim < batch.ndim else value)
+        set_info(batch, info)
         if self._pin_memory and torch.cuda.is_available() and getattr(batch, "device", None) in (None, torch.device("cpu")):
             batch = batch.pin_memory()
         return batch, info
@@ -202,8 +199,6 @@ class OpenMLExperienceReplay:
             self._max_outcome = int(self._chunks.column("y", 0, len(self)).max())
         return self._max_outcome
 
-    write_count = property(lambda self: 0, doc="Rows written: none (an immutable dataset), as TorchRL's.")
-
     def __getitem__(self, index: Any) -> Any:
         """Rows of the table by index (an int, a slice, indices) as TorchRL's ``rb[index]``: collated (not for
         one int) and transformed; a key (``rb["X"]``) gives that column of every row."""
@@ -217,19 +212,6 @@ class OpenMLExperienceReplay:
             batch = self._collate_fn(batch)
         return self._transform(batch) if len(self._transform) else batch
 
-    def set_sampler(self, sampler: Any) -> None:
-        raise InvalidArgumentError(f"set_sampler: expected the sampler at construction (OpenMLExperienceReplay"
-                                   f"({self.dataset_id!r}, batch_size, sampler=...)), got {type(sampler).__name__} "
-                                   "after: rayrb's shards were started with their sampler")
-
-    def set_storage(self, storage: Any, collate_fn: Callable | None = None) -> None:
-        raise ImmutableDatasetError(f"set_storage: the storage of an OpenML dataset is its prepared table; got "
-                                    f"{type(storage).__name__}")
-
-    def set_writer(self, writer: Any) -> None:
-        check_writer(writer)  # TorchRL's ImmutableDatasetWriter, or refused, named
-        self._writer = writer
-
     # transforms -----------------------------------------------------------------------------------------------
     def append_transform(self, transform: Any, *, invert: bool = False) -> OpenMLExperienceReplay:
         """Append ``transform`` (a TorchRL ``Transform`` or a callable) to those run on each sampled batch;
@@ -242,28 +224,6 @@ class OpenMLExperienceReplay:
         ``append_transform``)."""
         self._transform.insert(index, one_transform(transform, invert))
         return self
-
-    # writes, refused as TorchRL's ImmutableDatasetWriter refuses them -------------------------------------------
-    def add(self, data: Any) -> int:
-        raise ImmutableDatasetError(WRITING_ERR)
-
-    def extend(self, data: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        raise ImmutableDatasetError(WRITING_ERR)
-
-    def empty(self, empty_write_count: bool = True) -> None:
-        raise ImmutableDatasetError(WRITING_ERR)
-
-    def register_save_hook(self, hook: Callable) -> None:
-        raise InvalidArgumentError(
-            "a storage save hook has nothing to act on here: dumps() saves the sampling state and priorities, not "
-            "the table's rows (immutable chunks, recorded by their content hash and mapped again on loads); "
-            f"to change the rows, preprocess(fn, dest=...) them; got {hook!r}")
-
-    def register_load_hook(self, hook: Callable) -> None:
-        raise InvalidArgumentError(
-            "a storage load hook has nothing to act on here: loads() restores the sampling state and priorities, "
-            "and the table's rows are mapped from their chunks as they are; to change the rows, "
-            f"preprocess(fn, dest=...) them; got {hook!r}")
 
     # saving ---------------------------------------------------------------------------------------------------
     def dumps(self, path: str | os.PathLike) -> None:
@@ -339,3 +299,12 @@ class OpenMLExperienceReplay:
     def __repr__(self) -> str:
         return (f"OpenMLExperienceReplay(name={self.dataset_id!r}, rows={len(self)}, batch_size={self.batch_size}, "
                 f"sampler={type(self._sampler).__name__}, transform={self._transform}, data_path={str(self.data_path)!r})")
+
+
+def set_info(batch: Any, info: dict[str, torch.Tensor]) -> None:
+    """Each of ``info`` set in ``batch``, as TorchRL's ``TensorDictReplayBuffer.sample`` sets it (where the batch
+    is a TensorDict: a collate_fn may have made it something else)."""
+    if is_tensor_collection(batch) and not is_tensorclass(batch):
+        with batch.unlock_() if batch.is_locked else contextlib.nullcontext():
+            for key, value in info.items():
+                batch.set(key, expand_as_right(value, batch) if value.ndim < batch.ndim else value)
