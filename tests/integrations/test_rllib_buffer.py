@@ -256,3 +256,51 @@ def test_rllib_builds_the_buffer_from_its_class_path():
     buf = from_config(ReplayBuffer, {"type": path, "buffer": rows, "metrics_num_episodes_for_smoothing": 10})
     assert isinstance(buf, OfflineToOnlineEpisodeReplayBuffer) and buf.n_step == 1
     assert len(buf) == len(rows)
+
+
+def test_what_rllibs_buffer_takes_and_rows_cannot_hold_is_refused_naming_it_and_a_state_keeps_its_episodes():
+    """A multi-agent episode, or Dict / Tuple observations (flattened first in RLlib's connectors), are refused
+    by name before any episode of the call is taken in; priorities may be a learner's tensor that needs grad; a
+    saved state keeps the count of episodes ``add`` saw begin."""
+    from ray.rllib.env.multi_agent_episode import MultiAgentEpisode
+    from ray.rllib.env.single_agent_episode import SingleAgentEpisode
+
+    from rayrb.errors import InvalidArgumentTypeError
+    from rayrb.integrations.rllib import (
+        OfflineToOnlineEpisodeReplayBuffer,
+        PrioritizedOfflineToOnlineEpisodeReplayBuffer,
+    )
+
+    buf = OfflineToOnlineEpisodeReplayBuffer(buffer=InProcessRows(episode_rows(chunked_episodes(5), 1)))
+    held = len(buf.rb)
+    agents = MultiAgentEpisode(observations=[{"a": np.zeros(4, np.float32)}, {"a": np.ones(4, np.float32)}],
+                               actions=[{"a": 1}], rewards=[{"a": 1.0}], terminateds={"a": True, "__all__": True},
+                               len_lookback_buffer=0)
+    tuples = SingleAgentEpisode(observations=[(np.zeros(4, np.float32), 1), (np.ones(4, np.float32), 2)],
+                                actions=[0], rewards=[1.0], terminated=True, len_lookback_buffer=0)
+    for bad, message in ((agents, "multi-agent episodes are not supported"), (tuples, "got a tuple: flatten")):
+        with pytest.raises(InvalidArgumentTypeError, match=message):
+            buf.add([*chunked_episodes(6, num=2), bad])
+        assert len(buf.rb) == held and buf.get_num_episodes() == 0 and not buf._rows._open
+    buf.add(chunked_episodes(6, num=3))
+    again = OfflineToOnlineEpisodeReplayBuffer(buffer=InProcessRows(episode_rows(chunked_episodes(5), 1)))
+    for b in (buf, again):  # the rows' own state is rayrb's (checked in tests/handle); here the counters
+        b.rb.state_dict, b.rb.load_state_dict = (lambda: {}), (lambda s: None)
+    again.set_state(buf.get_state())
+    assert (again.get_added_timesteps(), again.get_num_episodes()) == (buf.get_added_timesteps(),
+                                                                        buf.get_num_episodes()) and buf.get_num_episodes()
+
+    class Prioritized(InProcessRows):
+        def sample(self, b, return_info=False):
+            batch, info = super().sample(b, True)
+            return batch, {**info, "weight": np.ones(b, np.float32)}
+
+        def update_priority(self, info, p):
+            self.updated = np.asarray(p)
+            return len(p)
+
+    rows = Prioritized(episode_rows(chunked_episodes(5), 1))
+    prioritized = PrioritizedOfflineToOnlineEpisodeReplayBuffer(buffer=rows)
+    prioritized.sample(num_items=8, n_step=1, sample_episodes=True, beta=None)
+    prioritized.update_priorities(-torch.rand(8, requires_grad=True))  # RLlib's buffer takes it as it comes
+    assert rows.updated.shape == (8,) and (rows.updated >= 0).all()

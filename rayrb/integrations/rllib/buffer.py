@@ -40,6 +40,7 @@ from rayrb.integrations.rllib.transitions import (
     n_step_transitions,
     row_n_step,
 )
+from rayrb.io.arrays import as_numpy
 
 OFFLINE_ROWS_PER_SAMPLE = "rayrb_offline_rows_per_sample"
 
@@ -134,9 +135,9 @@ class OfflineToOnlineEpisodeReplayBuffer(EpisodeReplayBuffer):
         sequences, steps of running episodes wait). Rows a failed write left are written first, by this call or
         the next one."""
         episodes = force_list(episodes)
+        rows = self._rows.add(episodes)  # checks each is one agent's episode chunk first
         new = sum(1 for e in episodes if e.t_started == 0)  # an episode's first chunk starts at its reset
         steps = sum(len(e) for e in episodes)
-        rows = self._rows.add(episodes)
         self._episodes_started += new
         self._num_timesteps_added += steps
         self._update_add_metrics(
@@ -206,12 +207,14 @@ class OfflineToOnlineEpisodeReplayBuffer(EpisodeReplayBuffer):
         """The sampling state (rayrb's ``state_dict``) and counters; the rows stay in the shards (``rb.dumps``
         saves them)."""
         return {"rayrb": self.rb.state_dict(), "sampled_timesteps": self.sampled_timesteps,
-                "_num_timesteps_added": self._num_timesteps_added, "rng": self.rng.bit_generator.state}
+                "_num_timesteps_added": self._num_timesteps_added, "_episodes_started": self._episodes_started,
+                "rng": self.rng.bit_generator.state}
 
     def set_state(self, state: dict[str, Any]) -> None:
         self.rb.load_state_dict(state["rayrb"])
         self.sampled_timesteps = state["sampled_timesteps"]
         self._num_timesteps_added = state["_num_timesteps_added"]
+        self._episodes_started = state.get("_episodes_started", 0)  # a state saved before it was kept: none
         self.rng.bit_generator.state = state["rng"]
 
     # rayrb's side -------------------------------------------------------------------------------------------
@@ -322,7 +325,7 @@ class PrioritizedOfflineToOnlineEpisodeReplayBuffer(OfflineToOnlineEpisodeReplay
         """Set the last batch's rows' priorities (``|td_error|``), on the shards that own them."""
         if self._last_info is None:
             raise InvalidArgumentError("expected a sample() before update_priorities, got none since the last update")
-        p = np.abs(np.asarray(priorities, dtype=np.float64)).reshape(-1)
+        p = np.abs(as_numpy(priorities).astype(np.float64)).reshape(-1)  # a learner's tensor may need grad
         if p.shape[0] != len(self._last_info["index"]):
             raise InvalidArgumentError(f"expected one priority per sampled row ({len(self._last_info['index'])}), "
                                        f"got {p.shape[0]}")

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from rayrb.errors import InvalidArgumentError, SchemaError
+from rayrb.errors import InvalidArgumentError, InvalidArgumentTypeError, SchemaError
 
 KEYS = ("obs", "actions", "rewards", "new_obs", "horizon", "terminateds", "truncateds", "t")
 EPISODE = "episode"  # each row's episode number: optional for transitions, needed for sequences
@@ -100,6 +100,9 @@ class EpisodeRows:
 
     def add(self, episodes: Iterable[Any]) -> dict[str, np.ndarray] | None:
         """Rows for every step of ``episodes`` that can be written now, or None when there are none."""
+        episodes = list(episodes)
+        for eps in episodes:  # all checked before any is taken in
+            _check_episode(eps)
         parts = [p for p in (self._add_one(e) for e in episodes) if p is not None]
         if not parts:
             return None
@@ -139,6 +142,18 @@ class EpisodeRows:
             held.obs, held.actions, held.rewards = held.obs[ready:], held.actions[ready:], held.rewards[ready:]
             held.t0 += ready
         return rows
+
+
+def _check_episode(eps: Any) -> None:
+    """One agent's episode chunk, whose observations are one array each (what rows hold)."""
+    if not hasattr(eps, "t_started") or not hasattr(eps, "get_observations"):
+        raise InvalidArgumentTypeError(f"expected RLlib's SingleAgentEpisode (chunks of one agent's episode), got "
+                                       f"{type(eps).__name__}: multi-agent episodes are not supported")
+    first = eps.get_observations(0) if len(eps.get_observations()) else None
+    if isinstance(first, (dict, tuple, list)):
+        raise InvalidArgumentTypeError(
+            f"expected observations of one array each (a Box or Discrete space), got a {type(first).__name__}: "
+            "flatten Dict and Tuple observations first (RLlib's FlattenObservations connector)")
 
 
 def _rows(held: _Open, ready: int, n: int, *, terminated: bool, truncated: bool) -> dict[str, np.ndarray]:
