@@ -43,10 +43,12 @@ class Output:
                                        f"{self.max_batch_bytes:,}; sample smaller batches or raise max_batch_bytes")
         return batch_size
 
-    def finish(self, out: Any, return_info: bool, device: Any = None, info: Any = None, sliced: bool = True):
+    def finish(self, out: Any, return_info: bool, device: Any = None, info: Any = None, sliced: bool = True,
+               transform: bool = True):
         """Flat numpy batch (and info) from the object store -> TensorDict (and tensors), transformed. ``info``:
         the rows' provenance where the caller has it and did not ask for it (short slices are found by it);
-        ``sliced=False``: rows that are not slices (a side's uniform rows), never trimmed."""
+        ``sliced=False``: rows that are not slices (a side's uniform rows), never trimmed; ``transform=False``: not
+        the buffer's transform (a side's own rows, as TorchRL's ``offline_buffer`` / ``online_buffer`` give them)."""
         rows, info = out if return_info else (out, info)
         edges = None
         if self.short and sliced:
@@ -61,7 +63,7 @@ class Output:
             mark_slices(td, self.slice_len, edges)
         if device is not None:
             td = to_device(td, device)
-        if self.transform is not None:
+        if self.transform is not None and transform:
             td = self.transform(td)
         if not return_info:
             return td

@@ -55,12 +55,14 @@ class SideView:
 
     def sample(self, batch_size: int | None = None, return_info: bool = False):
         """``batch_size`` rows of this side, uniformly with replacement (a TensorDict; with info if asked), from
-        the views' own stream."""
+        the views' own stream; without the buffer's ``transform``, as TorchRL's side buffers give their rows (its
+        ``OfflineToOnlineReplayBufferHook`` reads the offline keys from them)."""
         rpc = self._rb.rpc
         plan, indices = rpc.get(rpc.coord.plan_side.remote(self.side, self._rb.output.size(batch_size)))
         refs = [rpc.by_side[p.side][p.shard].gather.remote(idx) for p, idx in zip(plan.parts, indices)]
         # uniform rows, not slices: never trimmed as short slices
-        return self._rb.output.finish(assemble(plan, rpc.get(refs), return_info), return_info, sliced=False)
+        return self._rb.output.finish(assemble(plan, rpc.get(refs), return_info), return_info, sliced=False,
+                                      transform=False)
 
     def extend(self, data: Any):
         if self.side == OFFLINE:

@@ -59,12 +59,16 @@ def test_torchrl_sees_its_own_class(make_buffer):
 
     from rayrb.integrations.torchrl import as_torchrl
 
-    rb = make_buffer(offline_fraction=0.8, batch_size=10)
+    # a transform of the buffer's batches (here one renaming a key) runs on rb.sample, not on a side's own rows,
+    # as TorchRL's side buffers give them: the hook aligns collected rows to the offline keys by them
+    rb = make_buffer(offline_fraction=0.8, batch_size=10, transform=lambda td: td.rename_key_("obs", "observation"))
+    assert set(rb.offline_buffer.sample(3).keys()) == {"obs", "id"} and "observation" in rb.sample().keys()
     view = as_torchrl(rb)
     assert isinstance(view, TorchRLO2O) and len(view) == 100
     hook = OfflineToOnlineReplayBufferHook(view, batch_size=10)
     hook.extend(rows(2000, 5))  # aligned to the offline keys through offline_buffer.sample(1)
     assert rb.write_count == 5 and hook.sample(None).batch_size[0] == 10
+    assert set(rb.online_buffer.sample(3).keys()) == {"obs", "id"}
     view.anneal(5, 10)
     assert rb.offline_fraction == pytest.approx(0.4)
     state = hook.state_dict()
