@@ -79,6 +79,12 @@ class Allocator:
         """Rows ``side`` can give before its epoch ends (None: no limit, or a fresh epoch begins)."""
         return None
 
+    def epoch_room(self, side: str, sizes: np.ndarray) -> int | None:
+        """Items a batch of ``side`` may take in its epoch: what is left, or, where the next epoch begins with this
+        batch, every item the side holds; None: no epochs, no bound."""
+        left = self.room(side)
+        return left if left is not None or self.epoch_end is None else self.drawable(side, sizes)
+
     def epoch_over(self, side: str) -> bool:
         """Whether ``side``'s epoch has just served its last row."""
         return False
@@ -275,6 +281,9 @@ class PerSide(Allocator):
 
     def room(self, side: str) -> int | None:
         return self.parts[side].room(side)
+
+    def epoch_room(self, side: str, sizes: np.ndarray) -> int | None:
+        return self.parts[side].epoch_room(side, sizes)
 
     def epoch_over(self, side: str) -> bool:
         return self.parts[side].epoch_over(side)

@@ -159,7 +159,7 @@ class Planner:
         offline, online = totals if totals is not None else (int(sizes[OFFLINE].sum()), int(sizes[ONLINE].sum()))
         fraction = self._fraction(offline, online)
         unit = self.alloc.unit  # planned in items of ``unit`` rows (slices), over the items each side holds
-        need = self._shorten(*items(self.alloc, batch_size, sizes, online, fraction))
+        need = self._shorten(*items(self.alloc, batch_size, sizes, online, fraction), sizes)
         need = need if unit == 1 else {side: n * unit for side, n in need.items()}
         decision = self.limiter.decide(need[ONLINE], online)
         if decision == WAIT:
@@ -194,9 +194,10 @@ class Planner:
         now = self.alloc.stats().get("epochs", {}).get(OFFLINE, 0)
         return now > epoch or (now == epoch and self._ends_epoch(batch_size, sizes, int(sizes[ONLINE].sum())))
 
-    def _shorten(self, batch_size: int, fraction: float, online: int) -> dict[str, int]:
-        """The split of this batch, or, at the end of an epoch that serves short batches, of the largest
-        shorter batch whose exact split fits in what each side has left."""
+    def _shorten(self, batch_size: int, fraction: float, online: int, sizes: Sizes) -> dict[str, int]:
+        """The split of this batch, or, at the end of an epoch that serves short batches (or for a batch larger
+        than a side's whole epoch, as TorchRL's), of the largest shorter batch whose exact split fits in what each
+        side has left."""
         if self.alloc.epoch_end != "short":  # no epochs, or not short batches at their end; batch_size checked
             key = (batch_size, fraction, online > 0)  # the same for every batch of a group: computed once
             if key not in self._splits:
@@ -205,7 +206,7 @@ class Planner:
                 self._splits[key] = dict(zip(SIDES, split_checked(batch_size, fraction, online)))
             return dict(self._splits[key])
         need = dict(zip(SIDES, split_checked(batch_size, fraction, online)))
-        room = {side: self.alloc.room(side) for side in SIDES}
+        room = {side: self.alloc.epoch_room(side, sizes[side]) for side in SIDES}
         for b in range(batch_size, 0, -1):
             if b < batch_size:
                 need = dict(zip(SIDES, split_checked(b, fraction, online)))

@@ -79,7 +79,7 @@ class OfflineToOnlineReplayBuffer(BufferClient):
         - ``alpha`` (0.6), ``beta`` (0.4), ``eps`` (1e-8): prioritized sampling's exponents and floor (TorchRL's).
         - ``epoch_end`` (str, default ``"short"``): without replacement, what a batch does when a side has fewer
           rows left in its epoch than it needs: ``"short"`` (TorchRL's) returns a short final batch, split
-          exactly, and the next call begins the next epoch; ``"drop"`` drops those rows and begins the next epoch
+          exactly (a batch larger than a whole epoch is that epoch), and the next call begins the next epoch; ``"drop"`` drops those rows and begins the next epoch
           at once; ``"raise"`` refuses the call. ``drop_last`` (bool, TorchRL's name): ``True`` is ``"drop"``,
           ``False`` is ``"short"``.
         - ``seed`` (int, default None): with a fixed shard layout, the same seed gives the same batches.

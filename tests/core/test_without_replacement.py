@@ -74,6 +74,21 @@ def test_without_replacement_check_refuses_both_sides_before_either_begins_an_ep
     assert alloc.read_args(OFFLINE, 0) == {}
 
 
+def test_a_batch_larger_than_a_sides_whole_epoch_is_that_epoch_in_one_short_batch_as_torchrls():
+    """``epoch_end="short"`` (TorchRL's ``drop_last=False``): a batch asking for more rows than the side holds is
+    the whole epoch in one batch, split exactly; the next begins the next epoch. ``"raise"`` refuses it."""
+    sizes = [5, 6]
+    layout = Layout("without_replacement", {OFFLINE: sizes, ONLINE: [3]}, fraction=1.0, seed=2)
+    assert sorted(layout.batch(40)) == every_row(sizes, OFFLINE) and layout.epochs(OFFLINE) == 1
+    assert len(set(layout.batch(40))) == 11 and layout.epochs(OFFLINE) == 2
+    both = Layout("without_replacement", {OFFLINE: sizes, ONLINE: [3]}, fraction=0.5, seed=2)
+    rows = both.batch(40)  # 3 online rows at most: the largest batch split exactly around them, 4 + 3
+    assert sorted(r for r in rows if r[0] == ONLINE) == every_row([3], ONLINE) and len(rows) == 7
+    refused = Layout("without_replacement", {OFFLINE: sizes, ONLINE: [3]}, fraction=1.0, seed=2, epoch_end="raise")
+    with pytest.raises(ValueError, match="the offline side holds 11 rows"):
+        refused.draw(12)
+
+
 def test_without_replacement_drop_last_drops_the_remainder_and_begins_the_next_epoch():
     sizes = [5, 6]
     layout = Layout("without_replacement", {OFFLINE: sizes, ONLINE: [3]}, fraction=1.0, seed=2, drop_last=True)

@@ -45,7 +45,8 @@ def test_a_checkpoint_leaves_out_what_another_handle_drew_ahead_and_did_not_serv
 
 def test_a_refused_sample_is_asked_again_once_the_buffer_can_serve_it(make_buffer):
     # the failed request stayed queued and re-raised its old error on every later call
-    rb = make_buffer(rows(0, 300), prefetch=0, sampler="without_replacement", offline_fraction=0.5, **KW)
+    rb = make_buffer(rows(0, 300), prefetch=0, sampler="without_replacement", offline_fraction=0.5,
+                     epoch_end="raise", **KW)  # "short" (the default) would serve the 5 in a batch of 10
     learner = rb.client(prefetch=32)
     rb.extend(rows(1000, 5))
     with pytest.raises(ValueError, match="holds 5 rows"):

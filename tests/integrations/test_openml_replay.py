@@ -248,6 +248,8 @@ def test_batches_hold_torchrls_index_and_the_table_reads_by_index_as_torchrls():
     epoch = [batch, *ds]  # iteration goes on with the epoch the sample began
     assert all("index" in b.keys() for b in epoch)
     assert sorted(torch.cat([b["index"] for b in epoch]).tolist()) == list(range(MUSHROOM_ROWS))
+    whole = OpenMLExperienceReplay("mushroom_num", batch_size=10_000, seed=0)  # more rows than the table: TorchRL's
+    assert [len(b) for b in whole] == [MUSHROOM_ROWS] and len(whole.sample()) == MUSHROOM_ROWS  # one short batch
     assert ds[3]["X"].shape == (22,) and ds[0:3].batch_size == torch.Size([3]) and ds["y"].shape == (MUSHROOM_ROWS,)
     assert ds.max_outcome_val == int(ds["y"].max()) == 1 and ds.write_count == 0
     ds.update_tensordict_priority(batch)  # sampling without priority: nothing, as TorchRL's
