@@ -44,6 +44,7 @@ from rayrb.errors import (
     InvalidArgumentError,
     InvalidArgumentTypeError,
     RowsLostError,
+    SchemaError,
     WriteTimeoutError,
 )
 from rayrb.handle.direct import DirectWrites
@@ -72,15 +73,39 @@ class Writer:
 
     def rows(self, data: Any, what: str) -> dict[str, np.ndarray]:
         """``data`` as flat numpy arrays, checked against the row spec (``what`` names it in errors)."""
-        if isinstance(data, (list, tuple)):
-            raise InvalidArgumentTypeError(
-                f"expected one TensorDict or dict of arrays for {what}, got a {type(data).__name__} "
-                f"of {len(data)}: concatenate them first (torch.cat)")
-        if not (isinstance(data, Mapping) or is_tensordict(data)):
-            raise InvalidArgumentTypeError(f"expected {what} as a TensorDict or a dict of tensors or arrays, got "
-                                           f"{type(data).__name__}")
-        arrays = strip_bookkeeping(to_numpy_dict(data), keep=self._spec.keys)
+        if isinstance(data, (list, tuple)):  # TorchRL's extend takes a list of rows (or of batches)
+            return self._joined([self.rows_of(d, what) for d in data], what)
+        arrays = self.rows_of(data, what)
         self._spec.validate(arrays, what=what)
+        return arrays
+
+    def rows_of(self, data: Any, what: str) -> dict[str, np.ndarray]:
+        """One TensorDict or dict of arrays as flat numpy arrays (bookkeeping keys left out), unchecked."""
+        if not (isinstance(data, Mapping) or is_tensordict(data)):
+            raise InvalidArgumentTypeError(f"expected {what} as a TensorDict or a dict of tensors or arrays (or a "
+                                           f"list of them), got {type(data).__name__}")
+        return strip_bookkeeping(to_numpy_dict(data), keep=self._spec.keys)
+
+    def _joined(self, parts: list[dict[str, np.ndarray]], what: str) -> dict[str, np.ndarray]:
+        """A list's items as one write: rows (no batch dimension) stacked, batches concatenated; checked whole."""
+        spec = self._spec
+        if not parts:
+            return {k: np.empty((0, *f.shape), f.dtype) for k, f in spec.items()}
+        odd = next((i for i, p in enumerate(parts) if set(p) != set(parts[0])), None)
+        if odd is not None:
+            raise SchemaError(f"expected the same keys in every item of the list for {what}, got "
+                              f"{sorted(parts[0])} in item 0 and {sorted(parts[odd])} in item {odd}")
+        one_row = [all(k in p and p[k].shape == spec[k].shape for k in spec) for p in parts]
+        if all(one_row):
+            arrays = {k: np.stack([np.asarray(p[k]) for p in parts]) for k in parts[0]}
+        elif any(one_row):
+            raise InvalidArgumentTypeError(f"expected a list of rows or a list of batches for {what}, got both "
+                                           f"(item {one_row.index(True)} is one row, item {one_row.index(False)} not)")
+        else:
+            for i, p in enumerate(parts):
+                spec.validate(p, what=f"{what} (item {i} of the list)")
+            arrays = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+        spec.validate(arrays, what=what)
         return arrays
 
     def extend(self, data: Any, *, write_id: str | None = None, prefill: bool = False, wait: bool = True
