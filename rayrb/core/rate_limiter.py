@@ -152,6 +152,9 @@ class RateLimiter:
         """Refuse a window or capacity that can block sampling for good (Reverb's checks, see the module)."""
         spi, lo, hi, m = self.samples_per_insert, self.min_diff, self.max_diff, self.min_size_to_sample
         if spi is not None:
+            if not all(map(math.isfinite, (lo, hi, spi * m))):  # 1e308 * 2: a window no count can be compared to
+                raise InvalidArgumentError(f"expected samples_per_insert * min_size_to_sample ({spi} * {m}) and the "
+                                           f"window [min_diff, max_diff] finite, got [{lo}, {hi}]")
             if hi - lo < 2 * max(1.0, spi):
                 raise InvalidArgumentError(
                     f"the error_buffer window [min_diff, max_diff] = [{lo}, {hi}] must be at least "

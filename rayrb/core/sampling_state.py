@@ -71,6 +71,8 @@ def checked_state(state: Any, *, sampler: Any, num_shards: Mapping[str, int], al
     if "rate_limiter" in state:
         saved = state["rate_limiter"]
         try:
+            if not isinstance(saved, Mapping) or not isinstance(saved.get("config"), Mapping):
+                raise TypeError("no config of a rate limiter (make_rate_limiter(None) would be no limit)")
             limiter = make_rate_limiter(saved["config"])
             limiter.validate(online_capacity=online_capacity)
             limiter.load_state_dict(saved["state"])

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import inspect
 import math
+import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rayrb.core.allocation import check_fraction
-from rayrb.core.validation import positive_int
+from rayrb.core.validation import non_negative_int, positive_int
 from rayrb.errors import InvalidArgumentError, InvalidArgumentTypeError
 
 
@@ -63,7 +64,7 @@ class _Ramp(Schedule):
         self.total_steps = positive_int("total_steps", total_steps)
 
     def _progress(self, step: int) -> float:
-        return min(max(step, 0) / self.total_steps, 1.0)
+        return 1.0 if step >= self.total_steps else max(step, 0) / self.total_steps  # no float of a huge step
 
 
 class Linear(_Ramp):
@@ -90,13 +91,14 @@ class Step(Schedule):
     kind = "step"
 
     def __init__(self, boundaries: Sequence[int], values: Sequence[float]):
-        boundaries, values = list(boundaries), [check_fraction(v) for v in values]
+        boundaries = [non_negative_int("step boundaries", b) for b in boundaries]
+        values = [check_fraction(v) for v in values]
         if len(values) != len(boundaries) + 1:
             raise InvalidArgumentError(
                 f"expected one more value than boundaries, got {len(values)} values for {len(boundaries)} boundaries"
             )
-        if boundaries != sorted(boundaries):
-            raise InvalidArgumentError(f"boundaries must be increasing, got {boundaries}")
+        if any(a >= b for a, b in zip(boundaries, boundaries[1:])):
+            raise InvalidArgumentError(f"step boundaries must be strictly increasing, got {boundaries}")
         self.boundaries, self.values = boundaries, values
 
     def __call__(self, step: int, n_offline: int, n_online: int) -> float:
@@ -110,6 +112,7 @@ class SizeProportional(Schedule):
     kind = "size_proportional"
 
     def __call__(self, step: int, n_offline: int, n_online: int) -> float:
+        n_offline, n_online = max(n_offline, 0), max(n_online, 0)
         total = n_offline + n_online
         return 1.0 if total <= 0 else n_offline / total
 
@@ -131,14 +134,14 @@ def make_schedule(spec: float | str | Mapping[str, Any] | Schedule) -> Schedule:
     """A schedule from a number (constant), a kind name, a config dict, or a schedule."""
     if isinstance(spec, Schedule):
         return spec
-    if isinstance(spec, (int, float)):  # True too: Constant refuses it, as a number outside [0, 1] is refused
+    if isinstance(spec, numbers.Real):  # numpy's too; True as well: Constant refuses it, as it refuses 2
         return Constant(spec)
     if isinstance(spec, str):
         spec = {"kind": spec}
     if isinstance(spec, Mapping):
         cfg = dict(spec)
         kind = cfg.pop("kind", None)
-        if kind not in _KINDS:
+        if not isinstance(kind, str) or kind not in _KINDS:
             raise InvalidArgumentError(f"schedule kind must be one of {sorted(_KINDS)}, got {kind!r}")
         params = list(inspect.signature(_KINDS[kind]).parameters)
         unknown = sorted(set(cfg) - set(params))

@@ -252,9 +252,14 @@ class CoordinatorState:
         out = []
         for line in self._read_lines():
             try:
-                write_id, pieces, *rest = json.loads(line)
+                entry = json.loads(line)
+                write_id, pieces, *rest = entry if isinstance(entry, list) else ()
                 number = int(rest[1]) if len(rest) > 1 else None
-            except (ValueError, TypeError):
+                if not (isinstance(write_id, str) and isinstance(pieces, list)
+                        and all(isinstance(p, list) and len(p) == 4 and all(type(v) is int for v in p)
+                                for p in pieces)):
+                    continue  # valid JSON of another shape: damaged
+            except (ValueError, TypeError, OverflowError):
                 continue  # torn by a crash mid-append, or damaged
             out.append((write_id, pieces, rest[0] if rest else None, number))
         return out

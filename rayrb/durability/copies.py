@@ -26,18 +26,26 @@ from rayrb.errors import InvalidArgumentError, SchemaError
 
 
 def newer(mine: np.ndarray, theirs: np.ndarray) -> np.ndarray:
-    """Slots where the other copy holds a newer row than this one (a larger generation), or the same row whole
-    where this copy's is marked as being written: a crash tore it (``rayrb.durability.storage.whole``).
+    """Slots where the other copy's row comes later in one order of a slot's states, the same whichever copy
+    merges the other (contract 12): ``... < whole g-2 < torn g < whole g-1 < torn g+1 < whole g < ...``, where
+    a torn slot (a negative generation: its row was being written when a crash came,
+    ``rayrb.durability.storage.whole``) sits between the row before it and the one before that. So a whole row
+    wins over its own row torn, and over the next row torn (that write was never acknowledged: the row it would
+    have evicted stays), but a torn row wins over one two rows older (that one was evicted before).
 
-    >>> newer(np.array([2, -2, -2, 1, -3]), np.array([2, 2, -2, 0, 2])).tolist()
-    [False, True, False, False, False]
+    >>> newer(np.array([2, -2, -2, 1, -3, 1]), np.array([2, 2, -2, 0, 2, -3])).tolist()
+    [False, True, False, False, True, True]
     """
     mine, theirs = np.asarray(mine, np.int64), np.asarray(theirs, np.int64)
     if mine.shape != theirs.shape:
         raise InvalidArgumentError(
             f"expected two copies of one shard ({mine.shape[0]} slots), got {theirs.shape[0]} slots")
-    # a negative generation is a row being written, or torn: the row of the absolute value's, not yet whole
-    return (theirs > np.abs(mine)) | ((mine < 0) & (theirs == -mine))
+    return _order(theirs) > _order(mine)
+
+
+def _order(generation: np.ndarray) -> np.ndarray:
+    """A slot's place in the order ``newer`` follows: whole ``g`` at ``2g``, torn ``g`` at ``2g - 3``."""
+    return np.where(generation >= 0, 2 * generation, -2 * generation - 3)
 
 
 def merged_count(generation: np.ndarray, mine: int, theirs: int) -> int:
@@ -60,6 +68,11 @@ def take_newer(rows: dict[str, np.ndarray], generation: np.ndarray, copy: dict[s
     theirs = {k[len("rows/"):]: v for k, v in copy.items() if k.startswith("rows/")}
     if set(theirs) != set(rows):
         raise SchemaError(f"{what}: expected a copy with keys {sorted(rows)}, got {sorted(theirs)}")
+    for k, dst in rows.items():  # checked whole before a slot is marked or a row copied
+        got = np.asarray(theirs[k])
+        if got.shape != dst.shape or not np.can_cast(got.dtype, dst.dtype, casting="same_kind"):
+            raise SchemaError(f"{what}: expected key {k!r} of the copy as {dst.dtype}{list(dst.shape)}, got "
+                              f"{got.dtype}{list(got.shape)}")
     if take.size:
         generation[take] = -gen[take]
         for k, dst in rows.items():

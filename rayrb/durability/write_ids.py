@@ -214,7 +214,7 @@ def _parse(line: str) -> tuple[tuple[str, int], Piece] | None:
         write_id, piece, first, rows, start, digest = json.loads(line)
         return (str(write_id), int(piece)), Piece(int(first), int(rows), int(start),
                                                   None if digest is None else str(digest))
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, OverflowError):  # OverflowError: a number JSON holds and an int does not
         return None
 
 

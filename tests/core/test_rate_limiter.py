@@ -352,3 +352,22 @@ def test_config_round_trips(rl):
 def test_bad_specs(spec, err, message):
     with pytest.raises(err, match=message):
         make_rate_limiter(spec)
+
+
+def test_a_window_no_count_can_be_compared_to_is_refused():
+    for args in ((1e308, 2, 1.0), (1.0, 1, (-math.inf, 5.0))):
+        with pytest.raises(ValueError, match="finite"):
+            SampleToInsertRatio(*args)
+
+
+def test_a_saved_state_without_its_limiters_config_is_refused_not_taken_as_no_limit():
+    from rayrb.core.sampling_state import checked_state
+    from rayrb.errors import SavedStateError
+
+    limiter = SampleToInsertRatio(2.0, 3, 4.0)
+    for saved in ({"config": None, "state": limiter.state_dict()}, None, {"state": limiter.state_dict()}):
+        state = {"step": 0, "schedule": 0.5, "rng": np.random.default_rng(0).bit_generator.state,
+                 "rate_limiter": saved}
+        with pytest.raises(SavedStateError, match="rate_limiter"):
+            checked_state(state, sampler="uniform", num_shards={"offline": 1, "online": 1}, alloc_options={},
+                          online_capacity=10, limiter=limiter)

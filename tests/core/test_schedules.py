@@ -58,3 +58,17 @@ def test_a_users_schedule_is_checked_where_it_answers_and_the_built_in_ones_are_
 def test_true_is_refused_as_a_fraction_out_of_range():
     with pytest.raises(ValueError, match=r"offline_fraction must be a number in \[0, 1\], got True"):
         make_schedule(True)
+
+
+def test_configs_are_checked_where_they_are_made_and_numbers_of_any_kind_are_fractions():
+    import numpy as np
+
+    for boundaries in (["a"], [None], [float("nan")], [-1], [5, 5], [2.5]):
+        with pytest.raises((ValueError, TypeError), match="step boundaries"):  # not at a later sample
+            Step(boundaries, [0.1] * (len(boundaries) + 1))
+    for value in (np.float32(0.5), np.float64(0.5), np.int64(1)):
+        assert make_schedule(value) == Constant(float(value))
+    with pytest.raises(ValueError, match="schedule kind must be one of"):
+        make_schedule({"kind": ["linear"]})
+    assert Linear(0.8, 0.2, 10)(10**400, 0, 0) == pytest.approx(0.2)  # a step no float holds: the end
+    assert SizeProportional()(0, -5, 10) == 0.0 and SizeProportional()(0, 5, -10) == 1.0

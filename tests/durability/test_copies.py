@@ -7,7 +7,8 @@ import pytest
 
 from rayrb.actors.online_shard import OnlineShard
 from rayrb.core.schema import RowSpec
-from rayrb.durability.copies import merged_count, newer
+from rayrb.durability.copies import merged_count, newer, take_newer
+from rayrb.durability.storage import whole
 
 SPEC = RowSpec.from_arrays({"x": np.zeros(1, np.int64)}).to_json()
 
@@ -55,6 +56,26 @@ def test_a_merge_holds_every_row_either_copy_held(tmp_path, seed):
         assert held(a) == held(whole) and np.array_equal(gen, whole.state()["generation"])
     a.merge(b.state())  # taking a copy twice changes nothing
     assert held(a) == held(b)
+
+
+def test_two_copies_merged_either_way_agree_slot_by_slot_torn_slots_included():
+    """Contract 12: whichever copy takes the other, a slot ends the same. Every pair of a slot's states (empty,
+    whole rows 1-4, rows 1-4 torn by a crash mid-write): a whole row wins over its own row torn and over the next
+    row torn (never acknowledged: the row it would have evicted stays); a torn row over one two rows older."""
+    states = np.array([0, 1, 2, 3, 4, -1, -2, -3, -4])
+    a, b = np.repeat(states, states.size), np.tile(states, states.size)
+    a_takes, b_takes = np.where(newer(a, b), b, a), np.where(newer(b, a), a, b)
+    assert (a_takes == b_takes).all()
+    # torn 2 takes whole 1; whole 1 keeps itself against torn 2; torn 3 keeps itself against whole 1
+    assert np.flatnonzero(newer(np.array([-2, 1, -3]), np.array([1, -2, 1]))).tolist() == [0]
+
+
+def test_a_copy_whose_rows_do_not_fit_is_refused_before_a_slot_is_marked():
+    for theirs in (np.ones((4, 2)), np.ones(3), np.array(["a"] * 4)):
+        rows, gen = {"x": np.zeros(4), "y": np.zeros(4)}, np.array([1, 1, 1, 1])
+        with pytest.raises(ValueError, match="expected key 'y' of the copy as float64\\[4\\]"):
+            take_newer(rows, gen, {"rows/x": np.ones(4), "rows/y": theirs, "generation": np.array([2, 2, 2, 2])})
+        assert gen.tolist() == [1, 1, 1, 1] and whole(gen) and rows["x"].tolist() == [0, 0, 0, 0]
 
 
 def test_merged_count_goes_over_held_runs_that_join_and_stops_at_a_hole():

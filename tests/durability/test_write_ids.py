@@ -57,7 +57,7 @@ def test_a_torn_last_line_and_a_damaged_one_are_skipped_without_losing_the_other
         ids.add(f"w{i}", 0, first=3 * i, rows=3, start=0, digest=str(i))
     path = tmp_path / FILE
     lines = path.read_text().splitlines(keepends=True)
-    lines[1] = "\x00\x00 not json\n"  # a damaged line in the middle
+    lines[1] = '["w1",0,Infinity,3,0,"1"]\n'  # a damaged line in the middle: JSON, with no int in it
     path.write_text("".join(lines) + '["w4",0,12,3,0,"4"')  # and a line torn by a crash mid-append
     again = WriteIds(tmp_path, written=12)
     assert [again.get(f"w{i}", 0) is not None for i in range(5)] == [True, False, True, True, False]
@@ -125,3 +125,13 @@ def test_where_both_copies_placed_a_piece_at_one_place_this_copys_line_wins(tmp_
     assert [mine.get(k, 0) is not None for k in ("a", "mine", "theirs", "later")] == [True, True, False, True]
     mine.adopt(None, written=5)  # a copy without a journal (an older state) changes nothing
     assert len(WriteIds(tmp_path / "mine", written=5)) == 3
+
+
+def test_a_coordinators_journal_skips_lines_damaged_into_other_json(tmp_path):
+    """Damaged lines are skipped, never read as writes: a number no int holds, or JSON of another shape (a string
+    would unpack as the write 'x' with pieces 'y')."""
+    from rayrb.durability.coordinator_state import CoordinatorState
+
+    (tmp_path / "writes.log").write_text('["a",[[0,0,2,0]],null,0]\n["b",[[0,2,3,2]],null,1e400]\n"xyz"\n'
+                                         '["c",[[0,"2",3,2]],null,3]\n')
+    assert [w for w, _, _ in CoordinatorState(tmp_path).writes()] == ["a"]
