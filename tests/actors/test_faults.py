@@ -284,10 +284,8 @@ def test_small_input_gaps_are_closed(make_buffer, tmp_path):
         rb.extend([online_rows(0, 2), online_rows(2, 1)[0]])
     with pytest.raises(ValueError, match="the same keys in every item"):
         rb.extend([online_rows(0, 1)[0], online_rows(1, 1)[0].exclude("obs")])
-    assert rb.write_count == 0
-    assert rb.extend([online_rows(0, 2), online_rows(2, 2)]).tolist() == [0, 1, 2, 3]
-    assert rb.extend([online_rows(4, 1)[0], online_rows(5, 1)[0]]).tolist() == [4, 5] and rb.write_count == 6
-    assert rb.extend([]).numel() == 0
+    assert rb.write_count == 0 and rb.extend([online_rows(0, 2), online_rows(2, 2)]).tolist() == [0, 1, 2, 3]
+    assert rb.extend([online_rows(4, 1)[0], online_rows(5, 1)[0]]).tolist() == [4, 5] and not rb.extend([]).numel()
     it = rb.iter_batches(8, prefetch=4)
     next(it)
     rb.shutdown()
