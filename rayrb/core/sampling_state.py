@@ -70,9 +70,9 @@ def checked_state(state: Any, *, sampler: Any, num_shards: Mapping[str, int], al
             raise bad("'allocator'", state["allocator"], f"the {sampler!r} allocator's state", e) from None
     if "rate_limiter" in state:
         saved = state["rate_limiter"]
+        if not isinstance(saved, Mapping) or not isinstance(saved.get("config"), Mapping):  # None would be no limit
+            raise bad("'rate_limiter'", saved, "a rate limiter config (a mapping) and its counters")
         try:
-            if not isinstance(saved, Mapping) or not isinstance(saved.get("config"), Mapping):
-                raise TypeError("no config of a rate limiter (make_rate_limiter(None) would be no limit)")
             limiter = make_rate_limiter(saved["config"])
             limiter.validate(online_capacity=online_capacity)
             limiter.load_state_dict(saved["state"])

@@ -3,7 +3,7 @@ an interruption, and left as it was found by a run that raises (contract 9).
 
 A destination holds the job it is for (``JOB_FILE``: the source, ``fn`` and arguments), the chunks finished so
 far and their markers, and, once the run finished, a manifest. A run resumes only the chunks of the same job:
-``fn`` counts by its name, its source and its pickle (what a closure or a default captured). A run that raises
+``fn`` counts by its name, its source and what a closure or a default captured. A run that raises
 (``fn`` raised, a chunk's task failed) removes what it made, so a destination is never left half written by a
 failure; an interruption (Ctrl-C, a killed driver) keeps the finished chunks for the next run.
 """
@@ -13,6 +13,7 @@ import hashlib
 import inspect
 import json
 import os
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -24,21 +25,28 @@ JOB_FILE = ".rayrb-job.json"
 
 
 def fn_fingerprint(fn: Callable) -> str:
-    """``fn`` by its name, its source and what the tasks are sent of it (its pickle: the values a closure or a
-    default captured, which one source text shares across ``make_fn(2)`` and ``make_fn(3)``), so a run resumes
-    only the chunks the same function made."""
-    from ray import cloudpickle
-
+    """``fn`` by its name, its source (or its repr, for a callable object) and what its source does not say: the
+    values its closure captured and its defaults (``make_fn(2)`` and ``make_fn(3)`` share one source text), by
+    their reprs, memory addresses left out, so that a rerun in another process finds the same job."""
     try:
-        body = inspect.getsource(fn).encode()
+        body = inspect.getsource(fn)
     except (OSError, TypeError):
-        body = repr(fn).encode()
-    try:
-        body += cloudpickle.dumps(fn)
-    except Exception:  # not picklable: the tasks cannot be sent it either, and say so
-        pass
+        body = repr(fn)
     name = f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
-    return name + ":" + hashlib.sha256(body).hexdigest()[:16]
+    text = re.sub(r" at 0x[0-9a-fA-F]+", "", body + "\0" + _captured(fn))
+    return name + ":" + hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _captured(fn: Callable) -> str:
+    """A function's (or a bound method's) closure values and defaults, by repr."""
+    f = getattr(fn, "__func__", fn)
+    cells = []
+    for cell in getattr(f, "__closure__", None) or ():
+        try:
+            cells.append(repr(cell.cell_contents))
+        except ValueError:  # a cell not filled yet
+            cells.append("<empty>")
+    return repr((cells, getattr(f, "__defaults__", None), getattr(f, "__kwdefaults__", None)))
 
 
 def prepare_dest(dest: Path, job: dict, resume: bool) -> None:

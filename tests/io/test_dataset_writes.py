@@ -106,3 +106,20 @@ def test_a_stream_killed_before_its_first_record_or_its_manifest_resumes(tmp_pat
         write_batches([{"x": np.arange(float(n))}], tmp_path / "ds", chunk_rows=4)
     ds = write_batches([{"x": np.arange(float(n))}], tmp_path / "ds", chunk_rows=4, resume=True)
     assert ds.read()["x"].tolist() == list(np.arange(float(n)))
+
+
+def test_a_preprocess_job_is_the_same_in_another_process_and_a_closures_values_make_it_another():
+    """The job a destination is for: rerun in a new process (a resubmitted job) it is found again, whatever the
+    memory addresses; a closure over other values, or other defaults, is another job."""
+    import subprocess
+    import sys
+
+    code = ("from rayrb.io.destination import fn_fingerprint\n"
+            "def make(k, scale=1.0):\n"
+            "    def fn(td, _m=object()):\n"
+            "        return td * k * scale\n"
+            "    return fn\n"
+            "print(fn_fingerprint(make(2)), fn_fingerprint(make(3)), fn_fingerprint(make(2, 0.5)))")
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120) for _ in "ab"]
+    a, b = (r.stdout.split() for r in runs)
+    assert a == b and len(a) == 3 and len(set(a)) == 3, (a, b, runs[0].stderr[-2000:])
