@@ -99,6 +99,7 @@ class OpenMLExperienceReplay(ImmutableDataset):
             raise InvalidArgumentError(f"expected num_shards at most the table's {len(self._chunks)} rows, got "
                                        f"{self._options['num_offline_shards']}")
         self._rb, self._deleted = None, False  # the buffer, started by the first call that samples
+        self._starts = shard_starts(len(self._chunks), self._options["num_offline_shards"])
 
     # TorchRL's properties -------------------------------------------------------------------------------------
     data_path = property(lambda self: self._chunks.root, doc="The prepared table's chunk dataset directory.")
@@ -131,16 +132,17 @@ class OpenMLExperienceReplay(ImmutableDataset):
         priority, ``"priority_weight"`` (which TorchRL's losses weigh by); with ``return_info``,
         ``(batch, info)``, ``info`` holding the same."""
         batch, info = self.buffer.sample(batch_size, return_info=True)
-        batch, info = self._finish(batch, self._info(info))
+        info = self._info(info)
+        batch = self._finish(batch, info)
         return (batch, info) if return_info else batch
 
     def __iter__(self):
         """Batches until the epoch without replacement ends (its last batch short unless ``drop_last``), or
         without end with replacement, as TorchRL's datasets iterate (each as ``sample`` gives it)."""
         for batch, info in self.buffer.iter_epoch(return_info=True):
-            yield self._finish(batch, self._info(info))[0]
+            yield self._finish(batch, self._info(info))
 
-    def _finish(self, batch: Any, info: dict[str, torch.Tensor]) -> tuple[Any, dict[str, torch.Tensor]]:
+    def _finish(self, batch: Any, info: dict[str, torch.Tensor]) -> Any:
         """As TorchRL's ``TensorDictReplayBuffer.sample``: collated, transformed, then each of ``info`` set in the
         batch (where it is a TensorDict; a collate_fn may have made it something else), then pinned."""
         if self._collate_fn is not None:
@@ -151,11 +153,10 @@ class OpenMLExperienceReplay(ImmutableDataset):
         set_info(batch, info)
         if self._pin_memory and torch.cuda.is_available() and getattr(batch, "device", None) in (None, torch.device("cpu")):
             batch = batch.pin_memory()
-        return batch, info
+        return batch
 
     def _info(self, info: dict) -> dict[str, torch.Tensor]:
-        starts = torch.tensor([a for a, _ in row_ranges(len(self), self._options["num_offline_shards"])])
-        out = {"index": starts[torch.as_tensor(info["shard"])] + torch.as_tensor(info["index"])}
+        out = {"index": self._starts[torch.as_tensor(info["shard"])] + torch.as_tensor(info["index"])}
         if "weight" in info:
             out["priority_weight"] = torch.as_tensor(info["weight"])
         return out
@@ -172,9 +173,8 @@ class OpenMLExperienceReplay(ImmutableDataset):
             from rayrb.errors import RowIndexError
 
             raise RowIndexError(f"expected indices in [0, {len(self)}), got {index.min()}..{index.max()}")
-        starts = torch.tensor([a for a, _ in row_ranges(len(self), self._options["num_offline_shards"])])
-        shard = torch.searchsorted(starts, index, right=True) - 1
-        info = {"offline": torch.ones(len(index), dtype=torch.bool), "shard": shard, "index": index - starts[shard],
+        shard = torch.searchsorted(self._starts, index, right=True) - 1
+        info = {"offline": torch.ones(len(index), dtype=torch.bool), "shard": shard, "index": index - self._starts[shard],
                 "generation": torch.full((len(index),), OFFLINE_GENERATION, dtype=torch.int64)}
         return self.buffer.update_priority(info, priority)
 
@@ -308,3 +308,9 @@ def set_info(batch: Any, info: dict[str, torch.Tensor]) -> None:
         with batch.unlock_() if batch.is_locked else contextlib.nullcontext():
             for key, value in info.items():
                 batch.set(key, expand_as_right(value, batch) if value.ndim < batch.ndim else value)
+
+
+def shard_starts(rows: int, shards: int) -> torch.Tensor:
+    """Each shard's first row in the table, as the buffer lays out ``shards`` shards over ``rows`` rows: a shard's
+    row index plus its start is the row's index in the table."""
+    return torch.tensor([a for a, _ in row_ranges(rows, shards)])

@@ -33,12 +33,13 @@ def export_parquet(dataset: ChunkDataset | str | os.PathLike, dest: str | os.Pat
     import pyarrow.parquet as pq
 
     ds = dataset if isinstance(dataset, ChunkDataset) else ChunkDataset.open(dataset)
-    columns: dict[str, str] = {}
+    columns: dict[str, str] = {}  # column name -> key
     for k in ds.spec:
-        if k.replace("/", ".") in columns:
-            raise InvalidArgumentError(f"keys {columns[k.replace('/', '.')]!r} and {k!r}: expected keys that name "
-                                       f"one Parquet column each, got both as column {k.replace('/', '.')!r}")
-        columns[k.replace("/", ".")] = k
+        name = k.replace("/", ".")
+        if name in columns:
+            raise InvalidArgumentError(f"keys {columns[name]!r} and {k!r}: expected keys that name one Parquet "
+                                       f"column each, got both as column {name!r}")
+        columns[name] = k
     metadata = {b"rayrb.spec": json.dumps(ds.spec.to_json()).encode(), COLUMNS: json.dumps(columns).encode()}
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
@@ -46,12 +47,12 @@ def export_parquet(dataset: ChunkDataset | str | os.PathLike, dest: str | os.Pat
     for i, c in enumerate(ds.chunks):
         arrays = ds.chunk_arrays(i)
         cols = {}
-        for k, f in ds.spec.items():
+        for name, k in columns.items():
             a = np.ascontiguousarray(arrays[k])
             col = pa.array(a.reshape(-1))
-            for dim in reversed(f.shape):
+            for dim in reversed(ds.spec[k].shape):
                 col = pa.FixedSizeListArray.from_arrays(col, dim)
-            cols[k.replace("/", ".")] = col
+            cols[name] = col
         table = pa.table(cols).replace_schema_metadata(metadata)
         path = dest / f"{c.path}.parquet"
         pq.write_table(table, path)
