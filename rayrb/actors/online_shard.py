@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from rayrb.actors.inline import joined
 from rayrb.actors.publishing import Publisher, Target
 from rayrb.actors.replication import Replication, lookup
 from rayrb.actors.shard_copies import ShardCopies
@@ -126,11 +127,11 @@ class OnlineShard(ShardCopies, Shard):
 
     def append(self, rows: Mapping[str, np.ndarray], write_id: str, piece: int = 0, start: int = 0,
                digest: str | None = None, stop: int | None = None, forward: list | None = None
-               ) -> tuple[np.ndarray, int, bool, list]:
+               ) -> tuple[np.ndarray, int, bool]:
         """A piece of a write this shard places itself (``rayrb.handle.direct``): its rows in as this shard's
         next rows, at its write count (``rayrb.durability.appends``); their slots, the write count after,
         whether the count was published in the coordinator's counts map (else the writer tells the
-        coordinator), and the calls to its live replicas that the writer waits for before either. ``rows`` is the
+        coordinator), once every live replica holds the piece too. ``rows`` is the
         piece, which starts at row ``start`` of its write, or with ``stop`` the whole write, of which the piece
         is ``[start, stop)``. A piece placed before under ``(write_id, piece)`` is answered from the journal and
         written once; other rows under it are refused (``WriteIdError``). ``forward``: ``rows``' object-store ref,
@@ -162,12 +163,19 @@ class OnlineShard(ShardCopies, Shard):
         if done.answered:
             self._metrics.count("writes_answered_again")
         self._metrics.observe("extend_ms", (time.perf_counter() - t0) * 1e3)
-        if self._replication is None:
-            return done.slots, done.written, self._publisher.publishing, []
-        # Acknowledged once every live replica holds the rows: the writer waits for their answers (this shard goes
-        # on to the next append meanwhile, and settles them later) and then tells the coordinator the count.
-        self._replication.settle_kept()
-        return done.slots, done.written, False, self._replication.keep(sent, done.written, self._store.restores)
+        if self._replication is not None:
+            # Acknowledged once every live replica holds the rows: awaited here, where the calls are owned (a writer
+            # awaiting them through refs it borrows cost more CPU in all: docs/benchmarks.md, "Two copies"); then
+            # the count is published as an unreplicated shard's is, where it can be
+            self._replication.settle(sent, self.order())
+            self._publish(self._store.written)
+        return done.slots, done.written, self._publisher.publishing
+
+    def append_parts(self, how: Mapping[str, Any], *parts: Mapping[str, np.ndarray]
+                     ) -> tuple[np.ndarray, int, bool]:
+        """``append`` with its rows carried in the call, cut in ``parts`` (``rayrb.actors.inline``), and its other
+        arguments in ``how``."""
+        return self.append(joined(parts), **how)
 
     def pieces_of(self, write_id: str) -> dict[int, tuple[int, int, int, str | None]]:
         """The pieces of ``write_id`` this shard placed: piece -> ``(first, rows, start, digest)``."""

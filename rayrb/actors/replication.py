@@ -1,9 +1,11 @@
 """An online shard's replicas, as the shard that serves it (its primary) keeps them.
 
-The primary sends every piece it is given to each replica (the same rows ref, so each
-fetches the rows itself) before it copies the piece in, and answers only once every
-*live* replica has applied it and counts as many rows as the primary does. A replica
-is in one of four states:
+The primary sends every piece it is given to each replica before it copies the piece in (rows up
+to a MiB in the call itself, ``rayrb.actors.inline``; larger ones as the same object-store ref, which
+each copy fetches itself), and answers only once every *live* replica has applied it and counts as
+many rows as the primary does: it awaits the calls it owns itself, which costs less than its writers
+awaiting them through refs they borrow (``docs/benchmarks.md``, "Two copies"). A replica is in one
+of four states:
 
 * ``live``: awaited on every write; a write is acknowledged only when it holds the rows;
 * ``catching``: being rebuilt from a snapshot of the primary (``OnlineShard.replace``), sent
@@ -25,9 +27,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from rayrb.actors.inline import cut
 
 logger = logging.getLogger(__name__)
 WAIT = 30.0  # seconds a write waits for a live replica before it goes on without it
@@ -68,8 +72,6 @@ class Replication:
     def __init__(self, names: Sequence[str], snapshot: Callable[[], dict]):
         self.replicas = [Replica(n) for n in names]
         self._snapshot = snapshot
-        # appends' calls the writers wait for, settled here later: (replica, call, the piece's end, restore epoch)
-        self._kept: list[tuple[Replica, Any, int, int, float]] = []
 
     def _actor(self, r: Replica) -> Any:
         if r.actor is None:  # at the first start it may still be being made; later a short look will do
@@ -78,13 +80,19 @@ class Replication:
 
     def send(self, rows_ref: Any, start: int, stop: int, first: int, write: tuple | None = None
              ) -> list[tuple[Replica, Any]]:
-        """Send a piece to every replica that takes pieces (live or catching), with its ``(write id, piece, start,
-        digest)`` where the primary placed it (``OnlineShard.replicate``); the calls to await."""
+        """Send a piece, ``rows_ref[start:stop]`` (rows, or their object-store ref), to every replica that takes
+        pieces (live or catching), with its ``(write id, piece, start, digest)`` where the primary placed it
+        (``OnlineShard.replicate``); the calls to await. Rows small enough go in the call, in parts."""
         self.poll()
+        parts = cut({k: v[start:stop] for k, v in rows_ref.items()}) if isinstance(rows_ref, Mapping) else None
         sent = []
         for r in self.replicas:
             if r.status in (LIVE, CATCHING):
-                call = self._actor(r).replicate.remote(rows_ref, start, stop, first=first, write=write)
+                if parts is not None:  # in the call itself (rayrb.actors.inline)
+                    how = {"start": 0, "stop": int(stop) - int(start), "first": first, "write": write}
+                    call = self._actor(r).replicate_parts.remote(how, *parts)
+                else:
+                    call = self._actor(r).replicate.remote(rows_ref, start, stop, first=first, write=write)
                 if r.status == LIVE:
                     sent.append((r, call))
         return sent
@@ -95,15 +103,15 @@ class Replication:
         waited for) while writes go on. The epoch shows a replica restarted on files from before a restore, which
         may count as many rows."""
         import ray
+        from ray.exceptions import GetTimeoutError
 
         deadline = time.monotonic() + timeout
         for r, call in calls:
-            ready, _ = ray.wait([call], timeout=max(0.0, deadline - time.monotonic()))
-            if not ready:
+            try:
+                answer = tuple(int(x) for x in ray.get(call, timeout=max(0.0, deadline - time.monotonic())))
+            except GetTimeoutError:
                 self._late(r, call)
                 continue
-            try:
-                answer = tuple(int(x) for x in ray.get(call))
             except Exception:
                 self._rebuild(r)
                 continue
@@ -111,45 +119,9 @@ class Replication:
             if answer != tuple(order):
                 self._rebuild(r)
 
-    def keep(self, calls: list[tuple[Replica, Any]], end: int, restores: int) -> list[Any]:
-        """An append's calls to its live replicas, which its writer waits for (``rayrb.handle.direct``), so that
-        this primary goes on to the next append: settled here later (``settle_kept``). Returns the calls."""
-        now = time.monotonic()
-        self._kept += [(r, call, int(end), int(restores), now) for r, call in calls]
-        return [call for _, call in calls]
-
-    def settle_kept(self, wait: float = 0.0) -> None:
-        """Settle the kept calls that came back (within ``wait`` seconds): a replica that failed, or answers a count
-        short of the piece's end or another restore epoch (it missed a piece, or restarted), is rebuilt; one not
-        answering within ``WAIT`` seconds is late, as ``settle`` has it."""
-        import ray
-
-        if not self._kept:
-            return
-        calls = [c for _, c, _, _, _ in self._kept]
-        ready = set(ray.wait(calls, num_returns=len(calls), timeout=wait)[0])
-        kept, now = [], time.monotonic()
-        for r, call, end, restores, since in self._kept:
-            if call not in ready:
-                if now - since > WAIT and r.status == LIVE:
-                    self._late(r, call)
-                elif r.status == LIVE:
-                    kept.append((r, call, end, restores, since))
-                continue
-            try:
-                count, epoch = (int(x) for x in ray.get(call))
-            except Exception:
-                self._rebuild(r)
-                continue
-            r.count = max(r.count, count)
-            if (count < end or epoch != restores) and r.status == LIVE:
-                self._rebuild(r)
-        self._kept = kept
-
     def check(self, order: tuple[int, int]) -> None:
         """Between writes: ask each live replica its count and epoch (one restarted empty, or on older files, while
         no write came); asked after every piece sent, it answers behind them."""
-        self.settle_kept()
         self.poll()
         self.settle([(r, self._actor(r).order.remote()) for r in self.replicas if r.status == LIVE], order, 5.0)
 
@@ -251,7 +223,6 @@ class Replication:
         rebuilds so far."""
         import ray
 
-        self.settle_kept(wait=1.0)  # the pieces on their way (their writers wait for them too): behind, else not
         out = []
         for r in self.replicas:
             try:

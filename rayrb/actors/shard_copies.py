@@ -7,9 +7,11 @@ replicas (``_replication``) and ``extend``. The rules for which copy wins live i
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 
+from rayrb.actors.inline import joined
 from rayrb.durability.copies import copy_order, merged_count, take_newer
 from rayrb.durability.runs import held_runs
 from rayrb.errors import SavedStateError
@@ -37,6 +39,11 @@ class ShardCopies:
                     ids.forget(write[:2])
                 raise
         return self.order()
+
+    def replicate_parts(self, how: Mapping[str, Any], *parts: Mapping[str, np.ndarray]) -> tuple[int, int]:
+        """``replicate`` with its rows carried in the call, cut in ``parts`` (``rayrb.actors.inline``) and its
+        other arguments in ``how``."""
+        return self.replicate(joined(parts), **how)
 
     def order(self) -> tuple[int, int]:
         """``(write count, restore epoch)``: a replica holds its primary's rows when both are the primary's."""

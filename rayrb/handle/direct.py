@@ -12,11 +12,11 @@ something dies on the way. The write path of every buffer without a rate limiter
    count, published count). Not for a caller-named ``write_id`` (it may have landed in any shard: step 3 asks
    them), prioritized sampling (the shard's sum tree must see the row), rows kept on a GPU, a shard with
    replicas (it sends them the rows), or more than ``UNDO_ROWS`` rows.
-3. **Otherwise one call**: the piece goes to its shard (``OnlineShard.append``), which appends it the same way and
+3. **Otherwise one call**: the piece goes to its shard (``OnlineShard.append``; rows up to a MiB in the call
+   itself, cut in parts under Ray's inline size: ``rayrb.actors.inline``), which appends it the same way and
    answers the slots, its count and whether it published the count; a shard with replicas sends them the piece
-   (a large write's object-store ref, which each copy fetches itself) before its own copy and answers with
-   their calls, which the writer waits for before the write counts (the
-   shard goes on to its next append meanwhile, and settles the calls later). A write under a ``write_id`` the caller named
+   (the same way, or a large write's object-store ref, which each copy fetches itself) before its own copy and
+   answers once every live replica holds it (``rayrb.actors.replication``). A write under a ``write_id`` the caller named
    asks every shard first which pieces of it they hold (``pieces_of``): those are answered, not written again.
    A write too large for one shard goes to the coordinator, which holds its rows before it sends the pieces to
    the shards (``Coordinator.relay``): a writer that dies meanwhile leaves it whole or not at all.
@@ -41,6 +41,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from rayrb.actors.inline import cut
 from rayrb.core.allocation import assign_pieces, cut_write
 from rayrb.core.episodes import per_step
 from rayrb.core.layout import ShardLayout
@@ -53,7 +54,6 @@ LOCAL_SAMPLERS = ("uniform", "without_replacement")  # samplers that keep no per
 SLACK = 8  # a shard on this node takes a write while at most capacity / SLACK rows ahead of the least-written
 FORWARD_BYTES = 100 << 10  # rows for a shard with replicas put in the object store once, past Ray's inline size
 PLACINGS = 4096  # writes whose shard a handle remembers (a write in flight is asked again with its id)
-REPLICA_WAIT = 30.0  # seconds a write waits for a live replica (rayrb.actors.replication.WAIT) before it goes on
 
 
 class Sent(NamedTuple):
@@ -207,15 +207,19 @@ class DirectWrites:
                 return Sent(n, [], self._answer(held, write_id, n, digest))
         shard = self._place(write_id, n)
         self._placed(shard, n)
-        more = {}
-        if shard < len(self._online) and self._online[shard].copies:
-            import ray
+        actor, parts = self.rpc.by_side[ONLINE][shard], cut(rows) if isinstance(rows, dict) else None
+        if parts is not None:  # in the call itself; the shard sends its replicas the same way
+            ack = actor.append_parts.remote({"write_id": write_id, "digest": digest}, *parts)
+        else:
+            more = {}
+            if shard < len(self._online) and self._online[shard].copies:
+                import ray
 
-            if isinstance(rows, dict) and sum(a.nbytes for a in rows.values()) > FORWARD_BYTES:
-                rows = ray.put(rows)
-            if isinstance(rows, ray.ObjectRef):
-                more = {"forward": [rows]}  # each copy fetches the rows itself, not through the primary
-        ack = self.rpc.by_side[ONLINE][shard].append.remote(rows, write_id, 0, 0, digest, **more)
+                if isinstance(rows, dict) and sum(a.nbytes for a in rows.values()) > FORWARD_BYTES:
+                    rows = ray.put(rows)
+                if isinstance(rows, ray.ObjectRef):
+                    more = {"forward": [rows]}  # each copy fetches the rows itself, not through the primary
+            ack = actor.append.remote(rows, write_id, 0, 0, digest, **more)
         self.stats["sent"] += 1
         return Sent(n, [(shard, 0, ack)])
 
@@ -226,18 +230,13 @@ class DirectWrites:
             return sent.answered
         answers = self.rpc.get([ack for _, _, ack in sent.pieces])
         indices = np.empty(sent.rows, np.int64)
-        untold, copies = [], []
-        for (shard, start, _), (pos, written, published, replicas) in zip(sent.pieces, answers):
+        untold = []
+        for (shard, start, _), (pos, written, published) in zip(sent.pieces, answers):
             indices[start:start + len(pos)] = self._offsets[shard] + np.asarray(pos, np.int64)
             self._placed(shard, 0, int(written))
             self._landed(shard, len(pos))
-            copies += replicas
             if not published:
                 untold.append((shard, int(written)))
-        if copies:  # every live replica holds the rows before they count (a failed one is rebuilt by its primary)
-            import ray
-
-            ray.wait(copies, num_returns=len(copies), timeout=REPLICA_WAIT)
         if untold or self.rpc.counts_map() is None:  # the handle's own loop follows the tell's answer
             told = self.rpc.coord.wrote.remote(untold)
             self.rpc.told = self._told = told

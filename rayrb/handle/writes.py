@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from rayrb.actors.inline import INLINE_BYTES
 from rayrb.core.layout import ShardLayout
 from rayrb.core.schema import strip_bookkeeping
 from rayrb.core.validation import boolean, optional_str
@@ -323,7 +324,6 @@ class PendingWrite(Future):
 
 Written = torch.Tensor | PendingWrite  # what extend returns: the indices, or with wait=False a PendingWrite
 
-INLINE_BYTES = 1 << 20  # writes up to this size travel inside the coordinator's call, not through a put
 
 
 def _payload(arrays: dict[str, np.ndarray], copy: bool) -> Any:

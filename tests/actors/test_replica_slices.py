@@ -31,8 +31,7 @@ def test_slices_by_priority_keep_their_priorities_in_the_replica_through_the_pri
     try:
         for e in range(4):  # four episodes of 16 steps, an episode a write
             rows = {"x": np.arange(e * steps, (e + 1) * steps), "episode": np.full(steps, e, np.int64)}
-            _, _, _, calls = ray.get(primary.append.remote(rows, f"w{e}", 0, 0, f"d{e}"))
-            ray.get(calls)
+            ray.get(primary.append.remote(rows, f"w{e}", 0, 0, f"d{e}"))
         level(ray, primary)
         gen = ray.get(primary.state.remote())["generation"]
         hot = np.arange(2 * steps, 3 * steps)  # episode 2's steps

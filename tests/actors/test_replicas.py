@@ -57,11 +57,10 @@ def lose(ray, actor, directory):
 
 
 def append(ray, primary, first, write_id=None):
-    """One write the primary places itself (``OnlineShard.append``), waited for as a writer waits: the shard's
-    answer, then its live replicas' (``rayrb.handle.direct``); ``(slots, write count)``."""
+    """One write the primary places itself (``OnlineShard.append``), answered once its live replicas hold it
+    too; ``(slots, write count)``."""
     rows = {"x": np.arange(first, first + PIECE, dtype=np.int64)}
-    slots, written, _, calls = ray.get(primary.append.remote(rows, write_id or f"w{first}", 0, 0, f"d{first}"))
-    ray.get(calls)
+    slots, written, _ = ray.get(primary.append.remote(rows, write_id or f"w{first}", 0, 0, f"d{first}"))
     return np.asarray(slots).tolist(), int(written)
 
 

@@ -1,0 +1,126 @@
+"""Writes carried inside the calls, in parts (rayrb.actors.inline), to a primary and its replica: the primary sends
+the replica the parts and answers once the replica holds them. A replica killed with its files mid-stream, and a
+primary that dies (its files with it) after sending a piece's parts and before storing them: every acknowledged
+row is in both copies once, in its write's order, and a retry of the write is answered, not applied again."""
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+from rayrb.actors.inline import cut
+from rayrb.actors.lifecycle import actor_class
+from rayrb.actors.online_shard import OnlineShard
+from rayrb.core.schema import RowSpec
+
+WIDTH, ROWS, CAPACITY = 64, 1000, 64_000  # 264 bytes a row: a write of 1,000 rows is three parts
+SPEC = RowSpec.from_arrays({"x": np.zeros(1, np.int64), "obs": np.zeros((1, WIDTH), np.float32)}).to_json()
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+
+@pytest.fixture
+def pair(ray_session, tmp_path):
+    tag, cls = uuid.uuid4().hex[:8], actor_class(OnlineShard)
+    opts = {"num_cpus": 0, "max_restarts": -1, "max_task_retries": 10}
+    dirs = [str(tmp_path / f"{tag}-on-0"), str(tmp_path / f"{tag}-on-0.r1")]
+    replica = cls.options(name=f"{tag}/on-0.r1", **opts).remote(SPEC, CAPACITY, f"{tag}/on-0.r1", state_dir=dirs[1])
+    primary = cls.options(name=f"{tag}/on-0", **opts).remote(SPEC, CAPACITY, f"{tag}/on-0", state_dir=dirs[0],
+                                                             replicas=[f"{tag}/on-0.r1"])
+    ray_session.get([replica.ping.remote(), primary.ping.remote()])
+    yield primary, replica, dirs
+    for actor in (primary, replica):
+        ray_session.kill(actor, no_restart=True)
+
+
+def rows_from(first: int) -> dict[str, np.ndarray]:
+    x = np.arange(first, first + ROWS, dtype=np.int64)
+    return {"x": x, "obs": np.repeat(x[:, None].astype(np.float32), WIDTH, axis=1)}  # each row names itself
+
+
+def write(ray, primary, first: int) -> tuple[list[int], int]:
+    parts = cut(rows_from(first))
+    assert parts is not None and len(parts) == 3
+    slots, written, _ = ray.get(primary.append_parts.remote({"write_id": f"w{first}", "digest": f"d{first}"}, *parts))
+    return np.asarray(slots).tolist(), int(written)
+
+
+def lose(ray, actor, directory):
+    shutil.rmtree(directory)
+    ray.kill(actor, no_restart=False)
+
+
+def level(ray, primary, limit=60.0):
+    t0 = time.monotonic()
+    while True:
+        ray.get(primary.check_replicas.remote())
+        (r,) = ray.get(primary.stats.remote())["replicas"]
+        if r["status"] == "live" and r["behind"] == 0:
+            return r
+        assert time.monotonic() - t0 < limit, r
+        time.sleep(0.2)
+
+
+def held(ray, actor) -> tuple[int, np.ndarray, np.ndarray]:
+    state = ray.get(actor.state.remote())
+    kept = state["generation"] > 0
+    return int(state["written"]), state["rows/x"][kept], state["rows/obs"][kept]
+
+
+def assert_each_row_once(ray, actor, written: int) -> None:
+    count, x, obs = held(ray, actor)
+    assert count == written
+    assert x.tolist() == list(range(written))  # slot order is write order: no slot filled twice or out of turn
+    assert np.array_equal(obs, np.repeat(x[:, None].astype(np.float32), WIDTH, axis=1))  # parts joined in order
+
+
+def test_a_replica_killed_with_its_files_while_parts_stream_in_is_rebuilt_and_holds_every_row(ray_session, pair):
+    ray = ray_session
+    primary, replica, dirs = pair
+    done, stop = [], threading.Event()
+
+    def writer():
+        w = 0
+        while not stop.is_set() and w + ROWS <= CAPACITY:
+            assert write(ray, primary, w) == (list(range(w, w + ROWS)), w + ROWS)
+            done.append(w)
+            w += ROWS
+
+    t = threading.Thread(target=writer)
+    t.start()
+    while len(done) < 5:
+        time.sleep(0.01)
+    lose(ray, replica, dirs[1])
+    while len(done) < 20 and t.is_alive():
+        time.sleep(0.01)
+    stop.set()
+    t.join()
+    assert len(done) >= 20
+    assert level(ray, primary)["rebuilds"] >= 1
+    for actor in (primary, replica):
+        assert_each_row_once(ray, actor, len(done) * ROWS)
+
+
+def test_a_primary_dying_after_sending_the_parts_answers_the_retry_once_from_its_replica(ray_session, pair):
+    ray = ray_session
+    primary, replica, dirs = pair
+    for w in range(0, 3 * ROWS, ROWS):
+        write(ray, primary, w)
+
+    def die_after_sending(shard, directory=dirs[0]):
+        def store_rows(*args):  # the parts have gone to the replica: the node goes now
+            shutil.rmtree(directory)
+            os._exit(1)
+        shard._store_rows = store_rows
+
+    ray.get(primary.__ray_call__.remote(die_after_sending))
+    assert write(ray, primary, 3 * ROWS) == (list(range(3 * ROWS, 4 * ROWS)), 4 * ROWS)  # Ray sent it again
+    assert write(ray, primary, 3 * ROWS) == (list(range(3 * ROWS, 4 * ROWS)), 4 * ROWS)  # the writer's retry
+    assert ray.get(primary.stats.remote())["restarts"] == 1
+    level(ray, primary)
+    for actor in (primary, replica):
+        assert_each_row_once(ray, actor, 4 * ROWS)
