@@ -53,7 +53,7 @@ from bench.headline import bench_headline  # noqa: E402
 from bench.preprocess import bench_preprocess  # noqa: E402
 from bench.read_ahead import AHEAD, AHEAD_SMOKE, bench_read_ahead  # noqa: E402
 from bench.real import bench_real  # noqa: E402
-from bench.replicas import bench_replicas  # noqa: E402
+from bench.replicas import bench_on_a_cluster  # noqa: E402
 from bench.report import headline_plot, plots, ratios  # noqa: E402
 from bench.sampling import bench_sampling  # noqa: E402
 from bench.slices import bench_slices  # noqa: E402
@@ -94,7 +94,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="comma-separated; 'call_cost' (Ray's cost per plan call by its shape), 'startup' (seconds and "
                         "CPU to a ready buffer, beside TorchRL's RayReplayBuffer), 'slices' (a slice sampler "
                         "against TorchRL's), 'replicas' (a second copy "
-                        "of each online shard, on a cluster of its own), 'cold' and 'ahead' (an offline dataset "
+                        "of each online shard, on a cluster of its own), 'rows_in_call' (rows in the call against "
+                        "the object store, on a cluster of its own), 'cold' and 'ahead' (an offline dataset "
                         "outside the page cache; 'ahead': a learner's loop with and without read-ahead) and 'gpu' "
                         "(needs CUDA, writes results_gpu.json) are not in the default")
     p.add_argument("--batch-sizes", default=None, help="comma-separated, overrides the mode's")
@@ -182,7 +183,9 @@ def run_sections(args: argparse.Namespace, cfg: dict, sections: set[str], out_di
             "gpu": ("gpu", lambda: bench_gpu(cfg, root, out_dir, results))})
         ray.shutdown()
         run_steps(sections, {"cluster": ("cluster", lambda: bench_cluster(cfg, results, args.baseline)),
-                             "replicas": ("replicas", lambda: bench_replicas(args.smoke, results))})
+                             "replicas": ("replicas", lambda: bench_on_a_cluster("replicas", args.smoke, results)),
+                             "rows_in_call": ("rows in the call",
+                                              lambda: bench_on_a_cluster("rows_in_call", args.smoke, results))})
         results["seconds"] = time.perf_counter() - t0
 
 

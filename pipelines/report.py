@@ -104,10 +104,12 @@ def sampling_real(sr: dict) -> list[str]:
 
 def writing(w: dict) -> list[str]:
     out = ["", "### Writing (online `extend`: writers x rows a call; rows/s of all writers; p50 / p99 ms a call)", "",
-           "| writers x rows | rayrb | rayrb, pipelined | TorchRL RayReplayBuffer |", "|---|---|---|---|"]
+           "| writers x rows | rayrb | rayrb, pipelined | sent to the shard | placed by the coordinator | TorchRL "
+           "RayReplayBuffer |", "|---|---|---|---|---|---|"]
+    kinds = ("rayrb", "rayrb_pipelined", "rayrb_sent", "rayrb_coordinator", "torchrl_ray")
     for n, row in w.items():
         out.append(f"| {n} | " + " | ".join(f"{rng(row[k]['rows_per_s'])}; {row[k]['p50_ms']:.2f} / {row[k]['p99_ms']:.2f}"
-                                            for k in ("rayrb", "rayrb_pipelined", "torchrl_ray")) + " |")
+                                            if k in row else "not run" for k in kinds) + " |")
     return out
 
 

@@ -52,7 +52,8 @@ def test_benchmark_smoke_writes_results(tmp_path):
 
 @pytest.mark.bench
 def test_benchmark_smoke_of_the_other_sections(tmp_path):
-    results = smoke(tmp_path, "sampling,writing,preprocess,draw_path,consumers,real,slices,startup,cluster,replicas")
+    results = smoke(tmp_path, "sampling,writing,preprocess,draw_path,consumers,real,slices,startup,cluster,replicas,"
+                              "rows_in_call")
     for section in ("sampling", "prefetch_sweep", "writing", "preprocess", "memory", "object_store"):
         assert section in results, section
     for peer in ("index_select", "torchrl_o2o", "torchrl_ray", "rayrb_1shard", "rayrb_1shard_noahead",
@@ -70,6 +71,8 @@ def test_benchmark_smoke_of_the_other_sections(tmp_path):
     assert by_node["same_node_default_local_reads"] > 0 and by_node["other_node_default_local_reads"] == 0
     assert by_node["same_node_shard_reads_local_reads"] == 0 and by_node["other_node_default"] > 0
     assert "replicas" in results
+    for way in ("one_argument", "parts", "one_argument_forwarded", "parts_forwarded"):
+        assert results["rows_in_call"]["1000"][way]["calls_per_s"] > 0, way
     slices = results["slices"]["by_slice_len"]["8"]
     assert slices["rayrb_offline"]["median"] > 0 and slices["torchrl_slice_sampler"]["median"] > 0
     assert slices["rayrb_prioritized_half_online"]["median"] > 0

@@ -24,7 +24,7 @@ def ratios(results: dict) -> dict[str, float]:
                 r[f"B={B} {k} / index_select"] = med / row["index_select"]["rows_per_s"]["median"]
     w = results.get("writing", {})
     for n, row in w.items():
-        for k in ("rayrb", "rayrb_pipelined", "rayrb_sent"):
+        for k in ("rayrb", "rayrb_pipelined", "rayrb_sent", "rayrb_coordinator"):
             if k in row:
                 r[f"extend {n} {k} / torchrl_ray"] = (row[k]["rows_per_s"]["median"]
                                                      / row["torchrl_ray"]["rows_per_s"]["median"])

@@ -1,6 +1,7 @@
 """Section ``writing``: ``extend`` from 1 and 4 writer actors at once, R rows a call, into rayrb's buffer with
 default arguments (each call waited for; pipelined: ``wait=False``, flushed at the end; and each write sent to its
-shard, ``local_reads=False``, the path of a writer on another node than the shard), into TorchRL's
+shard, ``local_reads=False``, the path of a writer on another node than the shard; and placed by the coordinator,
+``write_path="coordinator"``, the path under a rate limiter that admits each write), into TorchRL's
 ``RayReplayBuffer`` actor (``ray.get(actor.extend.remote(td))``), and into a TorchRL ``ReplayBuffer`` in the
 writer's own process (the local limit: no other process involved); rows/s of all writers together and p50 / p99
 ms per call."""
@@ -18,7 +19,7 @@ from tensordict import TensorDict
 
 from bench.harness import med_range, synthetic_table
 
-KINDS = ("rayrb", "rayrb_pipelined", "rayrb_sent", "torchrl_ray", "torchrl_local")
+KINDS = ("rayrb", "rayrb_pipelined", "rayrb_sent", "rayrb_coordinator", "torchrl_ray", "torchrl_local")
 
 
 @ray.remote(num_cpus=0)
@@ -43,7 +44,7 @@ class Writer:
         t0 = time.perf_counter()
         for td in data:
             t = time.perf_counter()
-            if kind in ("rayrb", "rayrb_sent", "torchrl_local"):
+            if kind in ("rayrb", "rayrb_sent", "rayrb_coordinator", "torchrl_local"):
                 target.extend(td)
             elif kind == "rayrb_pipelined":
                 target.extend(td, wait=False)
@@ -79,8 +80,9 @@ def bench_writing(cfg: dict, root: str, results: dict) -> None:
                     elif kind == "torchrl_local":
                         target = None  # each writer's own buffer, made in its process
                     else:
+                        placed = {"write_path": "coordinator"} if kind == "rayrb_coordinator" else {}
                         rb = OfflineToOnlineReplayBuffer(offline, online_capacity=capacity, seed=0,
-                                                         num_online_shards=cfg["online_shards"],
+                                                         num_online_shards=cfg["online_shards"], **placed,
                                                          dataset_root=Path(tempfile.mkdtemp(dir=root)) / "ds")
                         target = rb.client(local_reads=kind != "rayrb_sent")
                     t0 = time.perf_counter()

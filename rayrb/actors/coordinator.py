@@ -17,12 +17,13 @@ nothing; the handle asks again. ``docs/architecture.md`` draws the whole picture
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from rayrb.actors.drawing import Drawing
+from rayrb.actors.inline import joined
 from rayrb.actors.lifecycle import begin
 from rayrb.actors.metrics import ActorMetrics
 from rayrb.actors.publishing import Target, Targets
@@ -232,6 +233,12 @@ class Coordinator(Restoring, Steering):
             self._changed()
             self._drawing.requery_masses(ONLINE, touched)
         return indices, acks
+
+    def extend_parts(self, how: Mapping[str, Any], *parts: Mapping[str, np.ndarray], waited: float = 0.0
+                     ) -> tuple[np.ndarray, list[Any]] | HeldBack:
+        """``extend`` with its rows carried in the call, cut in ``parts`` (``rayrb.actors.inline``), and its other
+        arguments in ``how``."""
+        return self.extend([joined(parts)], **how, waited=waited)
 
     def wrote(self, counts: Sequence[Sequence[int]]) -> tuple[int, list[int]]:
         """Write counts online shards answered to writes they placed (``(shard, written)`` pairs, told by the

@@ -125,6 +125,13 @@ class OnlineShard(ShardCopies, Shard):
         self._metrics.observe("extend_ms", (time.perf_counter() - t0) * 1e3)
         return pos, gen
 
+    def extend_parts(self, how: Mapping[str, Any], *parts: Mapping[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """``extend`` with its rows carried in the call, cut in ``parts`` (``rayrb.actors.inline``), its other
+        arguments in ``how``, where ``forward`` says whether the rows go on to the replicas."""
+        rows, how = joined(parts), dict(how)
+        forward = [rows] if how.pop("forward") else None
+        return self.extend(rows, **how, forward=forward)
+
     def append(self, rows: Mapping[str, np.ndarray], write_id: str, piece: int = 0, start: int = 0,
                digest: str | None = None, stop: int | None = None, forward: list | None = None
                ) -> tuple[np.ndarray, int, bool]:

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from rayrb.actors.inline import cut
 from rayrb.core.allocation import assign_pieces, cut_write
 from rayrb.core.validation import positive_int
 from rayrb.durability.writelog import WriteLog
@@ -118,12 +119,17 @@ class Writing:
             self._state.journal(write_id, [(w.shard, w.start, w.stop, w.first) for w in whole], digest)
         # A ref came nested in a list, so it is still unresolved: each shard fetches its piece itself (a shard
         # with replicas is given it nested too, to pass on). Rows sent inline are here already: each shard is
-        # sent only its piece, by value, for itself and its replicas.
+        # sent only its piece, by value (in the call where it fits), for itself and its replicas.
         rows, acks = rows_ref[0], []
         for w in send:
             piece, start, stop = rows, w.start, w.stop
             if isinstance(rows, Mapping):
                 piece, start, stop = {k: v[w.start:w.stop] for k, v in rows.items()}, 0, w.stop - w.start
+                parts = cut(piece)
+                if parts is not None:  # in the call itself (rayrb.actors.inline), and so on to the replicas
+                    how = {"start": 0, "stop": stop, "first": w.first, "forward": self._replicated}
+                    acks.append(self._shards[w.shard].extend_parts.remote(how, *parts))
+                    continue
             more = {"forward": [piece] if isinstance(rows, Mapping) else rows_ref} if self._replicated else {}
             acks.append(self._shards[w.shard].extend.remote(piece, start, stop, first=w.first, **more))
         return acks

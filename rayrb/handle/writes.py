@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rayrb.actors.inline import INLINE_BYTES
+from rayrb.actors.inline import INLINE_BYTES, cut
 from rayrb.core.layout import ShardLayout
 from rayrb.core.schema import strip_bookkeeping
 from rayrb.core.validation import boolean, optional_str
@@ -210,8 +210,8 @@ class Writer:
                         return
                 ref = self._direct.send(payload, n, write_id, digest, look)
             else:
-                ref = self.rpc.tell("extend", [payload], n, write_id=write_id, prefill=prefill, node=node_id(),
-                                    digest=digest)
+                method, args, how = _extend_call(payload, n, write_id=write_id, prefill=prefill, digest=digest)
+                ref = self.rpc.tell(method, *args, **how)
         except Exception:  # asked again in _confirm, which raises what a blocking write would
             ref = None
         sent.append((pending, write, ref))
@@ -257,8 +257,8 @@ class Writer:
             coordinator = _actor_id(self.rpc.coord)
             for attempt in range(MAX_ASKS):
                 try:
-                    indices, acks = self.rpc.call("extend", [ref], n, write_id=write_id, prefill=prefill,
-                                                  node=node_id(), digest=digest)
+                    method, args, how = _extend_call(ref, n, write_id=write_id, prefill=prefill, digest=digest)
+                    indices, acks = self.rpc.call(method, *args, **how)
                     accepted = True
                     self.rpc.get(acks)
                     return indices
@@ -334,6 +334,16 @@ def _payload(arrays: dict[str, np.ndarray], copy: bool) -> Any:
     if sum(a.nbytes for a in arrays.values()) > INLINE_BYTES:
         return ray.put(arrays)
     return {k: np.array(v) for k, v in arrays.items()} if copy else arrays
+
+
+def _extend_call(payload: Any, n: int, **how: Any) -> tuple[str, tuple, dict[str, Any]]:
+    """The coordinator's ``extend`` for these rows from this node, as ``(method, args, kwargs)``: the rows in the
+    call, in parts where they fit (``rayrb.actors.inline``), else as they are (the arrays, or one object-store
+    ref)."""
+    parts = cut(payload) if isinstance(payload, dict) else None
+    if parts is None:
+        return "extend", ([payload], n), {**how, "node": node_id()}
+    return "extend_parts", ({"rows": n, "node": node_id(), **how}, *parts), {}
 
 
 def _indices(indices: Any) -> torch.Tensor:
