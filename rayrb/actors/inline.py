@@ -2,12 +2,12 @@
 
 Ray puts each task argument larger than its inline size (``max_direct_call_object_size``, 100 KiB) in the
 object store: the callee's raylet then fetches it from the caller's node (an object directory lookup, a pull,
-a plasma object created and sealed), which on the development machine cost 3–4 ms of CPU per 224 KiB write
-against 1.1–1.6 ms for the same rows in the call (``docs/benchmarks.md``, "Rows in the call"). Arguments under
+a plasma object created and sealed), which on the development machine cost 4.3 ms of CPU per call of 219 KiB
+against 1.3 ms for the same rows in the call (``docs/benchmarks.md``, "Rows in the call"). Arguments under
 that size travel in the call's own message, up to ``task_rpc_inlined_bytes_limit`` (10 MiB) in all. So a write
 of up to ``INLINE_BYTES`` is cut, by rows, into parts of at most ``PART_BYTES`` each, passed as separate
-arguments (``*parts``) and joined by the callee. Larger writes gain nothing (measured at 2 and 8.5 MiB) and go
-through the object store as one argument.
+arguments (``*parts``) and joined by the callee. Larger writes go through the object store as one argument: in
+an exploratory measurement parts gained no time at 2.1 MiB and lost some at 8.5 MiB.
 
 >>> import numpy as np
 >>> rows = {"x": np.zeros((1000, 54), np.float32), "y": np.zeros(1000, np.int64)}  # 224 bytes a row
