@@ -102,8 +102,9 @@ class OnlineShard(ShardCopies, Shard):
         it runs: a retry (after a restart, in whatever order Ray re-sends tasks) never
         lands twice, and never over a newer row. The write count advances over
         contiguous writes only, so a restart still finds every write that completed.
-        ``forward`` holds the rows' ref, unresolved, for a shard to pass on to its replicas
-        (``rayrb.actors.replication``), each of which fetches the rows itself.
+        ``forward`` holds what a shard with replicas passes on to them (``rayrb.actors.replication``): the rows'
+        ref, unresolved, which each fetches itself, or the rows, sent in the call. A piece this copy fails to
+        store after sending it has its replicas rebuilt from this copy.
         """
         t0 = time.perf_counter()
         first = self._store.written if first is None else int(first)
@@ -117,9 +118,14 @@ class OnlineShard(ShardCopies, Shard):
             sent = self._replication.send(forward[0], start, stop, first)
         rows = {k: v[start:stop] for k, v in rows.items()}
         n = self._spec.validate(rows, what=f"rows for shard {self.shard_id}")
-        with self._files.locked():
-            pos, gen = self._store_rows(rows, first, n)
-            self._advance(first, first + n)  # last: this is what makes the rows visible after a restart
+        try:
+            with self._files.locked():
+                pos, gen = self._store_rows(rows, first, n)
+                self._advance(first, first + n)  # last: this is what makes the rows visible after a restart
+        except BaseException:
+            if forward and self._replication is not None:  # they were sent a piece this copy does not hold
+                self._replication.redo()
+            raise
         if self._replication is not None:  # acknowledged once every live replica holds the rows too
             self._replication.settle(sent, self.order())
         self._metrics.observe("extend_ms", (time.perf_counter() - t0) * 1e3)
@@ -153,10 +159,12 @@ class OnlineShard(ShardCopies, Shard):
         if self._publisher.take_asked():
             self.publish_to(None, taken=True)
         sent: list = []
+        forwarded = []  # whether the piece went to the replicas
 
         def store(piece_rows: Mapping[str, np.ndarray], first: int, k: int) -> None:
             if self._replication is not None:  # sent first, at this count: the replicas copy while this copy does
                 a, b = bounds if forward else (0, k)
+                forwarded.append(True)
                 sent.extend(self._replication.send(forward[0] if forward else piece_rows, a, a + k if b is None else b,
                                                    first, (write_id, int(piece), int(start), digest)))
             self._store_rows(piece_rows, first, k)
@@ -166,16 +174,18 @@ class OnlineShard(ShardCopies, Shard):
         except BaseException:
             if self._table is not None:  # the files were put back: so is the device copy
                 self._mirror()
+            if forwarded:  # the replicas were sent a piece this copy does not hold
+                self._replication.redo()
             raise
         if done.answered:
             self._metrics.count("writes_answered_again")
-        self._metrics.observe("extend_ms", (time.perf_counter() - t0) * 1e3)
         if self._replication is not None:
             # Acknowledged once every live replica holds the rows: awaited here, where the calls are owned (a writer
             # awaiting them through refs it borrows cost more CPU in all: docs/benchmarks.md, "Two copies"); then
-            # the count is published as an unreplicated shard's is, where it can be
+            # the count is published as an unreplicated shard's is, where it can
             self._replication.settle(sent, self.order())
             self._publish(self._store.written)
+        self._metrics.observe("extend_ms", (time.perf_counter() - t0) * 1e3)
         return done.slots, done.written, self._publisher.publishing
 
     def append_parts(self, how: Mapping[str, Any], *parts: Mapping[str, np.ndarray]

@@ -119,6 +119,14 @@ class Replication:
             if answer != tuple(order):
                 self._rebuild(r)
 
+    def redo(self) -> None:
+        """The primary could not store a piece it had sent: every replica that takes pieces may hold it (slots and
+        a journal line of a write never acknowledged, which a later write of the same length at that count would
+        leave in place, counts agreeing), so each is rebuilt from the primary, ahead of any later piece."""
+        for r in self.replicas:
+            if r.status in (LIVE, CATCHING):
+                self._rebuild(r)
+
     def check(self, order: tuple[int, int]) -> None:
         """Between writes: ask each live replica its count and epoch (one restarted empty, or on older files, while
         no write came); asked after every piece sent, it answers behind them."""

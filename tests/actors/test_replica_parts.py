@@ -1,7 +1,8 @@
 """Writes carried inside the calls, in parts (rayrb.actors.inline), to a primary and its replica: the primary sends
-the replica the parts and answers once the replica holds them. A replica killed with its files mid-stream, and a
-primary that dies (its files with it) after sending a piece's parts and before storing them: every acknowledged
-row is in both copies once, in its write's order, and a retry of the write is answered, not applied again."""
+the replica the parts and answers once the replica holds them. A replica killed with its files mid-stream, a
+primary that dies (its files with it) after sending a piece's parts and before storing them, and one whose own
+copy fails there: every acknowledged row is in both copies once, in its write's order, a retry of the write is
+answered, not applied again, and no row of a failed write stays in either copy."""
 from __future__ import annotations
 
 import os
@@ -12,6 +13,7 @@ import uuid
 
 import numpy as np
 import pytest
+from test_replicas import level, lose
 
 from rayrb.actors.inline import cut
 from rayrb.actors.lifecycle import actor_class
@@ -47,22 +49,6 @@ def write(ray, primary, first: int) -> tuple[list[int], int]:
     assert parts is not None and len(parts) == 3
     slots, written, _ = ray.get(primary.append_parts.remote({"write_id": f"w{first}", "digest": f"d{first}"}, *parts))
     return np.asarray(slots).tolist(), int(written)
-
-
-def lose(ray, actor, directory):
-    shutil.rmtree(directory)
-    ray.kill(actor, no_restart=False)
-
-
-def level(ray, primary, limit=60.0):
-    t0 = time.monotonic()
-    while True:
-        ray.get(primary.check_replicas.remote())
-        (r,) = ray.get(primary.stats.remote())["replicas"]
-        if r["status"] == "live" and r["behind"] == 0:
-            return r
-        assert time.monotonic() - t0 < limit, r
-        time.sleep(0.2)
 
 
 def held(ray, actor) -> tuple[int, np.ndarray, np.ndarray]:
@@ -124,3 +110,41 @@ def test_a_primary_dying_after_sending_the_parts_answers_the_retry_once_from_its
     level(ray, primary)
     for actor in (primary, replica):
         assert_each_row_once(ray, actor, 4 * ROWS)
+
+
+@pytest.mark.parametrize("placed_by", ["primary", "coordinator"])
+def test_a_piece_the_primary_fails_to_store_after_sending_it_leaves_no_trace_in_the_replica(ray_session, pair,
+                                                                                          placed_by):
+    """The primary sends a piece on before it copies it in: when its own copy fails (the disk, a device copy that
+    refuses the rows), the write fails and the replica, which may hold the piece, is rebuilt from the primary. A
+    later write of the same length at that count then holds its own rows in both copies, not the failed one's.
+    Both ways a piece comes: placed by the primary (``append``), or by the coordinator (``extend``)."""
+    ray = ray_session
+    primary, replica, dirs = pair
+    write(ray, primary, 0)
+
+    def fail_once(shard):
+        real = shard._store_rows
+
+        def store_rows(*args):
+            shard._store_rows = real
+            raise OSError("no space left on device")
+        shard._store_rows = store_rows
+
+    ray.get(primary.__ray_call__.remote(fail_once))
+    failed = {k: v + 10**6 for k, v in rows_from(ROWS).items()}  # rows that were never acknowledged
+    with pytest.raises(Exception, match="no space left"):
+        if placed_by == "primary":
+            ray.get(primary.append_parts.remote({"write_id": "failed", "digest": "f"}, *cut(failed)))
+        else:
+            how = {"start": 0, "stop": ROWS, "first": ROWS, "forward": True}
+            ray.get(primary.extend_parts.remote(how, *cut(failed)))
+    if placed_by == "primary":
+        assert write(ray, primary, ROWS) == (list(range(ROWS, 2 * ROWS)), 2 * ROWS)
+    else:
+        how = {"start": 0, "stop": ROWS, "first": ROWS, "forward": True}
+        slots, _ = ray.get(primary.extend_parts.remote(how, *cut(rows_from(ROWS))))
+        assert np.asarray(slots).tolist() == list(range(ROWS, 2 * ROWS))
+    level(ray, primary)
+    for actor in (primary, replica):
+        assert_each_row_once(ray, actor, 2 * ROWS)
