@@ -181,7 +181,7 @@ class OnlineShard(ShardCopies, Shard):
             self._metrics.count("writes_answered_again")
         if self._replication is not None:
             # Acknowledged once every live replica holds the rows: awaited here, where the calls are owned (a writer
-            # awaiting them through refs it borrows cost more CPU in all: docs/benchmarks.md, "Two copies"); then
+            # awaiting them through refs it borrows cost more CPU in all: docs/benchmarks.md, "Rows in the call"); then
             # the count is published as an unreplicated shard's is, where it can
             self._replication.settle(sent, self.order())
             self._publish(self._store.written)

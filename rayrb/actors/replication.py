@@ -4,7 +4,7 @@ The primary sends every piece it is given to each replica before it copies the p
 to a MiB in the call itself, ``rayrb.actors.inline``; larger ones as the same object-store ref, which
 each copy fetches itself), and answers only once every *live* replica has applied it and counts as
 many rows as the primary does: it awaits the calls it owns itself, which costs less than its writers
-awaiting them through refs they borrow (``docs/benchmarks.md``, "Two copies"). A replica is in one
+awaiting them through refs they borrow (``docs/benchmarks.md``, "Rows in the call"). A replica is in one
 of four states:
 
 * ``live``: awaited on every write; a write is acknowledged only when it holds the rows;
