@@ -4,6 +4,7 @@ this machine), and the bytes each row takes.
 
     python pipelines/bench_replicas.py                 # 4 writers x 50 writes x 1,000 rows of 54 float32, 3 repeats
     python pipelines/bench_replicas.py --pipelined     # the same with writes that do not wait (then flush())
+    python pipelines/bench_replicas.py --nodes 2       # on a head and two worker nodes
     python pipelines/bench_replicas.py --smoke         # tiny sizes (run by the tests)
 
 Prints one ``RAYRB_RESULT {json}`` line (with the CPU seconds each kind of process used over the timed writes);
@@ -103,13 +104,14 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--batch", type=int, default=4096)
     p.add_argument("--seconds", type=float, default=3.0)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--nodes", type=int, default=3, help="worker nodes (at least 2: a copy each)")
     p.add_argument("--pipelined", action="store_true", help="writes with extend(..., wait=False), then flush()")
     p.add_argument("--smoke", action="store_true")
     args = p.parse_args(argv)
     if args.smoke:
         args.writers, args.batches, args.rows, args.dim, args.batch, args.seconds, args.repeats = 2, 3, 50, 4, 64, 0.2, 1
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
-    for _ in range(3):
+    for _ in range(args.nodes):
         cluster.add_node(num_cpus=2)
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, logging_level=logging.WARNING, log_to_driver=False)
