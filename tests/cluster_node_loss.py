@@ -6,7 +6,8 @@ with two copies); none named: all four.
 Each loss removes a node (``allow_graceful=False``) and, since the simulated nodes share this machine's disk, the
 state directories of the actors that ran on it (that node's local disk); a fresh node joins after it, as an
 autoscaler would replace it. With 2 copies: the node of online shard 0's serving copy, then the coordinator's node,
-then the node shard 0 was moved to. With 1 copy: shard 0's node only. Prints one marked JSON line: what was
+then the node shard 0 was moved to; its rows are wide (``PAD``), so that each write travels as two parts in the
+calls, to the primary and on to its replicas. With 1 copy: shard 0's node only. Prints one marked JSON line: what was
 acknowledged, what the shards hold at the end, every batch's split, and how long the buffer took to answer again,
 by scenario (a scenario that raised gives its traceback, and the next one runs).
 
@@ -29,6 +30,7 @@ from cluster_util import local_cluster, report
 FAST_HEALTH_CHECKS = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500,
                       "health_check_timeout_ms": 500, "health_check_failure_threshold": 3}
 ROWS, OFFLINE_ROWS, BATCH = 16, 1000, 64
+PAD = 1500  # float32 beside x in each row with two copies: a write of ROWS rows is two parts in the call (96 KiB)
 WORKER_RESOURCES = {"worker": 10}
 ON_A_WORKER = {"num_cpus": 0.01, "resources": {"worker": 0.01}}  # never on the head, which is not lost
 
@@ -43,8 +45,9 @@ def where(actor) -> tuple[str, str, int]:
 class Load:
     """Two writers retrying each write under its id until it is acknowledged, and one sampler checking each split."""
 
-    def __init__(self, rb):
-        self.rb, self.stop = rb, threading.Event()
+    def __init__(self, rb, pad: int = 0):
+        self.rb, self.stop, self.pad = rb, threading.Event(), pad
+        self.mixed = 0  # rows sampled whose pad is not their x (a row of two writes, or parts joined wrong)
         self.acked: dict[int, int] = {}  # row value -> its online index
         self.started: dict[int, float] = {}  # row value -> when its write was first sent
         self.splits: list[int] = []  # offline rows in each batch
@@ -65,7 +68,7 @@ class Load:
             started = time.monotonic()
             while True:
                 try:
-                    idx = self.rb.extend({"x": x}, write_id=f"w{w}-{seq}")
+                    idx = self.rb.extend(wide(x, self.pad), write_id=f"w{w}-{seq}")
                     break
                 except Exception as e:  # a node is gone: the same write again, under its id
                     self.errors.append(type(e).__name__)
@@ -88,6 +91,9 @@ class Load:
                 self.errors.append(type(e).__name__)
                 time.sleep(0.2)
                 continue
+            if self.pad:
+                pad, x = batch["pad"].numpy(), batch["x"].numpy().astype(np.float32)
+                self.mixed += int((pad != x[:, None]).any(axis=1).sum())
             if online:
                 self.splits.append(int((batch["x"] < 0).sum()))
                 if self.splits[-1] != BATCH // 2:
@@ -169,7 +175,12 @@ def tally(rb, load: Load, lost: int, first_loss: float) -> dict:
             "doubled": sum(c > 1 for c in counts.values()), "unacked_held": sum(v not in acked for v in counts),
             "batches": len(load.splits), "inexact": sum(s != BATCH // 2 for s in load.splits),
             "errors": sorted(set(load.errors)), "messages": load.messages[:3],
-            "odd": [(n, k, t - first_loss) for n, k, t in load.odd][:10]}
+            "odd": [(n, k, t - first_loss) for n, k, t in load.odd][:10], "mixed": load.mixed}
+
+
+def wide(x: np.ndarray, pad: int) -> dict[str, np.ndarray]:
+    """Rows of ``x``, with ``pad`` float32 columns each holding the row's x when ``pad``."""
+    return {"x": x, "pad": np.repeat(x[:, None].astype(np.float32), pad, axis=1)} if pad else {"x": x}
 
 
 def losses(cluster, nodes: dict, tmp: str, replicas: int) -> dict:
@@ -178,12 +189,14 @@ def losses(cluster, nodes: dict, tmp: str, replicas: int) -> dict:
 
     # one copy: each online shard on a node of its own, so that one can be lost without the coordinator
     placed = {"online_replicas": 2} if replicas > 1 else {"online_nodes": list(nodes)[:2]}
-    rb = OfflineToOnlineReplayBuffer({"x": -1 - np.arange(OFFLINE_ROWS, dtype=np.int64)},
-                                     online_capacity=100_000, num_online_shards=2, offline_fraction=0.5,
+    pad = PAD if replicas > 1 else 0  # two copies: writes of two parts each, each part sent on to the replicas
+    rb = OfflineToOnlineReplayBuffer(wide(-1 - np.arange(OFFLINE_ROWS, dtype=np.int64), pad),
+                                     online_capacity=60_000 if pad else 100_000, num_online_shards=2,
+                                     offline_fraction=0.5,
                                      seed=0, timeout=120, **placed,
                                      storage_dir=os.path.join(tmp, "state"), dataset_root=os.path.join(tmp, "ds"),
                                      actor_options=ON_A_WORKER)
-    load = Load(rb)
+    load = Load(rb, pad)
     time.sleep(3)
     online = rb.rpc.shards[1:]
     coordinator_node = where(rb.rpc.coord)[0]

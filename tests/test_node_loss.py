@@ -31,6 +31,7 @@ def test_two_copies_lose_nothing_acknowledged_through_three_node_losses(scenario
     assert result["lost_written_after_first_loss"] == 0, result
     assert result["doubled"] == 0 and result["unacked_held"] == 0, result
     assert result["batches"] > 0 and result["inexact"] == 0, result  # every batch split exactly
+    assert result["mixed"] == 0, result  # every row sampled whole: its write's parts joined in order, in each copy
     for loss in result["losses"]:
         assert loss["dirs"] > 0  # the loss took files with it
         assert loss["recovery_s"] < 60 and loss["rebuilt_s"] < 120
