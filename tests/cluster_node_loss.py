@@ -6,8 +6,8 @@ with two copies); none named: all four.
 Each loss removes a node (``allow_graceful=False``) and, since the simulated nodes share this machine's disk, the
 state directories of the actors that ran on it (that node's local disk); a fresh node joins after it, as an
 autoscaler would replace it. With 2 copies: the node of online shard 0's serving copy, then the coordinator's node,
-then the node shard 0 was moved to; its rows are wide (``PAD``), so that each write travels as two parts in the
-calls, to the primary and on to its replicas. With 1 copy: shard 0's node only. Prints one marked JSON line: what was
+then the node shard 0 was moved to; its rows are wide (``PAD``): each write is two parts in the calls, to the
+primary and on. With 1 copy: shard 0's node only. Prints one marked JSON line: what was
 acknowledged, what the shards hold at the end, every batch's split, and how long the buffer took to answer again,
 by scenario (a scenario that raised gives its traceback, and the next one runs).
 
@@ -52,9 +52,7 @@ class Load:
         self.started: dict[int, float] = {}  # row value -> when its write was first sent
         self.splits: list[int] = []  # offline rows in each batch
         self.last_write = self.last_sample = time.monotonic()
-        self.errors: list[str] = []
-        self.messages: list[str] = []
-        self.odd: list = []
+        self.errors, self.messages, self.odd = [], [], []  # exception names, their texts, batches split otherwise
         self.first_ack: float | None = None
         self.threads = [threading.Thread(target=self.write, args=(w,)) for w in range(2)]
         self.threads.append(threading.Thread(target=self.sample))
@@ -92,8 +90,7 @@ class Load:
                 time.sleep(0.2)
                 continue
             if self.pad:
-                pad, x = batch["pad"].numpy(), batch["x"].numpy().astype(np.float32)
-                self.mixed += int((pad != x[:, None]).any(axis=1).sum())
+                self.mixed += int((batch["pad"].numpy() != batch["x"].numpy()[:, None]).any(axis=1).sum())
             if online:
                 self.splits.append(int((batch["x"] < 0).sum()))
                 if self.splits[-1] != BATCH // 2:
@@ -178,8 +175,7 @@ def tally(rb, load: Load, lost: int, first_loss: float) -> dict:
             "odd": [(n, k, t - first_loss) for n, k, t in load.odd][:10], "mixed": load.mixed}
 
 
-def wide(x: np.ndarray, pad: int) -> dict[str, np.ndarray]:
-    """Rows of ``x``, with ``pad`` float32 columns each holding the row's x when ``pad``."""
+def wide(x: np.ndarray, pad: int) -> dict[str, np.ndarray]:  # with pad: a row's x again in each pad column
     return {"x": x, "pad": np.repeat(x[:, None].astype(np.float32), pad, axis=1)} if pad else {"x": x}
 
 
@@ -190,9 +186,8 @@ def losses(cluster, nodes: dict, tmp: str, replicas: int) -> dict:
     # one copy: each online shard on a node of its own, so that one can be lost without the coordinator
     placed = {"online_replicas": 2} if replicas > 1 else {"online_nodes": list(nodes)[:2]}
     pad = PAD if replicas > 1 else 0  # two copies: writes of two parts each, each part sent on to the replicas
-    rb = OfflineToOnlineReplayBuffer(wide(-1 - np.arange(OFFLINE_ROWS, dtype=np.int64), pad),
-                                     online_capacity=60_000 if pad else 100_000, num_online_shards=2,
-                                     offline_fraction=0.5,
+    rb = OfflineToOnlineReplayBuffer(wide(-1 - np.arange(OFFLINE_ROWS, dtype=np.int64), pad), num_online_shards=2,
+                                     online_capacity=60_000 if pad else 100_000, offline_fraction=0.5,
                                      seed=0, timeout=120, **placed,
                                      storage_dir=os.path.join(tmp, "state"), dataset_root=os.path.join(tmp, "ds"),
                                      actor_options=ON_A_WORKER)
