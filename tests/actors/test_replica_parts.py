@@ -5,15 +5,13 @@ copy fails there: every acknowledged row is in both copies once, in its write's 
 answered, not applied again, and no row of a failed write stays in either copy."""
 from __future__ import annotations
 
-import os
-import shutil
 import threading
 import time
 import uuid
 
 import numpy as np
 import pytest
-from test_replicas import level, lose
+from test_replicas import die_after_sending, level, lose
 
 from rayrb.actors.inline import cut
 from rayrb.actors.lifecycle import actor_class
@@ -97,13 +95,7 @@ def test_a_primary_dying_after_sending_the_parts_answers_the_retry_once_from_its
     for w in range(0, 3 * ROWS, ROWS):
         write(ray, primary, w)
 
-    def die_after_sending(shard, directory=dirs[0]):
-        def store_rows(*args):  # the parts have gone to the replica: the node goes now
-            shutil.rmtree(directory)
-            os._exit(1)
-        shard._store_rows = store_rows
-
-    ray.get(primary.__ray_call__.remote(die_after_sending))
+    die_after_sending(ray, primary, dirs[0])
     assert write(ray, primary, 3 * ROWS) == (list(range(3 * ROWS, 4 * ROWS)), 4 * ROWS)  # Ray sent it again
     assert write(ray, primary, 3 * ROWS) == (list(range(3 * ROWS, 4 * ROWS)), 4 * ROWS)  # the writer's retry
     assert ray.get(primary.stats.remote())["restarts"] == 1

@@ -64,6 +64,18 @@ def append(ray, primary, first, write_id=None):
     return np.asarray(slots).tolist(), int(written)
 
 
+def die_after_sending(ray, primary, directory):
+    """The primary's next piece goes to its replicas, then its node goes (its files, then its process) before it
+    copies the piece in."""
+    def arm(shard):
+        def store_rows(*args):
+            shutil.rmtree(directory)
+            os._exit(1)
+        shard._store_rows = store_rows
+
+    ray.get(primary.__ray_call__.remote(arm))
+
+
 def restarted(ray, actor, times=1, limit=60.0):
     """Wait until ``actor`` answers from its ``times``-th restart (a call sent just after ``ray.kill`` may still
     reach the process being killed)."""
@@ -222,13 +234,7 @@ def test_a_primary_that_dies_between_sending_a_piece_and_storing_it_answers_the_
     for w in range(0, 3 * PIECE, PIECE):
         append(ray, primary, w)
 
-    def die_after_sending(shard, directory=dirs[0]):
-        def store_rows(*args):  # the piece has gone to the replica: the node goes now
-            shutil.rmtree(directory)
-            os._exit(1)
-        shard._store_rows = store_rows
-
-    ray.get(primary.__ray_call__.remote(die_after_sending))
+    die_after_sending(ray, primary, dirs[0])
     assert append(ray, primary, 3 * PIECE) == (list(range(3 * PIECE, 4 * PIECE)), 4 * PIECE)
     assert append(ray, primary, 3 * PIECE)[1] == 4 * PIECE  # the writer's own retry: answered too
     assert ray.get(primary.stats.remote())["restarts"] == 1
