@@ -5,13 +5,11 @@ copy fails there: every acknowledged row is in both copies once, in its write's 
 answered, not applied again, and no row of a failed write stays in either copy."""
 from __future__ import annotations
 
-import threading
-import time
 import uuid
 
 import numpy as np
 import pytest
-from test_replicas import die_after_sending, level, lose
+from test_replicas import die_after_sending, level, writes_through_a_replica_loss
 
 from rayrb.actors.inline import cut
 from rayrb.actors.lifecycle import actor_class
@@ -65,25 +63,11 @@ def assert_each_row_once(ray, actor, written: int) -> None:
 def test_a_replica_killed_with_its_files_while_parts_stream_in_is_rebuilt_and_holds_every_row(ray_session, pair):
     ray = ray_session
     primary, replica, dirs = pair
-    done, stop = [], threading.Event()
 
-    def writer():
-        w = 0
-        while not stop.is_set() and w + ROWS <= CAPACITY:
-            assert write(ray, primary, w) == (list(range(w, w + ROWS)), w + ROWS)
-            done.append(w)
-            w += ROWS
+    def write_at(w):
+        assert write(ray, primary, w) == (list(range(w, w + ROWS)), w + ROWS)
 
-    t = threading.Thread(target=writer)
-    t.start()
-    while len(done) < 5:
-        time.sleep(0.01)
-    lose(ray, replica, dirs[1])
-    while len(done) < 20 and t.is_alive():
-        time.sleep(0.01)
-    stop.set()
-    t.join()
-    assert len(done) >= 20
+    done = writes_through_a_replica_loss(write_at, ray, replica, dirs[1], ROWS, CAPACITY - ROWS + 1, 5, 20)
     assert level(ray, primary)["rebuilds"] >= 1
     for actor in (primary, replica):
         assert_each_row_once(ray, actor, len(done) * ROWS)

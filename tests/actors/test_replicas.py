@@ -108,27 +108,38 @@ def level(ray, primary, limit=60.0):
         time.sleep(0.2)
 
 
-def test_a_replica_killed_mid_write_with_its_files_is_rebuilt_while_writes_go_on(ray_session, pair):
-    ray = ray_session
-    primary, replica, dirs = pair
+def writes_through_a_replica_loss(write_at, ray, replica, directory, piece, last, before, after) -> list[int]:
+    """Writes of ``piece`` rows from a thread, ``write_at(first)`` each, up to ``last``; the replica is lost with its
+    files (``directory``) once ``before`` were acknowledged, and the writes stop once ``after`` were. The firsts
+    of those acknowledged (the assertion fails if the writer stopped short)."""
     done, stop = [], threading.Event()
 
     def writer():
         w = 0
-        while not stop.is_set() and w < CAPACITY - PIECE:
-            write(ray, primary, w)  # never fails: the primary answers alone while its replica is down
+        while not stop.is_set() and w < last:
+            write_at(w)
             done.append(w)
-            w += PIECE
+            w += piece
 
     t = threading.Thread(target=writer)
     t.start()
-    while len(done) < 20:
+    while len(done) < before and t.is_alive():
         time.sleep(0.01)
-    lose(ray, replica, dirs[1])
-    while len(done) < 80:
+    lose(ray, replica, directory)
+    while len(done) < after and t.is_alive():
         time.sleep(0.01)
     stop.set()
     t.join()
+    assert len(done) >= after, done
+    return done
+
+
+def test_a_replica_killed_mid_write_with_its_files_is_rebuilt_while_writes_go_on(ray_session, pair):
+    ray = ray_session
+    primary, replica, dirs = pair
+    # never fails: the primary answers alone while its replica is down
+    done = writes_through_a_replica_loss(lambda w: write(ray, primary, w), ray, replica, dirs[1], PIECE,
+                                         CAPACITY - PIECE, 20, 80)
     report = level(ray, primary)
     assert report["rebuilds"] >= 1
     written, gen, values = copy_of(ray, primary)
