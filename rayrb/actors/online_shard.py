@@ -57,6 +57,7 @@ class OnlineShard(ShardCopies, Shard):
             # shard with replicas publishes its count once they hold the rows too (``append``)
             self._files = Appender(self._store, lock=lock, publish=None if replicas else self._publish)
         self._publisher = Publisher()  # where its count is published: told by the coordinator (publish_to)
+        self._stream, self._fence = None, 0  # as a replica: its pieces' stream, and the fence frames must carry
         self._mirror()
         if self._store.reopened:
             self._sampler.on_write(np.arange(self.size()))
@@ -114,10 +115,10 @@ class OnlineShard(ShardCopies, Shard):
             raise RowsLostError(f"shard {self.shard_id}: expected a piece at its count {self._store.written} or "
                                 f"below, got one at {first}: the rows before it were lost with this shard's node")
         sent: list = []
-        if forward and self._replication is not None:  # sent first: the replicas copy while this copy does
-            sent = self._replication.send(forward[0], start, stop, first)
         rows = {k: v[start:stop] for k, v in rows.items()}
         n = self._spec.validate(rows, what=f"rows for shard {self.shard_id}")
+        if forward and self._replication is not None:  # sent first: the replicas copy while this copy does
+            sent = self._replication.send(forward[0], start, stop, first, piece=rows)
         try:
             with self._files.locked():
                 pos, gen = self._store_rows(rows, first, n)
@@ -166,7 +167,7 @@ class OnlineShard(ShardCopies, Shard):
                 a, b = bounds if forward else (0, k)
                 forwarded.append(True)
                 sent.extend(self._replication.send(forward[0] if forward else piece_rows, a, a + k if b is None else b,
-                                                   first, (write_id, int(piece), int(start), digest)))
+                                                   first, (write_id, int(piece), int(start), digest), piece_rows))
             self._store_rows(piece_rows, first, k)
 
         try:
@@ -272,4 +273,6 @@ class OnlineShard(ShardCopies, Shard):
         """Remove this shard's files, and its replicas' (the buffer is being shut down for good)."""
         if self._replication is not None:
             self._replication.close_all()
+        if self._stream is not None:
+            self._stream.close()
         super().close()

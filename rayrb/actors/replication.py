@@ -1,10 +1,14 @@
 """An online shard's replicas, as the shard that serves it (its primary) keeps them.
 
-The primary sends every piece it is given to each replica before it copies the piece in (rows up
-to a MiB in the call itself, ``rayrb.actors.inline``; larger ones as the same object-store ref, which
-each copy fetches itself), and answers only once every *live* replica has applied it and counts as
-many rows as the primary does: it awaits the calls it owns itself, which costs less than its writers
-awaiting them through refs they borrow (``docs/benchmarks.md``, "Rows in the call"). A replica is in one
+The primary sends every piece it is given to each replica before it copies the piece in, and answers only once
+every *live* replica has applied it and counts as many rows as the primary does. A live replica is sent its pieces
+over a stream of its own (``rayrb.actors.stream``: a frame costs both copies far less CPU than a call), each
+frame answered before the next write; a replica being rebuilt, or one no stream reaches, by call (rows up to a
+MiB in the call itself, ``rayrb.actors.inline``; larger ones as the same object-store ref, which each copy
+fetches itself). The primary awaits what it sent itself, which costs less than its writers awaiting calls
+through refs they borrow (``docs/benchmarks.md``, "Rows in the call"). Every rebuild gives the replica a new
+*fence*: a frame sent before it, arriving after it, is refused, and calls follow the rebuild in Ray's order, so
+frames start again only once a call sent after the rebuild was answered. A replica is in one
 of four states:
 
 * ``live``: awaited on every write; a write is acknowledged only when it holds the rows;
@@ -26,17 +30,20 @@ generation, it keeps the newer of its own rows and each replica's (``rayrb.durab
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from rayrb.actors.inline import cut
+from rayrb.actors.stream import APPLIED, StreamClient
 
 logger = logging.getLogger(__name__)
 WAIT = 30.0  # seconds a write waits for a live replica before it goes on without it
 RETRY = 10.0  # seconds between rebuilds of a replica Ray reports dead for good
 LOOKUP = 60.0  # seconds to find a replica by name (it may still be starting)
+CONNECT = 5.0  # seconds to open a replica's stream; one that cannot be opened is tried again after RETRY s
 LIVE, CATCHING, WAITING, DOWN = "live", "catching", "waiting", "down"
 
 
@@ -49,6 +56,11 @@ class Replica:
     count: int = 0  # the write count it last answered
     since: float = field(default_factory=time.monotonic)
     rebuilds: int = 0
+    fence: int = 0  # given with every rebuild: frames carry it, and the replica refuses others (rayrb.actors.stream)
+    stream: Any = None  # the connection its pieces go over while live (StreamClient), once opened
+    settled: bool = True  # every piece sent it by call was answered: frames may follow them in order
+    connect_at: float = 0.0  # when to try opening its stream again
+    streamed: int = 0  # pieces sent it over the stream
 
 
 def lookup(name: str, timeout: float = LOOKUP) -> Any:
@@ -78,16 +90,29 @@ class Replication:
             r.actor = lookup(r.name, LOOKUP if r.rebuilds == 0 and r.status == LIVE else 1.0)
         return r.actor
 
-    def send(self, rows_ref: Any, start: int, stop: int, first: int, write: tuple | None = None
-             ) -> list[tuple[Replica, Any]]:
-        """Send a piece, ``rows_ref[start:stop]`` (rows, or their object-store ref), to every replica that takes
-        pieces (live or catching), with its ``(write id, piece, start, digest)`` where the primary placed it
-        (``OnlineShard.replicate``); the calls to await. Rows small enough go in the call, in parts."""
+    def send(self, rows_ref: Any, start: int, stop: int, first: int, write: tuple | None = None,
+             piece: Mapping[str, Any] | None = None) -> list[tuple[Replica, Any]]:
+        """Send a piece, ``rows_ref[start:stop]`` (rows, or their object-store ref; ``piece``: those rows, where the
+        primary holds them), to every replica that takes pieces (live or catching), with its ``(write id, piece,
+        start, digest)`` where the primary placed it (``OnlineShard.replicate``); the frames and calls to await.
+        A live replica is sent it over its stream once every call sent it before was answered; otherwise, and
+        where no stream opens, by call, rows small enough in the call itself, in parts."""
         self.poll()
-        parts = cut({k: v[start:stop] for k, v in rows_ref.items()}) if isinstance(rows_ref, Mapping) else None
-        sent = []
+        if piece is None and isinstance(rows_ref, Mapping):
+            piece = {k: v[start:stop] for k, v in rows_ref.items()}
+        parts, sent = None, []
         for r in self.replicas:
-            if r.status in (LIVE, CATCHING):
+            if r.status == LIVE and r.settled and piece is not None and self._stream(r) is not None:
+                try:
+                    r.stream.send(r.fence, first, write, piece, timeout=WAIT)
+                except OSError:  # maybe half sent: rebuilt under a new fence, so that it never lands after
+                    self._rebuild(r)
+                    continue
+                r.streamed += 1
+                sent.append((r, r.stream))
+            elif r.status in (LIVE, CATCHING):
+                if parts is None and isinstance(rows_ref, Mapping):
+                    parts = cut(piece)
                 if parts is not None:  # in the call itself (rayrb.actors.inline)
                     how = {"start": 0, "stop": int(stop) - int(start), "first": first, "write": write}
                     call = self._actor(r).replicate_parts.remote(how, *parts)
@@ -95,7 +120,28 @@ class Replication:
                     call = self._actor(r).replicate.remote(rows_ref, start, stop, first=first, write=write)
                 if r.status == LIVE:
                     sent.append((r, call))
+                else:  # not awaited: frames wait until a later call to it is answered
+                    r.settled = False
         return sent
+
+    def _stream(self, r: Replica) -> StreamClient | None:
+        """The replica's stream, opened at the first piece it is sent (None where it cannot be: calls instead)."""
+        if r.stream is None and time.monotonic() >= r.connect_at:
+            import ray
+
+            try:
+                endpoint = ray.get(self._actor(r).stream_endpoint.remote(), timeout=CONNECT)
+                r.stream = StreamClient.connect(tuple(endpoint), CONNECT)
+            except Exception as e:  # an older replica, a port this node cannot reach: calls, tried again later
+                logger.info("rayrb: no stream to replica %s (%r): its pieces go by call", r.name, e)
+                r.connect_at = time.monotonic() + RETRY
+        return r.stream
+
+    @staticmethod
+    def _drop_stream(r: Replica) -> None:
+        if r.stream is not None:
+            r.stream.close()
+            r.stream = None
 
     def settle(self, calls: list[tuple[Replica, Any]], order: tuple[int, int], timeout: float = WAIT) -> None:
         """Wait (up to ``timeout`` s in all) for the live replicas' answers (``OnlineShard.order``: write count and
@@ -107,14 +153,30 @@ class Replication:
 
         deadline = time.monotonic() + timeout
         for r, call in calls:
-            try:
-                answer = tuple(int(x) for x in ray.get(call, timeout=max(0.0, deadline - time.monotonic())))
-            except GetTimeoutError:
-                self._late(r, call)
-                continue
-            except Exception:
-                self._rebuild(r)
-                continue
+            left = max(0.0, deadline - time.monotonic())
+            if isinstance(call, StreamClient):
+                try:
+                    status, *answer = call.answer(left)
+                except TimeoutError:  # asked again by call: once that comes back, it is rebuilt
+                    self._late(r, self._actor(r).order.remote())
+                    continue
+                except (OSError, EOFError):
+                    self._rebuild(r)
+                    continue
+                if status != APPLIED:  # refused (fenced) or failed
+                    self._rebuild(r)
+                    continue
+                answer = tuple(answer)
+            else:
+                try:
+                    answer = tuple(int(x) for x in ray.get(call, timeout=left))
+                except GetTimeoutError:
+                    self._late(r, call)
+                    continue
+                except Exception:
+                    self._rebuild(r)
+                    continue
+                r.settled = True  # answered after every call sent it before
             r.count = answer[0]
             if answer != tuple(order):
                 self._rebuild(r)
@@ -155,12 +217,15 @@ class Replication:
                 self._rebuild(r)
 
     def _late(self, r: Replica, call: Any) -> None:
+        self._drop_stream(r)  # a frame left unanswered: what follows goes after the rebuild, under a new fence
         r.status, r.pending, r.since = WAITING, call, time.monotonic()
 
     def close_all(self) -> None:
         """Each replica removes its files (the buffer is being shut down for good); waited for up to 5 s."""
         import ray
 
+        for r in self.replicas:
+            self._drop_stream(r)
         calls = [lookup(r.name, 1.0).close.remote() for r in self.replicas]
         ray.wait(calls, num_returns=len(calls), timeout=5)
 
@@ -180,10 +245,12 @@ class Replication:
             self.poll()  # those that answered are live (their counts checked at the next write), failed ones down
 
     def _rebuild(self, r: Replica) -> None:
-        """Send the replica a snapshot of the primary to take in place of its own; later pieces follow it in
-        order."""
+        """Send the replica a snapshot of the primary to take in place of its own, under a new fence (a frame sent
+        before it is refused after it); later pieces follow it in order, by call until one is answered."""
+        self._drop_stream(r)
+        r.fence, r.settled = secrets.randbits(62) + 1, False
         try:
-            r.pending = self._actor(r).replace.remote(self._snapshot())
+            r.pending = self._actor(r).replace.remote(self._snapshot(), fence=r.fence)
         except Exception as e:
             self._failed(r, e)
             return
@@ -237,7 +304,7 @@ class Replication:
                 node = ray.get(self._actor(r).place.remote(), timeout=2.0)["node"] if r.status == LIVE else None
             except Exception:  # it just went away: the next write says so
                 node = None
-            out.append({"name": r.name, "node": node, "status": r.status, "rebuilds": r.rebuilds,
+            out.append({"name": r.name, "node": node, "status": r.status, "rebuilds": r.rebuilds, "streamed": r.streamed,
                         "behind": max(0, count - r.count) if r.status == LIVE else None})
         return out
 

@@ -2,7 +2,8 @@
 another copy's rows (a merge at a restart, a rebuild, a restore) and the state a copy hands over. A mixin of
 ``OnlineShard``, apart so that the shard's write paths read on their own; it uses the shard's storage
 (``_store``, ``_data``, ``_gen``, ``_held``), its journal and write lock (``_files``), its sampler, its
-replicas (``_replication``) and ``extend``. The rules for which copy wins live in ``rayrb.durability.copies``.
+replicas (``_replication``), ``extend``, and as a replica its stream server and fence (``_stream``, ``_fence``:
+``rayrb.actors.stream``). The rules for which copy wins live in ``rayrb.durability.copies``.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from rayrb.actors.inline import joined
+from rayrb.actors.stream import FenceError, StreamServer, node_address
 from rayrb.durability.copies import copy_order, merged_count, take_newer
 from rayrb.durability.runs import held_runs
 from rayrb.errors import SavedStateError
@@ -44,6 +46,22 @@ class ShardCopies:
         """``replicate`` with its rows carried in the call, cut in ``parts`` (``rayrb.actors.inline``) and its
         other arguments in ``how``."""
         return self.replicate(joined(parts), **how)
+
+    def stream_endpoint(self) -> tuple[str, int, str]:
+        """Where this copy takes its primary's pieces over a stream (``rayrb.actors.stream``): ``(host, port,
+        token)``, the server started at the first ask."""
+        if self._stream is None:
+            self._stream = StreamServer(self._streamed, node_address())
+        return self._stream.endpoint()
+
+    def _streamed(self, fence: int, first: int, write: Any, rows: dict[str, np.ndarray]) -> tuple[int, int]:
+        """A piece from the stream (its own thread): ``replicate``, while ``fence`` is the one the last rebuild
+        gave this copy; else ``FenceError`` (a frame sent before that rebuild, arriving after it)."""
+        with self._files.locked():
+            if int(fence) != self._fence:
+                raise FenceError(f"shard {self.shard_id}: a piece fenced {fence}, this copy holds fence {self._fence}")
+            n = len(next(iter(rows.values()))) if rows else 0
+            return self.replicate(rows, 0, n, first, write)
 
     def order(self) -> tuple[int, int]:
         """``(write count, restore epoch)``: a replica holds its primary's rows when both are the primary's."""
@@ -78,12 +96,15 @@ class ShardCopies:
         self._metrics.count("rows_merged", int(take.size))
         return count
 
-    def replace(self, state: Mapping[str, np.ndarray]) -> int:
-        """Take another copy's state whole, with its restore epoch (``copy_order``); the write count after."""
+    def replace(self, state: Mapping[str, np.ndarray], fence: int | None = None) -> int:
+        """Take another copy's state whole, with its restore epoch (``copy_order``); the write count after.
+        ``fence``: from the primary's rebuild, which refuses every frame sent before it (``rayrb.actors.stream``)."""
         with self._files.locked():
             super().load_state(state)
             self._files.ids.adopt(state.get("write_ids"), self._store.written)  # its journal with its rows
             self._store.restores = int(state.get("restores", 0))  # last: rows without it read as the older copy
+            if fence is not None:
+                self._fence = int(fence)
         self._lost = False
         return self._store.written
 

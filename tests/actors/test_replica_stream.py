@@ -1,0 +1,111 @@
+"""A primary sends its live replica the pieces over a stream (rayrb.actors.stream): both copies agree piece by
+piece; a frame from before a rebuild is refused after it; a replica whose process dies (breaking the stream) or
+that answers late is rebuilt under a new fence while writes go on, and then takes frames again. Each
+acknowledged row is checked in both copies."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import test_replicas
+from test_replicas import append, copy_of, level, restarted
+
+from rayrb.actors.stream import FENCED, StreamClient
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+pair = test_replicas.pair  # the fixture: a primary and its replica, each restarting after any crash
+
+
+def replica_report(ray, primary) -> dict:
+    (r,) = ray.get(primary.stats.remote())["replicas"]
+    return r
+
+
+def same_copies(ray, primary, replica, written: int) -> None:
+    mine, theirs = copy_of(ray, primary), copy_of(ray, replica)
+    assert mine[0] == theirs[0] == written
+    assert np.array_equal(mine[1], theirs[1]) and np.array_equal(mine[2], theirs[2])
+    assert mine[2].tolist() == list(range(written))  # every acknowledged row once, in write order
+
+
+def test_pieces_to_a_live_replica_go_over_its_stream_and_both_copies_agree(ray_session, pair):
+    ray = ray_session
+    primary, replica, _ = pair
+    for w in range(0, 20 * 16, 16):
+        assert append(ray, primary, w)[1] == w + 16
+    assert replica_report(ray, primary)["streamed"] == 20
+    same_copies(ray, primary, replica, 20 * 16)
+
+
+def test_a_frame_sent_before_a_rebuild_is_refused_after_it(ray_session, pair):
+    ray = ray_session
+    primary, replica, _ = pair
+    for w in range(0, 4 * 16, 16):
+        append(ray, primary, w)
+    endpoint = ray.get(replica.stream_endpoint.remote())
+    ray.get(primary.__ray_call__.remote(lambda shard: shard._replication.rebuild_all()))  # a new fence
+    level(ray, primary)
+    before = copy_of(ray, replica)
+    stale = StreamClient.connect(tuple(endpoint), timeout=5)  # as the primary's frame of fence 0 would arrive
+    stale.send(0, 64, ("late", 0, 0, None), {"x": np.full(16, -7, np.int64)})
+    assert stale.answer(timeout=10)[0] == FENCED
+    stale.close()
+    after = copy_of(ray, replica)
+    assert before[0] == after[0] == 64 and np.array_equal(before[2], after[2])
+    for w in range(64, 8 * 16, 16):  # the primary's own frames still land
+        append(ray, primary, w)
+    same_copies(ray, primary, replica, 8 * 16)
+    assert ray.get(primary.pieces_of.remote("late")) == {}
+
+
+def test_a_replica_whose_process_dies_is_rebuilt_and_takes_frames_again(ray_session, pair):
+    ray = ray_session
+    primary, replica, _ = pair
+    for w in range(0, 5 * 16, 16):
+        append(ray, primary, w)
+    ray.kill(replica, no_restart=False)  # its stream breaks; its files stay
+    restarted(ray, replica)
+    for w in range(5 * 16, 10 * 16, 16):  # answered while it is rebuilt
+        append(ray, primary, w)
+    level(ray, primary)
+    streamed = replica_report(ray, primary)["streamed"]
+    for w in range(10 * 16, 14 * 16, 16):
+        append(ray, primary, w)
+    r = replica_report(ray, primary)
+    assert r["rebuilds"] >= 1 and r["streamed"] == streamed + 4
+    same_copies(ray, primary, replica, 14 * 16)
+
+
+def test_a_replica_that_answers_late_is_rebuilt_and_its_late_frame_changes_nothing(ray_session, pair):
+    ray = ray_session
+    primary, replica, _ = pair
+    for w in range(0, 3 * 16, 16):
+        append(ray, primary, w)
+
+    def slow_once(shard):
+        original = shard.replicate
+
+        def replicate(*args, **kwargs):
+            shard.replicate = original
+            time.sleep(2.0)
+            return original(*args, **kwargs)
+        shard.replicate = replicate
+
+    def short_wait(shard):  # a write waits 0.3 s for its replica, not 30
+        settle = shard._replication.settle
+        shard._replication.settle = lambda calls, order, timeout=0.3: settle(calls, order, min(timeout, 0.3))
+
+    ray.get(replica.__ray_call__.remote(slow_once))
+    ray.get(primary.__ray_call__.remote(short_wait))
+    t0 = time.monotonic()
+    append(ray, primary, 48)  # answered without the late replica
+    assert time.monotonic() - t0 < 1.9
+    assert replica_report(ray, primary)["status"] == "waiting"
+    for w in range(64, 6 * 16, 16):
+        append(ray, primary, w)
+    level(ray, primary)
+    for w in range(6 * 16, 8 * 16, 16):
+        append(ray, primary, w)
+    assert replica_report(ray, primary)["rebuilds"] >= 1
+    same_copies(ray, primary, replica, 8 * 16)
