@@ -163,7 +163,8 @@ class ShardCopies:
         return apply
 
     def update_priority(self, idx: np.ndarray, generation: np.ndarray, priority: np.ndarray) -> int:
-        done = super().update_priority(idx, generation, priority)
+        with self._files.locked():  # as a replica, its stream's thread may be writing rows (and their priorities)
+            done = super().update_priority(idx, generation, priority)
         if self._replication is not None:
             self._replication.priorities(idx, generation, priority)
         return done
