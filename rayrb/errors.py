@@ -139,3 +139,11 @@ class CallTimeoutError(RayrbError, TimeoutError):
 
 class DirectoryNotEmptyError(RayrbError, FileExistsError):
     """A directory a new dataset was to be written into that already holds files."""
+
+
+class StreamError(RayrbError, ConnectionError):
+    """A replica's stream of pieces from its primary broke, or carried what is not a frame from it."""
+
+
+class FencedFrameError(RayrbError, RuntimeError):
+    """A piece a replica refused: sent by its primary before the replica's last rebuild, arriving after it."""

@@ -160,7 +160,7 @@ class Replication:
                 except TimeoutError:  # asked again by call: once that comes back, it is rebuilt
                     self._late(r, self._actor(r).order.remote())
                     continue
-                except (OSError, EOFError):
+                except OSError:  # the connection broke (StreamError among them)
                     self._rebuild(r)
                     continue
                 if status != APPLIED:  # refused (fenced) or failed

@@ -13,10 +13,10 @@ from typing import Any
 import numpy as np
 
 from rayrb.actors.inline import joined
-from rayrb.actors.stream import FenceError, StreamServer, node_address
+from rayrb.actors.stream import StreamServer, node_address
 from rayrb.durability.copies import copy_order, merged_count, take_newer
 from rayrb.durability.runs import held_runs
-from rayrb.errors import SavedStateError
+from rayrb.errors import FencedFrameError, SavedStateError
 
 
 class ShardCopies:
@@ -56,10 +56,10 @@ class ShardCopies:
 
     def _streamed(self, fence: int, first: int, write: Any, rows: dict[str, np.ndarray]) -> tuple[int, int]:
         """A piece from the stream (its own thread): ``replicate``, while ``fence`` is the one the last rebuild
-        gave this copy; else ``FenceError`` (a frame sent before that rebuild, arriving after it)."""
+        gave this copy; else ``FencedFrameError`` (a frame sent before that rebuild, arriving after it)."""
         with self._files.locked():
             if int(fence) != self._fence:
-                raise FenceError(f"shard {self.shard_id}: a piece fenced {fence}, this copy holds fence {self._fence}")
+                raise FencedFrameError(f"shard {self.shard_id}: a piece fenced {fence}, this copy holds fence {self._fence}")
             n = len(next(iter(rows.values()))) if rows else 0
             return self.replicate(rows, 0, n, first, write)
 

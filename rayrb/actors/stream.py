@@ -46,6 +46,8 @@ from typing import Any
 
 import numpy as np
 
+from rayrb.errors import FencedFrameError, StreamError
+
 logger = logging.getLogger(__name__)
 APPLIED, FENCED, FAILED = 0, 1, 2
 TOKEN_BYTES = 16
@@ -55,10 +57,6 @@ ANSWER = struct.Struct("<3q")
 LENGTH = struct.Struct("<I")
 
 Apply = Callable[[int, int, Any, dict[str, np.ndarray]], tuple[int, int]]
-
-
-class FenceError(Exception):
-    """The frame's fence is not the replica's: a rebuild came after it was sent."""
 
 
 def node_address() -> str:
@@ -80,13 +78,13 @@ def _into(sock: socket.socket, view: memoryview) -> None:
     while got < len(view):
         k = sock.recv_into(view[got:])
         if k == 0:
-            raise EOFError(f"expected {len(view)} bytes, the connection closed after {got}")
+            raise StreamError(f"expected {len(view)} bytes, the connection closed after {got}")
         got += k
 
 
 class StreamServer:
     """A replica's side: a listening socket on this node and a thread per connection, each frame handed to
-    ``apply(fence, first, write, rows) -> (write count, restore epoch)``, which raises ``FenceError`` to refuse it
+    ``apply(fence, first, write, rows) -> (write count, restore epoch)``, which raises ``FencedFrameError`` to refuse it
     and anything else to fail it (the primary then rebuilds this copy)."""
 
     def __init__(self, apply: Apply, host: str = "127.0.0.1"):
@@ -102,10 +100,11 @@ class StreamServer:
 
     def close(self) -> None:
         self._closed = True
-        try:
-            self._listener.close()
+        try:  # shut down first: a close alone leaves the thread blocked in accept() taking connections
+            self._listener.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
+        self._listener.close()
 
     def _accept(self) -> None:
         while not self._closed:
@@ -126,15 +125,14 @@ class StreamServer:
                 while not self._closed:
                     fence, first, write, rows = read_frame(conn)
                     conn.sendall(ANSWER.pack(*self._answer(fence, first, write, rows)))
-            except (OSError, EOFError, ValueError) as e:  # the primary went, or sent what is not a frame
-                if not isinstance(e, EOFError):
-                    logger.debug("rayrb: replica stream closed: %r", e)
+            except OSError as e:  # the primary went, or sent what is not a frame (StreamError)
+                logger.debug("rayrb: replica stream closed: %r", e)
 
     def _answer(self, fence: int, first: int, write: Any, rows: dict[str, np.ndarray]) -> tuple[int, int, int]:
         try:
             written, restores = self._apply(fence, first, write, rows)
             return APPLIED, int(written), int(restores)
-        except FenceError:
+        except FencedFrameError:
             return FENCED, -1, -1
         except Exception as e:  # refused rows, a full disk: the primary rebuilds this copy
             logger.warning("rayrb: a replica could not apply a piece from its primary: %r", e)
@@ -142,19 +140,19 @@ class StreamServer:
 
 
 def read_frame(conn: socket.socket) -> tuple[int, int, Any, dict[str, np.ndarray]]:
-    """One frame (see the module): ``(fence, first, write, rows)``; ``ValueError`` for one that is not."""
+    """One frame (see the module): ``(fence, first, write, rows)``; ``StreamError`` for one that is not."""
     (size,) = LENGTH.unpack(_exact(conn, LENGTH.size))
     if size > HEADER_BYTES:
-        raise ValueError(f"expected a frame header of at most {HEADER_BYTES} bytes, got {size}")
-    head = json.loads(bytes(_exact(conn, size)))
+        raise StreamError(f"expected a frame header of at most {HEADER_BYTES} bytes, got {size}")
     try:
+        head = json.loads(bytes(_exact(conn, size)))
         n, arrays = int(head["rows"]), [(str(k), np.dtype(d), tuple(int(s) for s in t)) for k, d, t in head["arrays"]]
         fence, first, write = int(head["fence"]), int(head["first"]), head["write"]
     except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"expected a frame header with fence, first, write, rows and arrays, got {head!r}") from e
+        raise StreamError(f"expected a frame header of JSON with fence, first, write, rows and arrays: {e!r}") from e
     total = sum(n * d.itemsize * int(np.prod(t, dtype=np.int64)) for _, d, t in arrays)
     if n < 0 or total > FRAME_BYTES or any(d.hasobject for _, d, _ in arrays):
-        raise ValueError(f"expected at most {FRAME_BYTES} bytes of plain rows, got {n} rows of {total} bytes")
+        raise StreamError(f"expected at most {FRAME_BYTES} bytes of plain rows, got {n} rows of {total} bytes")
     rows = {}
     for key, dtype, tail in arrays:
         a = np.empty((n, *tail), dtype)
@@ -196,7 +194,7 @@ class StreamClient:
 
     def answer(self, timeout: float) -> tuple[int, int, int]:
         """The answer to the frame sent last: ``(status, write count, restore epoch)``; ``socket.timeout`` when
-        none came within ``timeout`` s, ``EOFError``/``OSError`` when the connection broke."""
+        none came within ``timeout`` s, ``OSError`` (``StreamError``) when the connection broke."""
         self._sock.settimeout(max(timeout, 1e-3))
         return ANSWER.unpack(_exact(self._sock, ANSWER.size))
 

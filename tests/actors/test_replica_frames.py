@@ -12,16 +12,8 @@ import time
 import numpy as np
 import pytest
 
-from rayrb.actors.stream import (
-    APPLIED,
-    FAILED,
-    FENCED,
-    LENGTH,
-    TOKEN_BYTES,
-    FenceError,
-    StreamClient,
-    StreamServer,
-)
+from rayrb.actors.stream import APPLIED, FAILED, FENCED, LENGTH, TOKEN_BYTES, StreamClient, StreamServer
+from rayrb.errors import FencedFrameError
 
 
 class Shard:
@@ -86,7 +78,7 @@ def test_a_sliced_piece_is_sent_as_its_own_rows(served):
 def test_a_refused_or_failed_piece_is_answered_so_and_the_stream_goes_on(served):
     shard, server = served
     client = StreamClient.connect(server.endpoint(), timeout=5)
-    shard.fail = FenceError("fenced")
+    shard.fail = FencedFrameError("fenced")
     client.send(1, 0, None, rows_of(2))
     assert client.answer(timeout=5) == (FENCED, -1, -1)
     shard.fail = OSError("disk full")
@@ -183,5 +175,7 @@ def test_a_closed_server_takes_no_more_connections():
     server = StreamServer(Shard())
     endpoint = server.endpoint()
     server.close()
-    with pytest.raises(OSError):
-        StreamClient.connect(endpoint, timeout=2).send(1, 0, None, {"x": np.zeros(1)})
+    with pytest.raises(OSError):  # refused (or, were the port taken again since, closed for the wrong token)
+        client = StreamClient.connect(endpoint, timeout=2)
+        client.send(1, 0, None, {"x": np.zeros(1)})
+        client.answer(timeout=2)
