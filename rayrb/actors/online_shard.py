@@ -149,7 +149,11 @@ class OnlineShard(ShardCopies, Shard):
         piece, which starts at row ``start`` of its write, or with ``stop`` the whole write, of which the piece
         is ``[start, stop)``. A piece placed before under ``(write_id, piece)`` is answered from the journal and
         written once; other rows under it are refused (``WriteIdError``). ``forward``: ``rows``' object-store ref,
-        unresolved, which the replicas are sent instead of the rows (each fetches them itself)."""
+        unresolved, which replicas sent the piece by call are sent instead of the rows (each fetches them itself).
+
+        With replicas, this copy copies the piece in and counts it first, then sends it to them: a replica never
+        holds, or publishes, a row this copy lacks. A retry answered from the journal checks them instead (this
+        copy may have died between the two)."""
         t0 = time.perf_counter()
         bounds = (start, stop) if stop is not None else (0, None)  # the piece within what is forwarded
         if stop is not None:
@@ -159,15 +163,10 @@ class OnlineShard(ShardCopies, Shard):
             raise InvalidArgumentError(f"shard {self.shard_id}: expected a piece of at least one row, got none")
         if self._publisher.take_asked():
             self.publish_to(None, taken=True)
-        sent: list = []
-        forwarded = []  # whether the piece went to the replicas
+        placed: list[int] = []
 
         def store(piece_rows: Mapping[str, np.ndarray], first: int, k: int) -> None:
-            if self._replication is not None:  # sent first, at this count: the replicas copy while this copy does
-                a, b = bounds if forward else (0, k)
-                forwarded.append(True)
-                sent.extend(self._replication.send(forward[0] if forward else piece_rows, a, a + k if b is None else b,
-                                                   first, (write_id, int(piece), int(start), digest), piece_rows))
+            placed.append(first)
             self._store_rows(piece_rows, first, k)
 
         try:
@@ -175,19 +174,24 @@ class OnlineShard(ShardCopies, Shard):
         except BaseException:
             if self._table is not None:  # the files were put back: so is the device copy
                 self._mirror()
-            if forwarded:  # the replicas were sent a piece this copy does not hold
-                self._replication.redo()
             raise
+        published = self._publisher.publishing
         if done.answered:
             self._metrics.count("writes_answered_again")
+            if self._replication is not None:
+                self._replication.check(self.order())
+        elif self._replication is not None:
+            # Acknowledged once every live replica holds the rows: awaited here, where the frames and calls are owned
+            # (a writer awaiting calls through refs it borrows cost more CPU: docs/benchmarks.md, "Rows in the
+            # call"); a replica beside the coordinator publishes the count where this copy cannot
+            a, b = bounds if forward else (0, n)
+            sent = self._replication.send(forward[0] if forward else rows, a, a + n if b is None else b, placed[0],
+                                          (write_id, int(piece), int(start), digest), rows, publish=not published)
+            published = self._replication.settle(sent, self.order()) or published
         if self._replication is not None:
-            # Acknowledged once every live replica holds the rows: awaited here, where the calls are owned (a writer
-            # awaiting them through refs it borrows cost more CPU in all: docs/benchmarks.md, "Rows in the call"); then
-            # the count is published as an unreplicated shard's is, where it can
-            self._replication.settle(sent, self.order())
             self._publish(self._store.written)
         self._metrics.observe("extend_ms", (time.perf_counter() - t0) * 1e3)
-        return done.slots, done.written, self._publisher.publishing
+        return done.slots, done.written, published
 
     def append_parts(self, how: Mapping[str, Any], *parts: Mapping[str, np.ndarray]
                      ) -> tuple[np.ndarray, int, bool]:
@@ -201,13 +205,18 @@ class OnlineShard(ShardCopies, Shard):
             self._files.ids.sync(self._store.written)
             return {p: tuple(v) for p, v in self._files.ids.of(write_id).items()}
 
-    def publish_to(self, target: Target | None, taken: bool = False) -> bool:
+    def publish_to(self, target: Target | None, taken: bool = False, now: bool = True) -> bool:
         """Publish this shard's count in the coordinator's counts map ``target = (node, path, index)`` from now on,
-        when it is on this node (``rayrb.actors.publishing``); whether it is. Publishes the count now."""
+        when it is on this node (``rayrb.actors.publishing``); whether it is. Publishes the count now, unless
+        ``now`` is false (a replica, told by its primary: it publishes only the counts its primary's frames ask it
+        to). A primary passes the target on to its replicas."""
         if not taken:
             self._publisher.to(target)
-        with self._files.locked():
-            self._publish(self._store.written)
+        if self._replication is not None:
+            self._replication.publish_to(self._publisher.target)
+        if now:
+            with self._files.locked():
+                self._publish(self._store.written)
         return self._publisher.publishing
 
     def _publish(self, written: int) -> None:

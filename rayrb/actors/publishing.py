@@ -50,6 +50,7 @@ class Publisher:
     def __init__(self, asked: Any = None):
         self._asked = asked
         self._counts: tuple[CountsMap, int] | None = None
+        self.target: Target | None = None  # the last one told, on this node or not
 
     @property
     def publishing(self) -> bool:
@@ -57,7 +58,7 @@ class Publisher:
 
     def to(self, target: Target | None) -> bool:
         """Publish to ``target`` from now on, when it is on this node; whether it is."""
-        self._asked, self._counts = None, None
+        self._asked, self._counts, self.target = None, None, target
         if target is not None and target[1] is not None and target[0] == node():
             counts = CountsMap.open(target[1])
             if counts is not None and 0 <= int(target[2]) < counts.shards:

@@ -84,6 +84,7 @@ class Replication:
     def __init__(self, names: Sequence[str], snapshot: Callable[[], dict]):
         self.replicas = [Replica(n) for n in names]
         self._snapshot = snapshot
+        self.target: Any = None  # where the shard's count is published (publish_to)
 
     def _actor(self, r: Replica) -> Any:
         if r.actor is None:  # at the first start it may still be being made; later a short look will do
@@ -91,12 +92,13 @@ class Replication:
         return r.actor
 
     def send(self, rows_ref: Any, start: int, stop: int, first: int, write: tuple | None = None,
-             piece: Mapping[str, Any] | None = None) -> list[tuple[Replica, Any]]:
+             piece: Mapping[str, Any] | None = None, publish: bool = False) -> list[tuple[Replica, Any]]:
         """Send a piece, ``rows_ref[start:stop]`` (rows, or their object-store ref; ``piece``: those rows, where the
         primary holds them), to every replica that takes pieces (live or catching), with its ``(write id, piece,
         start, digest)`` where the primary placed it (``OnlineShard.replicate``); the frames and calls to await.
         A live replica is sent it over its stream once every call sent it before was answered; otherwise, and
-        where no stream opens, by call, rows small enough in the call itself, in parts."""
+        where no stream opens, by call, rows small enough in the call itself, in parts. ``publish``: a frame asks
+        its replica to publish the count where it can (the primary cannot: ``rayrb.actors.stream``)."""
         self.poll()
         if piece is None and isinstance(rows_ref, Mapping):
             piece = {k: v[start:stop] for k, v in rows_ref.items()}
@@ -104,7 +106,7 @@ class Replication:
         for r in self.replicas:
             if r.status == LIVE and r.settled and piece is not None and self._stream(r) is not None:
                 try:
-                    r.stream.send(r.fence, first, write, piece, timeout=WAIT)
+                    r.stream.send(r.fence, first, write, piece, publish=publish, timeout=WAIT)
                 except OSError:  # maybe half sent: rebuilt under a new fence, so that it never lands after
                     self._rebuild(r)
                     continue
@@ -143,20 +145,21 @@ class Replication:
             r.stream.close()
             r.stream = None
 
-    def settle(self, calls: list[tuple[Replica, Any]], order: tuple[int, int], timeout: float = WAIT) -> None:
+    def settle(self, calls: list[tuple[Replica, Any]], order: tuple[int, int], timeout: float = WAIT) -> bool:
         """Wait (up to ``timeout`` s in all) for the live replicas' answers (``OnlineShard.order``: write count and
         restore epoch); one that fails, is late or answers otherwise than the primary's ``order`` is rebuilt (or
         waited for) while writes go on. The epoch shows a replica restarted on files from before a restore, which
-        may count as many rows."""
+        may count as many rows. Whether a replica that answered ``order`` published that count."""
         import ray
         from ray.exceptions import GetTimeoutError
 
-        deadline = time.monotonic() + timeout
+        deadline, published = time.monotonic() + timeout, False
         for r, call in calls:
             left = max(0.0, deadline - time.monotonic())
+            told = False
             if isinstance(call, StreamClient):
                 try:
-                    status, *answer = call.answer(left)
+                    status, *answer, told = call.answer(left)
                 except TimeoutError:  # asked again by call: once that comes back, it is rebuilt
                     self._late(r, self._actor(r).order.remote())
                     continue
@@ -180,6 +183,9 @@ class Replication:
             r.count = answer[0]
             if answer != tuple(order):
                 self._rebuild(r)
+            elif told:
+                published = True
+        return published
 
     def redo(self) -> None:
         """The primary could not store a piece it had sent: every replica that takes pieces may hold it (slots and
@@ -244,6 +250,21 @@ class Replication:
             ray.wait(pending, num_returns=len(pending), timeout=timeout)
             self.poll()  # those that answered are live (their counts checked at the next write), failed ones down
 
+    def publish_to(self, target: Any) -> None:
+        """Where the shard's count is published (``rayrb.actors.publishing``), passed on to every replica (not
+        awaited), and to each one rebuilt from now on (it may have restarted without it): one on the
+        coordinator's node publishes the count a frame asks it to."""
+        self.target = target
+        for r in self.replicas:
+            if r.status != DOWN:
+                self._tell_target(r)
+
+    def _tell_target(self, r: Replica) -> None:
+        try:
+            self._actor(r).publish_to.remote(self.target, now=False)
+        except Exception:  # gone: told again when it is rebuilt
+            pass
+
     def _rebuild(self, r: Replica) -> None:
         """Send the replica a snapshot of the primary to take in place of its own, under a new fence (a frame sent
         before it is refused after it); later pieces follow it in order, by call until one is answered."""
@@ -251,6 +272,8 @@ class Replication:
         r.fence, r.settled = secrets.randbits(62) + 1, False
         try:
             r.pending = self._actor(r).replace.remote(self._snapshot(), fence=r.fence)
+            if self.target is not None:
+                self._tell_target(r)
         except Exception as e:
             self._failed(r, e)
             return

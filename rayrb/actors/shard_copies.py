@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from rayrb.actors.inline import joined
-from rayrb.actors.stream import StreamServer, node_address
+from rayrb.actors.stream import Frame, StreamServer, node_address
 from rayrb.durability.copies import copy_order, merged_count, take_newer
 from rayrb.durability.runs import held_runs
 from rayrb.errors import FencedFrameError, SavedStateError
@@ -54,14 +54,20 @@ class ShardCopies:
             self._stream = StreamServer(self._streamed, node_address())
         return self._stream.endpoint()
 
-    def _streamed(self, fence: int, first: int, write: Any, rows: dict[str, np.ndarray]) -> tuple[int, int]:
-        """A piece from the stream (its own thread): ``replicate``, while ``fence`` is the one the last rebuild
-        gave this copy; else ``FencedFrameError`` (a frame sent before that rebuild, arriving after it)."""
+    def _streamed(self, frame: Frame, waited: Callable[[], bool]) -> tuple[int, int, bool]:
+        """A piece from the stream (its own thread): ``replicate``, while the frame's fence is the one the last
+        rebuild gave this copy, else ``FencedFrameError`` (a frame sent before that rebuild, arriving after it);
+        then the count published where the frame asks and this copy can, while its primary still ``waited``."""
         with self._files.locked():
-            if int(fence) != self._fence:
-                raise FencedFrameError(f"shard {self.shard_id}: a piece fenced {fence}, this copy holds fence {self._fence}")
-            n = len(next(iter(rows.values()))) if rows else 0
-            return self.replicate(rows, 0, n, first, write)
+            if int(frame.fence) != self._fence:
+                raise FencedFrameError(f"shard {self.shard_id}: expected a piece fenced {self._fence} (this copy's "
+                                       f"last rebuild), got one fenced {frame.fence}")
+            n = len(next(iter(frame.rows.values()))) if frame.rows else 0
+            written, restores = self.replicate(frame.rows, 0, n, frame.first, frame.write)
+            published = bool(frame.publish and self._publisher.publishing and waited())
+            if published:
+                self._publish(written)
+            return written, restores, published
 
     def order(self) -> tuple[int, int]:
         """``(write count, restore epoch)``: a replica holds its primary's rows when both are the primary's."""

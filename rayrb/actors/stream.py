@@ -16,19 +16,25 @@ frame, arriving late, is refused and never lands over the copy the rebuild made.
 **Trust.** The replica's listening port takes a connection only once it sends the token the replica handed its
 primary through Ray (``endpoint``); anything else is closed before a byte of it is read as rows.
 
-Frame, primary to replica: 4-byte little-endian length of a JSON header ``{fence, first, write, arrays: [[key,
-dtype, trailing shape], ...], rows}``, then each array's bytes, C order. Answer: three little-endian int64,
-``(status, write count, restore epoch)``; status ``APPLIED``, ``FENCED`` or ``FAILED``.
+**Counts.** Where the replica runs beside the coordinator and its primary does not, the frame asks it to publish
+its count in the coordinator's counts map once it holds the piece (``rayrb.actors.publishing``), and its answer
+says it did: the writer then need not tell the coordinator. The primary copies a piece in before it sends it, so a
+replica never publishes a row its primary lacks; and a replica publishes only while its connection is open, which
+the primary closes as soon as it stops waiting for an answer, before it sends that replica anything else.
+
+Frame, primary to replica: 4-byte little-endian length of a JSON header ``{fence, first, write, publish, arrays:
+[[key, dtype, trailing shape], ...], rows}``, then each array's bytes, C order. Answer: four little-endian int64,
+``(status, write count, restore epoch, published)``; status ``APPLIED``, ``FENCED`` or ``FAILED``.
 
 Examples:
     >>> import numpy as np
     >>> got = []
-    >>> server = StreamServer(lambda fence, first, write, rows: got.append((fence, first, write, rows)) or (7, 0))
+    >>> server = StreamServer(lambda frame, waited: got.append(frame) or (7, 0, frame.publish and waited()))
     >>> client = StreamClient.connect(server.endpoint(), timeout=5)
-    >>> client.send(3, 4, ("w", 0, 0, None), {"x": np.arange(6, dtype=np.int64).reshape(3, 2)})
+    >>> client.send(3, 4, ("w", 0, 0, None), {"x": np.arange(6, dtype=np.int64).reshape(3, 2)}, publish=True)
     >>> client.answer(timeout=5)
-    (0, 7, 0)
-    >>> got[0][0], got[0][1], got[0][2], got[0][3]["x"].tolist()
+    (0, 7, 0, 1)
+    >>> got[0].fence, got[0].first, got[0].write, got[0].rows["x"].tolist()
     (3, 4, ('w', 0, 0, None), [[0, 1], [2, 3], [4, 5]])
     >>> client.close(); server.close()
 """
@@ -38,11 +44,12 @@ import hmac
 import json
 import logging
 import secrets
+import select
 import socket
 import struct
 import threading
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -53,10 +60,19 @@ APPLIED, FENCED, FAILED = 0, 1, 2
 TOKEN_BYTES = 16
 HEADER_BYTES = 1 << 20  # a header larger than this is not a frame: the connection is closed
 FRAME_BYTES = 1 << 34  # nor rows larger than this (16 GiB)
-ANSWER = struct.Struct("<3q")
+ANSWER = struct.Struct("<4q")
 LENGTH = struct.Struct("<I")
 
-Apply = Callable[[int, int, Any, dict[str, np.ndarray]], tuple[int, int]]
+
+class Frame(NamedTuple):
+    fence: int
+    first: int  # the primary's write count the piece was placed at
+    write: tuple | None  # (write id, piece, start in its write, digest), where the primary placed it itself
+    rows: dict[str, np.ndarray]
+    publish: bool  # publish the count once the piece is held (while the primary still waits for the answer)
+
+
+Apply = Callable[[Frame, Callable[[], bool]], tuple[int, int, bool]]
 
 
 def node_address() -> str:
@@ -84,8 +100,9 @@ def _into(sock: socket.socket, view: memoryview) -> None:
 
 class StreamServer:
     """A replica's side: a listening socket on this node and a thread per connection, each frame handed to
-    ``apply(fence, first, write, rows) -> (write count, restore epoch)``, which raises ``FencedFrameError`` to refuse it
-    and anything else to fail it (the primary then rebuilds this copy)."""
+    ``apply(frame, waited) -> (write count, restore epoch, published)``, which raises ``FencedFrameError`` to refuse
+    it and anything else to fail it (the primary then rebuilds this copy); ``waited()``: whether the primary still
+    waits for the answer (it closes the connection when it stops), asked just before publishing."""
 
     def __init__(self, apply: Apply, host: str = "127.0.0.1"):
         self._apply, self._token = apply, secrets.token_bytes(TOKEN_BYTES)
@@ -123,33 +140,36 @@ class StreamServer:
                 conn.settimeout(None)
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 while not self._closed:
-                    fence, first, write, rows = read_frame(conn)
-                    conn.sendall(ANSWER.pack(*self._answer(fence, first, write, rows)))
+                    frame = read_frame(conn)
+                    conn.sendall(ANSWER.pack(*self._answer(frame, lambda: not select.select([conn], [], [], 0)[0])))
             except OSError as e:  # the primary went, or sent what is not a frame (StreamError)
                 logger.debug("rayrb: replica stream closed: %r", e)
 
-    def _answer(self, fence: int, first: int, write: Any, rows: dict[str, np.ndarray]) -> tuple[int, int, int]:
+    def _answer(self, frame: Frame, waited: Callable[[], bool]) -> tuple[int, int, int, int]:
+        """``waited``: nothing to read on the connection before this answer is sent means it is still open (the
+        primary sends its next frame only after this answer)."""
         try:
-            written, restores = self._apply(fence, first, write, rows)
-            return APPLIED, int(written), int(restores)
+            written, restores, published = self._apply(frame, waited)
+            return APPLIED, int(written), int(restores), int(bool(published))
         except FencedFrameError:
-            return FENCED, -1, -1
+            return FENCED, -1, -1, 0
         except Exception as e:  # refused rows, a full disk: the primary rebuilds this copy
             logger.warning("rayrb: a replica could not apply a piece from its primary: %r", e)
-            return FAILED, -1, -1
+            return FAILED, -1, -1, 0
 
 
-def read_frame(conn: socket.socket) -> tuple[int, int, Any, dict[str, np.ndarray]]:
-    """One frame (see the module): ``(fence, first, write, rows)``; ``StreamError`` for one that is not."""
+def read_frame(conn: socket.socket) -> Frame:
+    """One frame (see the module); ``StreamError`` for what is not one."""
     (size,) = LENGTH.unpack(_exact(conn, LENGTH.size))
     if size > HEADER_BYTES:
         raise StreamError(f"expected a frame header of at most {HEADER_BYTES} bytes, got {size}")
     try:
         head = json.loads(bytes(_exact(conn, size)))
         n, arrays = int(head["rows"]), [(str(k), np.dtype(d), tuple(int(s) for s in t)) for k, d, t in head["arrays"]]
-        fence, first, write = int(head["fence"]), int(head["first"]), head["write"]
+        fence, first, write, publish = int(head["fence"]), int(head["first"]), head["write"], bool(head["publish"])
     except (KeyError, TypeError, ValueError) as e:
-        raise StreamError(f"expected a frame header of JSON with fence, first, write, rows and arrays: {e!r}") from e
+        raise StreamError(f"expected a frame header of JSON with fence, first, write, publish, rows and arrays: "
+                          f"{e!r}") from e
     total = sum(n * d.itemsize * int(np.prod(t, dtype=np.int64)) for _, d, t in arrays)
     if n < 0 or total > FRAME_BYTES or any(d.hasobject for _, d, _ in arrays):
         raise StreamError(f"expected at most {FRAME_BYTES} bytes of plain rows, got {n} rows of {total} bytes")
@@ -158,7 +178,7 @@ def read_frame(conn: socket.socket) -> tuple[int, int, Any, dict[str, np.ndarray
         a = np.empty((n, *tail), dtype)
         _into(conn, memoryview(a).cast("B") if a.nbytes else memoryview(b""))
         rows[key] = a
-    return fence, first, (tuple(write) if write is not None else None), rows
+    return Frame(fence, first, tuple(write) if write is not None else None, rows, publish)
 
 
 class StreamClient:
@@ -179,12 +199,14 @@ class StreamClient:
             raise
         return cls(sock)
 
-    def send(self, fence: int, first: int, write: Any, rows: Mapping[str, np.ndarray], timeout: float = 30.0) -> None:
-        """Send one piece (``OSError`` if the connection cannot take it within ``timeout`` s)."""
+    def send(self, fence: int, first: int, write: Any, rows: Mapping[str, np.ndarray], publish: bool = False,
+             timeout: float = 30.0) -> None:
+        """Send one piece (``OSError`` if the connection cannot take it within ``timeout`` s); ``publish``: the
+        replica publishes the count once it holds the piece, where it can."""
         arrays = {k: np.ascontiguousarray(v) for k, v in rows.items()}
         n = len(next(iter(arrays.values()))) if arrays else 0
         head = json.dumps({"fence": int(fence), "first": int(first), "write": None if write is None else list(write),
-                           "rows": n, "arrays": [[k, v.dtype.str, list(v.shape[1:])] for k, v in arrays.items()]},
+                           "publish": bool(publish), "rows": n, "arrays": [[k, v.dtype.str, list(v.shape[1:])] for k, v in arrays.items()]},
                           separators=(",", ":")).encode()
         self._sock.settimeout(timeout)
         self._sock.sendall(LENGTH.pack(len(head)) + head)
@@ -192,8 +214,8 @@ class StreamClient:
             if v.nbytes:
                 self._sock.sendall(memoryview(v).cast("B"))
 
-    def answer(self, timeout: float) -> tuple[int, int, int]:
-        """The answer to the frame sent last: ``(status, write count, restore epoch)``; ``socket.timeout`` when
+    def answer(self, timeout: float) -> tuple[int, int, int, int]:
+        """The answer to the frame sent last: ``(status, write count, restore epoch, published)``; a timeout when
         none came within ``timeout`` s, ``OSError`` (``StreamError``) when the connection broke."""
         self._sock.settimeout(max(timeout, 1e-3))
         return ANSWER.unpack(_exact(self._sock, ANSWER.size))

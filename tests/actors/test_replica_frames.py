@@ -22,12 +22,13 @@ class Shard:
     def __init__(self):
         self.got, self.fail, self.delay = [], None, 0.0
 
-    def __call__(self, fence, first, write, rows):
+    def __call__(self, frame, waited):
         time.sleep(self.delay)
         if self.fail is not None:
             raise self.fail
-        self.got.append((fence, first, write, rows))
-        return first + len(next(iter(rows.values()))), 4
+        published = frame.publish and waited()
+        self.got.append((frame, published))
+        return frame.first + len(next(iter(frame.rows.values()))), 4, published
 
 
 @pytest.fixture
@@ -52,17 +53,17 @@ def test_frames_arrive_whole_in_order_with_their_dtypes_and_shapes(served):
     for i, n in enumerate([1, 7, 0, 1000, 3]):
         rows = rows_of(n, seed=i)
         write = None if i == 2 else (f"w{i}", i % 2, 10 * i, None if i % 2 else f"d{i}")
-        client.send(11, first, write, rows)
-        assert client.answer(timeout=5) == (APPLIED, first + n, 4)
-        sent.append((11, first, write, rows))
+        client.send(11, first, write, rows, publish=i % 2 == 1)
+        assert client.answer(timeout=5) == (APPLIED, first + n, 4, i % 2)
+        sent.append((11, first, write, rows, i % 2 == 1))
         first += n
     client.close()
     assert len(shard.got) == len(sent)
-    for (fence, first, write, rows), got in zip(sent, shard.got):
-        assert got[:3] == (fence, first, write)
-        assert set(got[3]) == set(rows)
+    for (fence, first, write, rows, publish), (got, _) in zip(sent, shard.got):
+        assert (got.fence, got.first, got.write, got.publish) == (fence, first, write, publish)
+        assert set(got.rows) == set(rows)
         for k, v in rows.items():
-            assert got[3][k].dtype == v.dtype and got[3][k].shape == v.shape and np.array_equal(got[3][k], v)
+            assert got.rows[k].dtype == v.dtype and got.rows[k].shape == v.shape and np.array_equal(got.rows[k], v)
 
 
 def test_a_sliced_piece_is_sent_as_its_own_rows(served):
@@ -72,7 +73,7 @@ def test_a_sliced_piece_is_sent_as_its_own_rows(served):
     client.send(1, 5, None, {k: v[5:9] for k, v in whole.items()})
     assert client.answer(timeout=5)[0] == APPLIED
     client.close()
-    assert np.array_equal(shard.got[0][3]["label"], np.arange(5, 9))
+    assert np.array_equal(shard.got[0][0].rows["label"], np.arange(5, 9))
 
 
 def test_a_refused_or_failed_piece_is_answered_so_and_the_stream_goes_on(served):
@@ -80,13 +81,13 @@ def test_a_refused_or_failed_piece_is_answered_so_and_the_stream_goes_on(served)
     client = StreamClient.connect(server.endpoint(), timeout=5)
     shard.fail = FencedFrameError("fenced")
     client.send(1, 0, None, rows_of(2))
-    assert client.answer(timeout=5) == (FENCED, -1, -1)
+    assert client.answer(timeout=5) == (FENCED, -1, -1, 0)
     shard.fail = OSError("disk full")
     client.send(1, 0, None, rows_of(2))
-    assert client.answer(timeout=5) == (FAILED, -1, -1)
+    assert client.answer(timeout=5) == (FAILED, -1, -1, 0)
     shard.fail = None
     client.send(1, 0, None, rows_of(2))
-    assert client.answer(timeout=5) == (APPLIED, 2, 4)
+    assert client.answer(timeout=5) == (APPLIED, 2, 4, 0)
     client.close()
 
 
@@ -98,6 +99,20 @@ def test_an_answer_that_does_not_come_in_time_is_a_timeout(served):
     with pytest.raises(TimeoutError):
         client.answer(timeout=0.1)
     client.close()
+
+
+def test_a_frame_whose_primary_stopped_waiting_is_not_published(served):
+    shard, server = served
+    shard.delay = 0.5
+    client = StreamClient.connect(server.endpoint(), timeout=5)
+    client.send(1, 0, None, {"x": np.arange(2, dtype=np.int64)}, publish=True)
+    with pytest.raises(TimeoutError):
+        client.answer(timeout=0.05)
+    client.close()  # as the primary does when it stops waiting: the replica must not publish that count
+    deadline = time.monotonic() + 5
+    while not shard.got and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(shard.got) == 1 and shard.got[0][0].publish and shard.got[0][1] is False
 
 
 def raw(server: StreamServer, token: bytes | None = None) -> socket.socket:
@@ -120,7 +135,7 @@ def frame(header: dict | bytes, body: bytes = b"") -> bytes:
     return LENGTH.pack(len(head)) + head + body
 
 
-GOOD = {"fence": 1, "first": 0, "write": None, "rows": 2, "arrays": [["x", "<i8", []]]}
+GOOD = {"fence": 1, "first": 0, "write": None, "publish": False, "rows": 2, "arrays": [["x", "<i8", []]]}
 
 
 @pytest.mark.parametrize("what, data", [
@@ -148,7 +163,7 @@ def test_what_is_not_a_frame_from_its_primary_never_reaches_the_shard(served, wh
     # and the server still takes its primary's frames
     client = StreamClient.connect(server.endpoint(), timeout=5)
     client.send(1, 0, None, {"x": np.arange(2, dtype=np.int64)})
-    assert client.answer(timeout=5) == (APPLIED, 2, 4)
+    assert client.answer(timeout=5) == (APPLIED, 2, 4, 0)
     client.close()
 
 

@@ -1,15 +1,15 @@
 """Writes carried inside the calls, in parts (rayrb.actors.inline), to a primary and its replica: the primary sends
-the replica the parts and answers once the replica holds them. A replica killed with its files mid-stream, a
-primary that dies (its files with it) after sending a piece's parts and before storing them, and one whose own
-copy fails there: every acknowledged row is in both copies once, in its write's order, a retry of the write is
-answered, not applied again, and no row of a failed write stays in either copy."""
+the replica the piece and answers once the replica holds it. A replica killed with its files mid-stream, a
+primary that dies (its files with it) while it copies a piece in, and one whose own copy fails there: every
+acknowledged row is in both copies once, in its write's order, a retry of the write is answered, not applied
+again, and no row of a failed write stays in either copy."""
 from __future__ import annotations
 
 import uuid
 
 import numpy as np
 import pytest
-from test_replicas import die_after_sending, level, writes_through_a_replica_loss
+from test_replicas import die_while_storing, level, writes_through_a_replica_loss
 
 from rayrb.actors.inline import cut
 from rayrb.actors.lifecycle import actor_class
@@ -73,13 +73,13 @@ def test_a_replica_killed_with_its_files_while_parts_stream_in_is_rebuilt_and_ho
         assert_each_row_once(ray, actor, len(done) * ROWS)
 
 
-def test_a_primary_dying_after_sending_the_parts_answers_the_retry_once_from_its_replica(ray_session, pair):
+def test_a_primary_dying_while_it_copies_the_parts_in_lands_the_retry_once(ray_session, pair):
     ray = ray_session
     primary, replica, dirs = pair
     for w in range(0, 3 * ROWS, ROWS):
         write(ray, primary, w)
 
-    die_after_sending(ray, primary, dirs[0])
+    die_while_storing(ray, primary, dirs[0])
     assert write(ray, primary, 3 * ROWS) == (list(range(3 * ROWS, 4 * ROWS)), 4 * ROWS)  # Ray sent it again
     assert write(ray, primary, 3 * ROWS) == (list(range(3 * ROWS, 4 * ROWS)), 4 * ROWS)  # the writer's retry
     assert ray.get(primary.stats.remote())["restarts"] == 1
@@ -89,12 +89,12 @@ def test_a_primary_dying_after_sending_the_parts_answers_the_retry_once_from_its
 
 
 @pytest.mark.parametrize("placed_by", ["primary", "coordinator"])
-def test_a_piece_the_primary_fails_to_store_after_sending_it_leaves_no_trace_in_the_replica(ray_session, pair,
+def test_a_piece_the_primary_fails_to_store_leaves_no_trace_in_the_replica(ray_session, pair,
                                                                                           placed_by):
-    """The primary sends a piece on before it copies it in: when its own copy fails (the disk, a device copy that
-    refuses the rows), the write fails and the replica, which may hold the piece, is rebuilt from the primary. A
-    later write of the same length at that count then holds its own rows in both copies, not the failed one's.
-    Both ways a piece comes: placed by the primary (``append``), or by the coordinator (``extend``)."""
+    """When the primary's own copy fails (the disk, a device copy that refuses the rows), the write fails and no
+    replica keeps the piece: placed by the primary (``append``), it copies the piece in before it sends it, so
+    nothing was sent; placed by the coordinator (``extend``), it sent it first, and the replica is rebuilt from the
+    primary. A later write of the same length at that count then holds its own rows in both copies."""
     ray = ray_session
     primary, replica, dirs = pair
     write(ray, primary, 0)

@@ -109,3 +109,59 @@ def test_a_replica_that_answers_late_is_rebuilt_and_its_late_frame_changes_nothi
         append(ray, primary, w)
     assert replica_report(ray, primary)["rebuilds"] >= 1
     same_copies(ray, primary, replica, 8 * 16)
+
+
+def test_a_retry_answered_after_the_primary_died_between_copying_a_piece_in_and_sending_it_levels_the_replica(
+        ray_session, pair):
+    """The primary copies a piece in and counts it, then its process dies before the piece reaches the replica
+    (its files stay). Ray sends the write again; the restarted primary answers it from its journal, and checks
+    its replica first: the replica, short of the piece, is rebuilt, never left live without it."""
+    ray = ray_session
+    primary, replica, _ = pair
+    for w in range(0, 3 * 16, 16):
+        append(ray, primary, w)
+
+    def die_before_sending(shard):
+        import os
+
+        def send(*args, **kwargs):
+            os._exit(1)
+        shard._replication.send = send
+
+    ray.get(primary.__ray_call__.remote(die_before_sending))
+    assert append(ray, primary, 48) == (list(range(48, 64)), 64)  # Ray sent it again: answered from the journal
+    r = replica_report(ray, primary)
+    held = copy_of(ray, replica)[0]
+    assert r["status"] != "live" or held == 64, (r, held)  # answered only with every live copy holding it
+    level(ray, primary)
+    same_copies(ray, primary, replica, 64)
+
+
+def test_a_replica_beside_the_coordinator_publishes_the_count_its_primary_cannot(ray_session, pair, tmp_path):
+    """A primary off the coordinator's node asks its replica there (here: one node, the primary told another node's
+    target) to publish each count the replica holds; the write's answer says so, and the counts map then holds
+    exactly the primary's count, never more."""
+    from rayrb.durability.published import CountsMap
+
+    ray = ray_session
+    primary, replica, _ = pair
+    path = str(tmp_path / "counts")
+    counts = CountsMap.open(path, shards=1, create=True)
+    node = ray.get_runtime_context().get_node_id()
+
+    def publish_via_replica(shard):
+        shard._publisher.to(("another node", path, 0))  # the primary is not beside the coordinator
+        shard._replication.publish_to((node, path, 0))  # its replica is
+
+    ray.get(primary.__ray_call__.remote(publish_via_replica))
+    answers = []
+    for w in range(0, 12 * 16, 16):
+        rows = {"x": np.arange(w, w + 16, dtype=np.int64)}
+        _, written, published = ray.get(primary.append.remote(rows, f"w{w}", 0, 0, f"d{w}"))
+        assert int(counts.written()[0]) <= written
+        if published:
+            assert int(counts.written()[0]) == written
+        answers.append(bool(published))
+    assert answers[-1] and sum(answers) >= 10, answers  # the target reaches the replica by call, frames by stream
+    assert int(counts.changes()[0]) == sum(answers)
+    same_copies(ray, primary, replica, 12 * 16)

@@ -64,9 +64,10 @@ def append(ray, primary, first, write_id=None):
     return np.asarray(slots).tolist(), int(written)
 
 
-def die_after_sending(ray, primary, directory):
-    """The primary's next piece goes to its replicas, then its node goes (its files, then its process) before it
-    copies the piece in."""
+def die_while_storing(ray, primary, directory):
+    """The primary's node goes (its files, then its process) while it copies its next piece in: after sending the
+    piece to its replicas where the coordinator placed it (``extend``), before, where it places it itself
+    (``append``)."""
     def arm(shard):
         def store_rows(*args):
             shutil.rmtree(directory)
@@ -236,16 +237,16 @@ def test_a_rebuilt_replica_takes_the_write_ids_with_the_rows_and_answers_them_on
         ray.get(primary.append.remote(rows, f"w{PIECE}", 0, 0, "another digest"))
 
 
-def test_a_primary_that_dies_between_sending_a_piece_and_storing_it_answers_the_retry_once(ray_session, pair):
-    """The primary sends each piece to its replica before it copies the piece in: one that dies right there, its
-    node's disk with it, restarts empty, takes the replica's rows and ids, and the write Ray sends again lands
-    once, at the slots the replica holds it in."""
+def test_a_primary_that_dies_while_it_copies_a_piece_in_lands_the_retry_once(ray_session, pair):
+    """A primary placing a piece itself copies it in before it sends it to its replica: one that dies right there,
+    its node's disk with it, restarts empty, takes the replica's rows and ids, and the write Ray sends again lands
+    once, at the count the replica holds, in both copies."""
     ray = ray_session
     primary, replica, dirs = pair
     for w in range(0, 3 * PIECE, PIECE):
         append(ray, primary, w)
 
-    die_after_sending(ray, primary, dirs[0])
+    die_while_storing(ray, primary, dirs[0])
     assert append(ray, primary, 3 * PIECE) == (list(range(3 * PIECE, 4 * PIECE)), 4 * PIECE)
     assert append(ray, primary, 3 * PIECE)[1] == 4 * PIECE  # the writer's own retry: answered too
     assert ray.get(primary.stats.remote())["restarts"] == 1
