@@ -140,6 +140,12 @@ class Replication:
         return r.stream
 
     @staticmethod
+    def _pause_stream(r: Replica) -> None:
+        """A stream that failed carries nothing for ``RETRY`` s (calls instead): one that keeps failing costs a
+        rebuild then, not one a write."""
+        r.connect_at = time.monotonic() + RETRY
+
+    @staticmethod
     def _drop_stream(r: Replica) -> None:
         if r.stream is not None:
             r.stream.close()
@@ -162,11 +168,14 @@ class Replication:
                     status, *answer, told = call.answer(left)
                 except TimeoutError:  # asked again by call: once that comes back, it is rebuilt
                     self._late(r, self._actor(r).order.remote())
+                    self._pause_stream(r)
                     continue
                 except OSError:  # the connection broke (StreamError among them)
+                    self._pause_stream(r)
                     self._rebuild(r)
                     continue
                 if status != APPLIED:  # refused (fenced) or failed
+                    self._pause_stream(r)
                     self._rebuild(r)
                     continue
                 answer = tuple(answer)

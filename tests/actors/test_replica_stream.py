@@ -59,9 +59,17 @@ def test_a_frame_sent_before_a_rebuild_is_refused_after_it(ray_session, pair):
     assert ray.get(primary.pieces_of.remote("late")) == {}
 
 
+def quick_retry(shard):
+    """A stream that failed is tried again after 0.2 s, not ``RETRY``."""
+    import rayrb.actors.replication as replication
+
+    replication.RETRY = 0.2
+
+
 def test_a_replica_whose_process_dies_is_rebuilt_and_takes_frames_again(ray_session, pair):
     ray = ray_session
     primary, replica, _ = pair
+    ray.get(primary.__ray_call__.remote(quick_retry))
     for w in range(0, 5 * 16, 16):
         append(ray, primary, w)
     ray.kill(replica, no_restart=False)  # its stream breaks; its files stay
@@ -69,6 +77,7 @@ def test_a_replica_whose_process_dies_is_rebuilt_and_takes_frames_again(ray_sess
     for w in range(5 * 16, 10 * 16, 16):  # answered while it is rebuilt
         append(ray, primary, w)
     level(ray, primary)
+    time.sleep(0.3)
     streamed = replica_report(ray, primary)["streamed"]
     for w in range(10 * 16, 14 * 16, 16):
         append(ray, primary, w)
@@ -98,6 +107,7 @@ def test_a_replica_that_answers_late_is_rebuilt_and_its_late_frame_changes_nothi
 
     ray.get(replica.__ray_call__.remote(slow_once))
     ray.get(primary.__ray_call__.remote(short_wait))
+    ray.get(primary.__ray_call__.remote(quick_retry))
     t0 = time.monotonic()
     append(ray, primary, 48)  # answered without the late replica
     assert time.monotonic() - t0 < 1.9
@@ -164,4 +174,23 @@ def test_a_replica_beside_the_coordinator_publishes_the_count_its_primary_cannot
         answers.append(bool(published))
     assert answers[-1] and sum(answers) >= 10, answers  # the target reaches the replica by call, frames by stream
     assert int(counts.changes()[0]) == sum(answers)
+    same_copies(ray, primary, replica, 12 * 16)
+
+
+def test_a_stream_that_keeps_failing_costs_one_rebuild_and_its_pieces_go_by_call_meanwhile(ray_session, pair):
+    ray = ray_session
+    primary, replica, _ = pair
+    append(ray, primary, 0)
+
+    def refuse_frames(shard):
+        def apply(frame, waited):
+            raise OSError("a frame this copy cannot take")
+        shard._stream._apply = apply
+
+    ray.get(replica.__ray_call__.remote(refuse_frames))
+    for w in range(16, 12 * 16, 16):
+        append(ray, primary, w)
+    r = replica_report(ray, primary)
+    assert r["rebuilds"] == 1 and r["streamed"] == 2, r  # the frame that failed, then calls for RETRY s
+    level(ray, primary)
     same_copies(ray, primary, replica, 12 * 16)
