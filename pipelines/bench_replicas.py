@@ -91,7 +91,8 @@ def one(replicas: int, args, writers: list, root: str) -> dict:
     disk = state_bytes(state)
     rb.shutdown()
     return {"extend_rows_per_s": write_rate, "sample_rows_per_s": sample_rate, "disk_bytes_per_row": disk / capacity,
-            "rebuilds": sum(r["rebuilds"] for r in copies), **cpu, "write_cpu_s": sum(cpu.values()),
+            "rebuilds": sum(r["rebuilds"] for r in copies), "pieces_streamed": sum(r.get("streamed", 0) for r in copies),
+            **cpu, "write_cpu_s": sum(cpu.values()),
             **{k: sum(w.get(k, 0) for w in went) for k in went[0] if k.startswith("writes_")}}
 
 

@@ -151,9 +151,7 @@ class OnlineShard(ShardCopies, Shard):
         written once; other rows under it are refused (``WriteIdError``). ``forward``: ``rows``' object-store ref,
         unresolved, which replicas sent the piece by call are sent instead of the rows (each fetches them itself).
 
-        With replicas, this copy copies the piece in and counts it first, then sends it to them: a replica never
-        holds, or publishes, a row this copy lacks. A retry answered from the journal checks them instead (this
-        copy may have died between the two)."""
+        With replicas, this copy copies the piece in and counts it first, then sends it on (``_send_on``)."""
         t0 = time.perf_counter()
         bounds = (start, stop) if stop is not None else (0, None)  # the piece within what is forwarded
         if stop is not None:
@@ -163,14 +161,8 @@ class OnlineShard(ShardCopies, Shard):
             raise InvalidArgumentError(f"shard {self.shard_id}: expected a piece of at least one row, got none")
         if self._publisher.take_asked():
             self.publish_to(None, taken=True)
-        placed: list[int] = []
-
-        def store(piece_rows: Mapping[str, np.ndarray], first: int, k: int) -> None:
-            placed.append(first)
-            self._store_rows(piece_rows, first, k)
-
         try:
-            done = self._files.append(rows, write_id, piece, start, digest, store=store)
+            done = self._files.append(rows, write_id, piece, start, digest, store=self._store_rows)
         except BaseException:
             if self._table is not None:  # the files were put back: so is the device copy
                 self._mirror()
@@ -178,18 +170,9 @@ class OnlineShard(ShardCopies, Shard):
         published = self._publisher.publishing
         if done.answered:
             self._metrics.count("writes_answered_again")
-            if self._replication is not None:
-                self._replication.check(self.order())
-        elif self._replication is not None:
-            # Acknowledged once every live replica holds the rows: awaited here, where the frames and calls are owned
-            # (a writer awaiting calls through refs it borrows cost more CPU: docs/benchmarks.md, "Rows in the
-            # call"); a replica beside the coordinator publishes the count where this copy cannot
-            a, b = bounds if forward else (0, n)
-            sent = self._replication.send(forward[0] if forward else rows, a, a + n if b is None else b, placed[0],
-                                          (write_id, int(piece), int(start), digest), rows, publish=not published)
-            published = self._replication.settle(sent, self.order()) or published
         if self._replication is not None:
-            self._publish(self._store.written)
+            write = (write_id, int(piece), int(start), digest)
+            published = self._send_on(rows, write, done, forward[0] if forward else None, bounds) or published
         self._metrics.observe("extend_ms", (time.perf_counter() - t0) * 1e3)
         return done.slots, done.written, published
 

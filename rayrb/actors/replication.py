@@ -139,17 +139,6 @@ class Replication:
                 r.connect_at = time.monotonic() + RETRY
         return r.stream
 
-    @staticmethod
-    def _pause_stream(r: Replica) -> None:
-        """A stream that failed carries nothing for ``RETRY`` s (calls instead): one that keeps failing costs a
-        rebuild then, not one a write."""
-        r.connect_at = time.monotonic() + RETRY
-
-    @staticmethod
-    def _drop_stream(r: Replica) -> None:
-        if r.stream is not None:
-            r.stream.close()
-            r.stream = None
 
     def settle(self, calls: list[tuple[Replica, Any]], order: tuple[int, int], timeout: float = WAIT) -> bool:
         """Wait (up to ``timeout`` s in all) for the live replicas' answers (``OnlineShard.order``: write count and
@@ -168,14 +157,14 @@ class Replication:
                     status, *answer, told = call.answer(left)
                 except TimeoutError:  # asked again by call: once that comes back, it is rebuilt
                     self._late(r, self._actor(r).order.remote())
-                    self._pause_stream(r)
+                    pause_stream(r)
                     continue
                 except OSError:  # the connection broke (StreamError among them)
-                    self._pause_stream(r)
+                    pause_stream(r)
                     self._rebuild(r)
                     continue
                 if status != APPLIED:  # refused (fenced) or failed
-                    self._pause_stream(r)
+                    pause_stream(r)
                     self._rebuild(r)
                     continue
                 answer = tuple(answer)
@@ -227,12 +216,12 @@ class Replication:
                     r.count = int(ray.get(r.pending))
                     r.status, r.pending, r.since = LIVE, None, time.monotonic()
                 except Exception as e:
-                    self._failed(r, e)
+                    failed(r, e)
             elif r.status == DOWN and time.monotonic() - r.since > RETRY:
                 self._rebuild(r)
 
     def _late(self, r: Replica, call: Any) -> None:
-        self._drop_stream(r)  # a frame left unanswered: what follows goes after the rebuild, under a new fence
+        drop_stream(r)  # a frame left unanswered: what follows goes after the rebuild, under a new fence
         r.status, r.pending, r.since = WAITING, call, time.monotonic()
 
     def close_all(self) -> None:
@@ -240,7 +229,7 @@ class Replication:
         import ray
 
         for r in self.replicas:
-            self._drop_stream(r)
+            drop_stream(r)
         calls = [lookup(r.name, 1.0).close.remote() for r in self.replicas]
         ray.wait(calls, num_returns=len(calls), timeout=5)
 
@@ -277,26 +266,17 @@ class Replication:
     def _rebuild(self, r: Replica) -> None:
         """Send the replica a snapshot of the primary to take in place of its own, under a new fence (a frame sent
         before it is refused after it); later pieces follow it in order, by call until one is answered."""
-        self._drop_stream(r)
+        drop_stream(r)
         r.fence, r.settled = secrets.randbits(62) + 1, False
         try:
             r.pending = self._actor(r).replace.remote(self._snapshot(), fence=r.fence)
             if self.target is not None:
                 self._tell_target(r)
         except Exception as e:
-            self._failed(r, e)
+            failed(r, e)
             return
         r.status, r.since = CATCHING, time.monotonic()
         r.rebuilds += 1
-
-    @staticmethod
-    def _failed(r: Replica, error: Exception) -> None:
-        from ray.exceptions import ActorDiedError
-
-        if isinstance(error, (ActorDiedError, ValueError)):  # dead for good, or its name is gone
-            r.status, r.pending, r.actor, r.since = DOWN, None, None, time.monotonic()
-        else:
-            r.status, r.pending, r.since = DOWN, None, time.monotonic() - RETRY  # try again at the next poll
 
     def take_all(self, merge: Callable[[dict], int], what: str) -> bool:
         """``merge`` each replica's state into the primary (restarted, its files gone or older than what was
@@ -326,8 +306,8 @@ class Replication:
                 self._actor(r).update_priority.remote(idx, generation, priority)
 
     def report(self, count: int) -> list[dict[str, Any]]:
-        """Each replica: name, node, state, rows behind the primary (as last answered; None unless live) and
-        rebuilds so far."""
+        """Each replica: name, node, state, rows behind the primary (as last answered; None unless live),
+        rebuilds and pieces sent over its stream so far."""
         import ray
 
         out = []
@@ -336,9 +316,32 @@ class Replication:
                 node = ray.get(self._actor(r).place.remote(), timeout=2.0)["node"] if r.status == LIVE else None
             except Exception:  # it just went away: the next write says so
                 node = None
-            out.append({"name": r.name, "node": node, "status": r.status, "rebuilds": r.rebuilds, "streamed": r.streamed,
-                        "behind": max(0, count - r.count) if r.status == LIVE else None})
+            out.append({"name": r.name, "node": node, "status": r.status, "rebuilds": r.rebuilds,
+                        "streamed": r.streamed, "behind": max(0, count - r.count) if r.status == LIVE else None})
         return out
 
     def live(self) -> int:
         return sum(r.status == LIVE for r in self.replicas)
+
+
+def pause_stream(r: Replica) -> None:
+    """A stream that failed carries nothing for ``RETRY`` s (calls instead): one that keeps failing costs a
+    rebuild then, not one a write."""
+    r.connect_at = time.monotonic() + RETRY
+
+
+def drop_stream(r: Replica) -> None:
+    if r.stream is not None:
+        r.stream.close()
+        r.stream = None
+
+
+def failed(r: Replica, error: Exception) -> None:
+    """A replica a call could not reach is down: for good where Ray says it is dead (its handle dropped), else
+    tried again at the next poll."""
+    from ray.exceptions import ActorDiedError
+
+    if isinstance(error, (ActorDiedError, ValueError)):  # dead for good, or its name is gone
+        r.status, r.pending, r.actor, r.since = DOWN, None, None, time.monotonic()
+    else:
+        r.status, r.pending, r.since = DOWN, None, time.monotonic() - RETRY  # try again at the next poll

@@ -42,6 +42,26 @@ class ShardCopies:
                 raise
         return self.order()
 
+    def _send_on(self, rows: Mapping[str, np.ndarray], write: tuple, done: Any, ref: Any, bounds: tuple) -> bool:
+        """A piece this primary placed and counted itself (``append``: ``done``), sent on to its replicas and
+        awaited, where the frames and calls are owned (a writer awaiting calls through refs it borrows cost more
+        CPU: ``docs/benchmarks.md``, "Rows in the call"); a retry answered from the journal checks them instead
+        (this copy may have died between counting the piece and sending it). Then the count is published where
+        this copy can; whether a replica published it (a frame asks one beside the coordinator to, where this
+        copy cannot). ``ref``: the rows' object-store ref, which replicas sent the piece by call fetch themselves,
+        the piece ``bounds`` of it."""
+        if done.answered:
+            self._replication.check(self.order())
+            published = False
+        else:
+            n = len(done.slots)
+            a, b = bounds if ref is not None else (0, n)
+            sent = self._replication.send(rows if ref is None else ref, a, a + n if b is None else b, done.written - n,
+                                          write, rows, publish=not self._publisher.publishing)
+            published = self._replication.settle(sent, self.order())
+        self._publish(self._store.written)
+        return published
+
     def replicate_parts(self, how: Mapping[str, Any], *parts: Mapping[str, np.ndarray]) -> tuple[int, int]:
         """``replicate`` with its rows carried in the call, cut in ``parts`` (``rayrb.actors.inline``) and its
         other arguments in ``how``."""

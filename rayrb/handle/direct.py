@@ -14,8 +14,8 @@ something dies on the way. The write path of every buffer without a rate limiter
    replicas (it sends them the rows), or more than ``UNDO_ROWS`` rows.
 3. **Otherwise one call**: the piece goes to its shard (``OnlineShard.append``; rows up to a MiB in the call
    itself, cut in parts under Ray's inline size: ``rayrb.actors.inline``), which appends it the same way and
-   answers the slots, its count and whether it published the count; a shard with replicas sends them the piece
-   (the same way, or a large write's object-store ref, which each copy fetches itself) before its own copy and
+   answers the slots, its count and whether it (or a replica beside the coordinator) published the count; a shard
+   with replicas copies the piece in, then sends it on (over a stream of its own to each live replica) and
    answers once every live replica holds it (``rayrb.actors.replication``). A write under a ``write_id`` the caller named
    asks every shard first which pieces of it they hold (``pieces_of``): those are answered, not written again.
    A write too large for one shard goes to the coordinator, which holds its rows before it sends the pieces to
