@@ -149,6 +149,36 @@ def replica_groups(shards: int, replicas: int, opts: dict, timeout: float = 60.0
     return groups
 
 
+def copies_node(bundle_nodes: Sequence[Sequence[str | None]]) -> str | None:
+    """The node holding copies of the most online shards, given each shard's copies' nodes (primary first);
+    ties go to the node of the earliest primary, then of the earliest copy. A coordinator there has a copy of
+    those shards beside it, which publishes their counts in its counts map (``rayrb.actors.publishing``), so
+    their writers need not tell it.
+
+    >>> copies_node([["a", "b"], ["c", "a"]]), copies_node([["a", "b"], ["b", "c"]]), copies_node([])
+    ('a', 'b', None)
+    """
+    held: dict[str, tuple[int, int, int]] = {}  # node -> (shards, a primary's rank, a copy's rank), first seen
+    for shard, nodes in enumerate(bundle_nodes):
+        for copy, node in enumerate(dict.fromkeys(nodes)):
+            if node is None:
+                continue
+            n, primary, first = held.get(node, (0, len(bundle_nodes), shard))
+            held[node] = (n + 1, min(primary, shard) if copy == 0 else primary, first)
+    return min(held, key=lambda k: (-held[k][0], held[k][1], held[k][2])) if held else None
+
+
+def group_nodes(groups: Sequence[Any]) -> list[list[str | None]]:
+    """Each placement group's bundles' nodes, in bundle order (groups ready)."""
+    from ray.util.placement_group import placement_group_table
+
+    out = []
+    for g in groups:
+        where = placement_group_table(g).get("bundles_to_node_id") or {}
+        out.append([where.get(i) for i in range(len(where))])
+    return out
+
+
 def in_group(opts: dict, group: Any, index: int) -> dict:
     """``opts`` placing the actor in bundle ``index`` of ``group``."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
