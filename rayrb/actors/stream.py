@@ -1,11 +1,11 @@
 """A primary's pieces to a live replica over a TCP stream of its own, one frame a piece, each answered before the
 primary answers its writer. No Ray here.
 
-A Ray call costs the two shards more CPU than the piece they copy: on this project's 2-core machine a second copy
-sent as calls ran at 0.45× the rows/s of one copy, and the same pieces over a socket at 0.93×
+A Ray call costs both ends more CPU than the piece they copy: with the pieces of a second copy sent as calls, the
+shards' processes spent 0.61-0.64 CPU s on 200 writes of 1,000 rows, over a stream 0.35-0.37 s
 (``docs/benchmarks.md``, "A second copy over a stream"). So a primary sends its live replicas their pieces over a
-connection each opens to the other's node, and keeps Ray calls for everything else (a rebuild, a count check,
-priorities), which it sends only while no frame is unanswered.
+connection each, and keeps Ray calls for everything else (a rebuild, a count check, priorities, where to publish),
+which it sends only while no frame is unanswered.
 
 **Order.** One primary has one connection to a replica, and awaits each frame's answer before its next write, so
 frames arrive in the order they were sent. A frame carries the replica's *fence*, a token its primary gives it with
