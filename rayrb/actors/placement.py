@@ -168,6 +168,14 @@ def copies_node(bundle_nodes: Sequence[Sequence[str | None]]) -> str | None:
     return min(held, key=lambda k: (-held[k][0], held[k][1], held[k][2])) if held else None
 
 
+def beside_copies(coord_opts: dict, groups: Sequence[Any]) -> dict:
+    """The coordinator's options preferring the node with copies of the most online shards (``copies_node``),
+    given their placement groups (none: as they are), unless the options place it already."""
+    if not groups or "scheduling_strategy" in coord_opts:
+        return coord_opts
+    return on_node(coord_opts, copies_node(group_nodes(groups)))
+
+
 def group_nodes(groups: Sequence[Any]) -> list[list[str | None]]:
     """Each placement group's bundles' nodes, in bundle order (groups ready)."""
     from ray.util.placement_group import placement_group_table

@@ -1,7 +1,8 @@
 """An online shard's replicas, as the shard that serves it (its primary) keeps them.
 
-The primary sends every piece it is given to each replica before it copies the piece in, and answers only once
-every *live* replica has applied it and counts as many rows as the primary does. A live replica is sent its pieces
+The primary sends every piece it is given to each replica (after it copied the piece in and counted it, where it
+placed the piece itself; before, where the coordinator placed it), and answers only once every *live* replica has
+applied it and counts as many rows as the primary does. A live replica is sent its pieces
 over a stream of its own (``rayrb.actors.stream``: a frame costs both copies far less CPU than a call), each
 frame answered before the next write; a replica being rebuilt, or one no stream reaches, by call (rows up to a
 MiB in the call itself, ``rayrb.actors.inline``; larger ones as the same object-store ref, which each copy
@@ -139,7 +140,6 @@ class Replication:
                 r.connect_at = time.monotonic() + RETRY
         return r.stream
 
-
     def settle(self, calls: list[tuple[Replica, Any]], order: tuple[int, int], timeout: float = WAIT) -> bool:
         """Wait (up to ``timeout`` s in all) for the live replicas' answers (``OnlineShard.order``: write count and
         restore epoch); one that fails, is late or answers otherwise than the primary's ``order`` is rebuilt (or
@@ -156,8 +156,12 @@ class Replication:
                 try:
                     status, *answer, told = call.answer(left)
                 except TimeoutError:  # asked again by call: once that comes back, it is rebuilt
-                    self._late(r, self._actor(r).order.remote())
                     pause_stream(r)
+                    try:
+                        self._late(r, self._actor(r).order.remote())
+                    except Exception as e:  # its name is gone: down, the write answered all the same
+                        drop_stream(r)
+                        failed(r, e)
                     continue
                 except OSError:  # the connection broke (StreamError among them)
                     pause_stream(r)

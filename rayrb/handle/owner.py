@@ -320,7 +320,7 @@ def _start_actors(dataset: ChunkDataset, name: str, s: BufferSettings) -> tuple[
 
     from rayrb.actors.coordinator import Coordinator
     from rayrb.actors.lifecycle import actor_class
-    from rayrb.actors.placement import copies_node, group_nodes, group_options, on_node, replica_groups, shard_placement
+    from rayrb.actors.placement import beside_copies, group_options, replica_groups, shard_placement
     from rayrb.actors.shards import OfflineShard
 
     if not ray.is_initialized():  # the one place a buffer starts Ray, as its first actor's start would
@@ -357,11 +357,9 @@ def _start_actors(dataset: ChunkDataset, name: str, s: BufferSettings) -> tuple[
         # The coordinator restarts too when it can keep its state on disk: the stream, settings and
         # version there, the write counts in the shards.
         coord_restart = restart if s.storage_dir is not None else {}
-        if groups and "scheduling_strategy" not in coord_opts:  # beside copies, which then publish counts there
-            coord_opts = on_node(coord_opts, copies_node(group_nodes(groups)))
         # Shards by name, not handle: a handle in the arguments would live in the object store, and a restart
         # needs its arguments for as long as the buffer lives (ray#53727).
-        coord = actor_class(Coordinator).options(name=name, **coord_restart, **coord_opts).remote(
+        coord = actor_class(Coordinator).options(name=name, **coord_restart, **beside_copies(coord_opts, groups)).remote(
             [p.name for p in layout.offline], [p.rows for p in layout.offline], [p.name for p in layout.online],
             [p.capacity for p in layout.online], offline_fraction=s.offline_fraction, sampler=s.samplers,
             epoch_end=s.epoch_end, seed=s.seed, name=name, beta=s.beta, rate_limiter=dict(s.rate_limiter),

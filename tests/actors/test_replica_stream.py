@@ -22,6 +22,12 @@ def replica_report(ray, primary) -> dict:
     return r
 
 
+def appends(ray, primary, start: int, stop: int) -> None:
+    """Pieces ``start`` to ``stop`` (16 rows each), one after another, each acknowledged at its count."""
+    for w in range(start * 16, stop * 16, 16):
+        assert append(ray, primary, w) == (list(range(w, w + 16)), w + 16)
+
+
 def same_copies(ray, primary, replica, written: int) -> None:
     mine, theirs = copy_of(ray, primary), copy_of(ray, replica)
     assert mine[0] == theirs[0] == written
@@ -32,8 +38,7 @@ def same_copies(ray, primary, replica, written: int) -> None:
 def test_pieces_to_a_live_replica_go_over_its_stream_and_both_copies_agree(ray_session, pair):
     ray = ray_session
     primary, replica, _ = pair
-    for w in range(0, 20 * 16, 16):
-        assert append(ray, primary, w)[1] == w + 16
+    appends(ray, primary, 0, 20)
     assert replica_report(ray, primary)["streamed"] == 20
     same_copies(ray, primary, replica, 20 * 16)
 
@@ -41,8 +46,7 @@ def test_pieces_to_a_live_replica_go_over_its_stream_and_both_copies_agree(ray_s
 def test_a_frame_sent_before_a_rebuild_is_refused_after_it(ray_session, pair):
     ray = ray_session
     primary, replica, _ = pair
-    for w in range(0, 4 * 16, 16):
-        append(ray, primary, w)
+    appends(ray, primary, 0, 4)
     endpoint = ray.get(replica.stream_endpoint.remote())
     ray.get(primary.__ray_call__.remote(lambda shard: shard._replication.rebuild_all()))  # a new fence
     level(ray, primary)
@@ -53,8 +57,7 @@ def test_a_frame_sent_before_a_rebuild_is_refused_after_it(ray_session, pair):
     stale.close()
     after = copy_of(ray, replica)
     assert before[0] == after[0] == 64 and np.array_equal(before[2], after[2])
-    for w in range(64, 8 * 16, 16):  # the primary's own frames still land
-        append(ray, primary, w)
+    appends(ray, primary, 4, 8)  # the primary's own frames still land
     same_copies(ray, primary, replica, 8 * 16)
     assert ray.get(primary.pieces_of.remote("late")) == {}
 
@@ -70,17 +73,14 @@ def test_a_replica_whose_process_dies_is_rebuilt_and_takes_frames_again(ray_sess
     ray = ray_session
     primary, replica, _ = pair
     ray.get(primary.__ray_call__.remote(quick_retry))
-    for w in range(0, 5 * 16, 16):
-        append(ray, primary, w)
+    appends(ray, primary, 0, 5)
     ray.kill(replica, no_restart=False)  # its stream breaks; its files stay
     restarted(ray, replica)
-    for w in range(5 * 16, 10 * 16, 16):  # answered while it is rebuilt
-        append(ray, primary, w)
+    appends(ray, primary, 5, 10)  # answered while it is rebuilt
     level(ray, primary)
     time.sleep(0.3)
     streamed = replica_report(ray, primary)["streamed"]
-    for w in range(10 * 16, 14 * 16, 16):
-        append(ray, primary, w)
+    appends(ray, primary, 10, 14)
     r = replica_report(ray, primary)
     assert r["rebuilds"] >= 1 and r["streamed"] == streamed + 4
     same_copies(ray, primary, replica, 14 * 16)
@@ -89,8 +89,7 @@ def test_a_replica_whose_process_dies_is_rebuilt_and_takes_frames_again(ray_sess
 def test_a_replica_that_answers_late_is_rebuilt_and_its_late_frame_changes_nothing(ray_session, pair):
     ray = ray_session
     primary, replica, _ = pair
-    for w in range(0, 3 * 16, 16):
-        append(ray, primary, w)
+    appends(ray, primary, 0, 3)
 
     def slow_once(shard):
         original = shard.replicate
@@ -112,11 +111,9 @@ def test_a_replica_that_answers_late_is_rebuilt_and_its_late_frame_changes_nothi
     append(ray, primary, 48)  # answered without the late replica
     assert time.monotonic() - t0 < 1.9
     assert replica_report(ray, primary)["status"] == "waiting"
-    for w in range(64, 6 * 16, 16):
-        append(ray, primary, w)
+    appends(ray, primary, 4, 6)
     level(ray, primary)
-    for w in range(6 * 16, 8 * 16, 16):
-        append(ray, primary, w)
+    appends(ray, primary, 6, 8)
     assert replica_report(ray, primary)["rebuilds"] >= 1
     same_copies(ray, primary, replica, 8 * 16)
 
@@ -128,8 +125,7 @@ def test_a_retry_answered_after_the_primary_died_between_copying_a_piece_in_and_
     its replica first: the replica, short of the piece, is rebuilt, never left live without it."""
     ray = ray_session
     primary, replica, _ = pair
-    for w in range(0, 3 * 16, 16):
-        append(ray, primary, w)
+    appends(ray, primary, 0, 3)
 
     def die_before_sending(shard):
         import os
@@ -188,8 +184,7 @@ def test_a_stream_that_keeps_failing_costs_one_rebuild_and_its_pieces_go_by_call
         shard._stream._apply = apply
 
     ray.get(replica.__ray_call__.remote(refuse_frames))
-    for w in range(16, 12 * 16, 16):
-        append(ray, primary, w)
+    appends(ray, primary, 1, 12)
     r = replica_report(ray, primary)
     assert r["rebuilds"] == 1 and r["streamed"] == 2, r  # the frame that failed, then calls for RETRY s
     level(ray, primary)
