@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 WAIT = 30.0  # seconds a write waits for a live replica before it goes on without it
 RETRY = 10.0  # seconds between rebuilds of a replica Ray reports dead for good
 LOOKUP = 60.0  # seconds to find a replica by name (it may still be starting)
-CONNECT = 5.0  # seconds to open a replica's stream; one that cannot be opened is tried again after RETRY s
+CONNECT = 5.0  # seconds to open a replica's stream; one that cannot be opened is tried again later (_stream)
 LIVE, CATCHING, WAITING, DOWN = "live", "catching", "waiting", "down"
 
 
@@ -61,6 +61,7 @@ class Replica:
     stream: Any = None  # the connection its pieces go over while live (StreamClient), once opened
     settled: bool = True  # every piece sent it by call was answered: frames may follow them in order
     connect_at: float = 0.0  # when to try opening its stream again
+    refused: int = 0  # opens that failed in a row: each waits twice as long again (a port this node cannot reach)
     streamed: int = 0  # pieces sent it over the stream
 
 
@@ -134,10 +135,11 @@ class Replication:
 
             try:
                 endpoint = ray.get(self._actor(r).stream_endpoint.remote(), timeout=CONNECT)
-                r.stream = StreamClient.connect(tuple(endpoint), CONNECT)
-            except Exception as e:  # an older replica, a port this node cannot reach: calls, tried again later
+                r.stream, r.refused = StreamClient.connect(tuple(endpoint), CONNECT), 0
+            except Exception as e:  # a port this node cannot reach, a replica restarting: calls, tried again later
                 logger.info("rayrb: no stream to replica %s (%r): its pieces go by call", r.name, e)
-                r.connect_at = time.monotonic() + RETRY
+                r.connect_at = time.monotonic() + RETRY * 2 ** min(r.refused, 6)  # at most one write in ~10 min waits
+                r.refused += 1
         return r.stream
 
     def settle(self, calls: list[tuple[Replica, Any]], order: tuple[int, int], timeout: float = WAIT) -> bool:

@@ -20,7 +20,9 @@ primary through Ray (``endpoint``); anything else is closed before a byte of it 
 its count in the coordinator's counts map once it holds the piece (``rayrb.actors.publishing``), and its answer
 says it did: the writer then need not tell the coordinator. The primary copies a piece in before it sends it, so a
 replica never publishes a row its primary lacks; and a replica publishes only while its connection is open, which
-the primary closes as soon as it stops waiting for an answer, before it sends that replica anything else.
+the primary closes as soon as it stops waiting for an answer, before it sends that replica anything else. (Left
+open: a replica's thread stalled between that check and the publish for longer than a restore waits for its
+replicas, 30 s, would publish a count from before the restore; the coordinator keeps the highest count it sees.)
 
 Frame, primary to replica: 4-byte little-endian length of a JSON header ``{fence, first, write, publish, arrays:
 [[key, dtype, trailing shape], ...], rows}``, then each array's bytes, C order. Answer: four little-endian int64,

@@ -189,3 +189,24 @@ def test_a_stream_that_keeps_failing_costs_one_rebuild_and_its_pieces_go_by_call
     assert r["rebuilds"] == 1 and r["streamed"] == 2, r  # the frame that failed, then calls for RETRY s
     level(ray, primary)
     same_copies(ray, primary, replica, 12 * 16)
+
+
+def test_a_replica_no_stream_reaches_takes_its_pieces_by_call(ray_session, pair):
+    """A replica whose port this node cannot open (a firewall, here a closed server): its pieces go by call, no
+    copy is rebuilt for it, and the stream is not tried again at every write."""
+    ray = ray_session
+    primary, replica, _ = pair
+
+    def unreachable(shard):
+        from rayrb.actors.stream import StreamServer
+
+        server = StreamServer(lambda frame, waited: (0, 0, False))
+        server.close()
+        shard._stream = server  # what stream_endpoint hands out: a port that refuses
+
+    ray.get(replica.__ray_call__.remote(unreachable))
+    appends(ray, primary, 0, 10)
+    r = replica_report(ray, primary)
+    assert r["streamed"] == 0 and r["rebuilds"] == 0, r
+    assert ray.get(primary.__ray_call__.remote(lambda shard: shard._replication.replicas[0].refused)) == 1
+    same_copies(ray, primary, replica, 10 * 16)
