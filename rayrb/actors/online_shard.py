@@ -62,7 +62,8 @@ class OnlineShard(ShardCopies, Shard):
         if self._store.reopened:
             self._sampler.on_write(np.arange(self.size()))
         self._sampler.attach(self._store.priority, self._store.max_priority, self._store.reopened)
-        self._replication = Replication(replicas, lambda: self.state(journal=True)) if replicas else None
+        self._replication = Replication(replicas, lambda: self.state(journal=True),
+                                        lambda: self._publisher.target) if replicas else None
         # Restarted without its files (its node was lost): its rows come from its replicas, or are lost
         self._lost = bool(self._lives.restarts) and not self._store.reopened
         if self._replication is not None:
@@ -196,7 +197,7 @@ class OnlineShard(ShardCopies, Shard):
         if not taken:
             self._publisher.to(target)
         if self._replication is not None:
-            self._replication.publish_to(self._publisher.target)
+            self._replication.publish_to()
         if now:
             with self._files.locked():
                 self._publish(self._store.written)

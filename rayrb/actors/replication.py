@@ -83,10 +83,9 @@ class Replication:
     """The replicas of one online shard, driven by its primary. ``snapshot`` returns the primary's state
     (``OnlineShard.state``): called between its writes, it is a consistent copy."""
 
-    def __init__(self, names: Sequence[str], snapshot: Callable[[], dict]):
+    def __init__(self, names: Sequence[str], snapshot: Callable[[], dict], target: Callable[[], Any]):
         self.replicas = [Replica(n) for n in names]
-        self._snapshot = snapshot
-        self.target: Any = None  # where the shard's count is published (publish_to)
+        self._snapshot, self._target = snapshot, target  # target: where the primary was told to publish its count
 
     def _actor(self, r: Replica) -> Any:
         if r.actor is None:  # at the first start it may still be being made; later a short look will do
@@ -166,10 +165,8 @@ class Replication:
                         failed(r, e)
                     continue
                 except OSError:  # the connection broke (StreamError among them)
-                    pause_stream(r)
-                    self._rebuild(r)
-                    continue
-                if status != APPLIED:  # refused (fenced) or failed
+                    status = None
+                if status != APPLIED:  # broken, refused (fenced) or failed
                     pause_stream(r)
                     self._rebuild(r)
                     continue
@@ -254,18 +251,20 @@ class Replication:
             ray.wait(pending, num_returns=len(pending), timeout=timeout)
             self.poll()  # those that answered are live (their counts checked at the next write), failed ones down
 
-    def publish_to(self, target: Any) -> None:
-        """Where the shard's count is published (``rayrb.actors.publishing``), passed on to every replica (not
-        awaited), and to each one rebuilt from now on (it may have restarted without it): one on the
+    def publish_to(self) -> None:
+        """Pass on where the shard's count is published (``target()``, ``rayrb.actors.publishing``) to every
+        replica (not awaited); each one rebuilt is told again (it may have restarted without it). One on the
         coordinator's node publishes the count a frame asks it to."""
-        self.target = target
         for r in self.replicas:
             if r.status != DOWN:
                 self._tell_target(r)
 
     def _tell_target(self, r: Replica) -> None:
+        target = self._target()
+        if target is None:
+            return
         try:
-            self._actor(r).publish_to.remote(self.target, now=False)
+            self._actor(r).publish_to.remote(target, now=False)
         except Exception:  # gone: told again when it is rebuilt
             pass
 
@@ -276,8 +275,7 @@ class Replication:
         r.fence, r.settled = secrets.randbits(62) + 1, False
         try:
             r.pending = self._actor(r).replace.remote(self._snapshot(), fence=r.fence)
-            if self.target is not None:
-                self._tell_target(r)
+            self._tell_target(r)
         except Exception as e:
             failed(r, e)
             return

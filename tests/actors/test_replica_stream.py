@@ -157,7 +157,8 @@ def test_a_replica_beside_the_coordinator_publishes_the_count_its_primary_cannot
 
     def publish_via_replica(shard):
         shard._publisher.to(("another node", path, 0))  # the primary is not beside the coordinator
-        shard._replication.publish_to((node, path, 0))  # its replica is
+        shard._replication._target = lambda: (node, path, 0)  # its replica is
+        shard._replication.publish_to()
 
     ray.get(primary.__ray_call__.remote(publish_via_replica))
     answers = []
